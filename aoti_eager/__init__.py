@@ -1,0 +1,179 @@
+"""Eager PyTorch with AOTInductor kernels.
+
+Selected aten ops are overridden at the CPU and CUDA dispatch keys. The first
+call with a new input signature compiles the op with ``torch.export`` and
+AOTInductor into a shared library kept in a per-user cache that every process
+shares; every later call, in this or any other process, goes from the
+dispatcher straight to the compiled kernel in C++.
+
+Example::
+
+    >>> import torch, aoti_eager
+    >>> aoti_eager.enable(ops=["aten::abs", "aten::add.Tensor"])
+    >>> x = torch.randn(128)
+    >>> y = torch.abs(x)            # first call with this signature: compile, cache, run
+    >>> y = torch.abs(x)            # from now on: the compiled kernel
+    >>> aoti_eager.stats()["aten::abs"]["hits"]
+    1
+    >>> aoti_eager.disable()        # the original kernels are back
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from aoti_eager import _ops, _runtime
+from aoti_eager._ops import OpSpec
+from aoti_eager.cache import default_root
+
+__all__ = ["cache_dir", "disable", "enable", "enabled", "stats"]
+__version__ = "0.1.0"
+
+log = logging.getLogger("aoti_eager")
+
+_root: Path | None = None
+
+
+def cache_dir() -> Path:
+    """The cache directory in use: the one given to :func:`enable`, else
+    ``$AOTI_EAGER_CACHE_DIR``, else the platform's per-user cache dir."""
+    return _root if _root is not None else default_root()
+
+
+def _default_devices() -> list[str]:
+    return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+def _selected(ops: Iterable[OpSpec] | OpSpec) -> list[torch._ops.OpOverload]:
+    """The overloads ``ops`` names; refuses the ineligible ones it names explicitly."""
+    if isinstance(ops, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        ops = [ops]
+    selected: list[torch._ops.OpOverload] = []
+    skipped: list[str] = []
+    for spec in ops:
+        resolved = _ops.resolve(spec)
+        for op in resolved.overloads:
+            reason = _ops.refusal(op)
+            if reason is None:
+                selected.append(op)
+            elif resolved.packet:
+                skipped.append(f"{_ops.qualified_name(op)} ({reason})")
+            else:
+                raise ValueError(f"aoti_eager: cannot override {_ops.qualified_name(op)}: {reason}")
+        if resolved.packet and not any(op in selected for op in resolved.overloads):
+            raise ValueError(f"aoti_eager: no overload of {resolved.spec} can be overridden: {'; '.join(skipped)}")
+    if skipped:
+        warnings.warn("aoti_eager: left these overloads to eager: " + "; ".join(skipped), stacklevel=3)
+    return selected
+
+
+def enable(
+    ops: Iterable[OpSpec] | OpSpec,
+    *,
+    devices: Iterable[str] | None = None,
+    cache_dir: str | os.PathLike | None = None,
+) -> None:
+    """Overrides ``ops`` with compiled kernels; calling it again adds ops.
+
+    Args:
+        ops: op names (``"aten::add.Tensor"``, ``"aten::add"`` for every eligible
+            overload, ``"add.Tensor"``, ``"add"``), ``torch.ops.aten.add.Tensor``
+            or ``torch.ops.aten.add``.
+        devices: ``"cpu"`` and/or ``"cuda"``; default: cpu, and cuda when available.
+        cache_dir: where kernels are kept; default :func:`cache_dir`.
+
+    Raises:
+        ValueError: an op does not exist, or is a view, random or data-dependent
+            op that cannot be overridden safely (the message says which and why).
+
+    Example::
+
+        >>> aoti_eager.enable(ops=["aten::gelu", torch.ops.aten._softmax.default])
+        >>> aoti_eager.enable(ops=["aten::mul"], devices=["cpu"])   # adds mul
+    """
+    global _root
+    devices = list(devices) if devices is not None else _default_devices()
+    for device in devices:
+        if device not in _runtime.DISPATCH_KEYS:
+            raise ValueError(f"aoti_eager: devices are {sorted(_runtime.DISPATCH_KEYS)}, not {device!r}")
+    if "cuda" in devices and not torch.cuda.is_available():
+        raise ValueError("aoti_eager: devices=['cuda'] was asked for, but torch.cuda.is_available() is False")
+    selected = _selected(ops)
+    if cache_dir is not None:
+        _root = Path(cache_dir).expanduser()
+    root = _root if _root is not None else default_root()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel")
+        for op in selected:
+            for device in devices:
+                _runtime.install(op, device, root)
+
+
+def disable(ops: Iterable[OpSpec] | OpSpec | None = None) -> None:
+    """Restores the original kernels of ``ops`` (default: of every enabled op)."""
+    if ops is None:
+        _runtime.uninstall()
+        return
+    if isinstance(ops, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        ops = [ops]
+    for spec in ops:
+        for op in _ops.resolve(spec).overloads:
+            _runtime.uninstall(op)
+
+
+@contextlib.contextmanager
+def enabled(ops: Iterable[OpSpec] | OpSpec, **kwargs: Any) -> Iterator[None]:
+    """:func:`enable` for the duration of a ``with`` block.
+
+    Ops that were already enabled before the block stay enabled after it.
+
+    Example::
+
+        >>> with aoti_eager.enabled(ops=["aten::abs"]):
+        ...     y = torch.abs(x)
+    """
+    before = {(o.op, o.device) for o in _runtime.installed()}
+    enable(ops, **kwargs)
+    try:
+        yield
+    finally:
+        for override in _runtime.installed():
+            if (override.op, override.device) not in before:
+                _runtime.uninstall(override.op, override.device)
+
+
+def stats() -> dict[str, dict[str, Any]]:
+    """Per enabled op overload: what its calls did, summed over devices.
+
+    Keys: ``calls``, ``hits`` (compiled kernel ran), ``misses`` (new signature),
+    ``compiles``, ``cache_loads`` (kernels found on disk), ``fallbacks`` (calls
+    that ran the original kernel), ``fallback_reason`` (the last one),
+    ``compile_seconds``.
+    """
+    result: dict[str, dict[str, Any]] = {}
+    for override in _runtime.installed():
+        counters = override.handle.counters()
+        row = result.setdefault(
+            override.name,
+            dict(calls=0, hits=0, misses=0, compiles=0, cache_loads=0, fallbacks=0, fallback_reason=None, compile_seconds=0.0),
+        )
+        row["calls"] += counters["calls"]
+        row["hits"] += counters["hits"]
+        row["misses"] += counters["misses"]
+        row["fallbacks"] += counters["eager_calls"]
+        row["compiles"] += override.stats.compiles
+        row["cache_loads"] += override.stats.cache_loads
+        row["compile_seconds"] = round(row["compile_seconds"] + override.stats.compile_seconds, 3)
+        row["fallback_reason"] = override.stats.last_fallback_reason or row["fallback_reason"]
+    return result
+
+
+atexit.register(disable)

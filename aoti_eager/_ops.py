@@ -1,0 +1,80 @@
+"""Op names to OpOverloads, and which overloads can be overridden safely."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Union
+
+import torch
+from torch._ops import OpOverload, OpOverloadPacket
+
+OpSpec = Union[str, OpOverload, OpOverloadPacket]
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """The overloads one op spec names; ``packet`` if it named all of them."""
+
+    spec: str
+    overloads: tuple[OpOverload, ...]
+    packet: bool
+
+
+def qualified_name(op: OpOverload) -> str:
+    """``aten::add.Tensor`` (``aten::abs`` for a default overload)."""
+    name = op._schema.name
+    return f"{name}.{op._schema.overload_name}" if op._schema.overload_name else name
+
+
+def resolve(spec: OpSpec) -> Resolved:
+    """Resolves every op-name form users write.
+
+    >>> resolve("aten::add.Tensor").overloads
+    (<OpOverload(op='aten.add', overload='Tensor')>,)
+    >>> resolve("add").packet
+    True
+    """
+    if isinstance(spec, OpOverload):
+        return Resolved(qualified_name(spec), (spec,), packet=False)
+    if isinstance(spec, OpOverloadPacket):
+        return Resolved(str(spec), tuple(getattr(spec, o) for o in spec.overloads()), packet=True)
+    if not isinstance(spec, str):
+        raise TypeError(f"aoti_eager: an op is a name like 'aten::add.Tensor', an OpOverload or an OpOverloadPacket, not {spec!r}")
+    namespace, _, name = spec.rpartition("::")
+    namespace = namespace or "aten"
+    base, _, overload = name.partition(".")
+    try:
+        packet = getattr(getattr(torch.ops, namespace), base)
+    except (AttributeError, RuntimeError):
+        raise ValueError(f"aoti_eager: no op named {spec!r} (looked for {namespace}::{base})") from None
+    if not isinstance(packet, OpOverloadPacket):
+        raise ValueError(f"aoti_eager: {spec!r} is not an op")
+    if overload:
+        if overload not in packet.overloads():
+            raise ValueError(
+                f"aoti_eager: {namespace}::{base} has no overload {overload!r}; it has {', '.join(packet.overloads())}"
+            )
+        return Resolved(spec, (getattr(packet, overload),), packet=False)
+    return Resolved(spec, tuple(getattr(packet, o) for o in packet.overloads()), packet=True)
+
+
+def refusal(op: OpOverload) -> str | None:
+    """Why ``op`` cannot be overridden safely, or None if it can."""
+    schema = op._schema
+    if any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
+        return "it is a view or aliasing op (its output shares storage with an input)"
+    if torch.Tag.nondeterministic_seeded in op.tags:
+        return "it is a random op (tagged nondeterministic_seeded)"
+    if torch.Tag.dynamic_output_shape in op.tags or torch.Tag.data_dependent_output in op.tags:
+        return "its output shape or value depends on the input data"
+    for r in schema.returns:
+        if not isinstance(r.type, (torch.TensorType, torch.ListType)) or (
+            isinstance(r.type, torch.ListType) and not isinstance(r.type.getElementType(), torch.TensorType)
+        ):
+            return f"it returns a non-tensor value ({r.type})"
+    name = op.name()
+    if torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd") and not any(
+        torch._C._dispatch_has_kernel_for_dispatch_key(name, k) for k in ("CPU", "CUDA", "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional")
+    ):
+        return "it is a composite op that decomposes into other aten ops before reaching a device kernel; enable those ops instead"
+    return None

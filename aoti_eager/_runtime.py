@@ -1,0 +1,195 @@
+"""Installed overrides and the miss path.
+
+The C++ kernel (csrc/op_override.cpp) serves every call whose signature it has
+seen. On a new signature it calls :func:`_on_miss`, which decides once per
+signature: a kernel from the persistent cache, a fresh compile, or eager.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._ops import OpOverload
+
+from aoti_eager import _extension
+from aoti_eager._ops import qualified_name
+from aoti_eager.cache import Entry, KernelCache
+from aoti_eager.kernels import CallSignature, CompileError, Unsupported, compile_call
+from aoti_eager.kernels.compile import call_op, mutated_arguments, sidecar_files
+from aoti_eager.kernels.validate import Mismatch, check_matches_eager, clone_args
+
+log = logging.getLogger("aoti_eager")
+
+DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+
+# Inductor is not thread-safe: one compile at a time in a process (the cache's
+# file lock orders processes).
+_compile_lock = threading.RLock()
+
+
+@dataclass
+class OpStats:
+    """What happened to one op overload on one device since it was enabled."""
+
+    compiles: int = 0
+    cache_loads: int = 0
+    eager_signatures: int = 0
+    compile_seconds: float = 0.0
+    last_fallback_reason: str | None = None
+
+
+@dataclass
+class Override:
+    """One op overload overridden at one device's dispatch key."""
+
+    op: OpOverload
+    device: str
+    cache: KernelCache
+    token: int
+    handle: Any = None
+    stats: OpStats = field(default_factory=OpStats)
+    # Signature digest -> loaded kernel, or False for "eager".
+    decisions: dict[str, Any] = field(default_factory=dict)
+    _logged: set[str] = field(default_factory=set)
+
+    @property
+    def name(self) -> str:
+        return qualified_name(self.op)
+
+    def decide(self, args: list[Any]) -> Any:
+        """The miss path: a CompiledKernel, False (eager, remembered) or None (eager, this call)."""
+        try:
+            signature = CallSignature.of(self.op, torch.device(self.device), args)
+        except Unsupported as e:
+            return self._eager(f"unsupported input: {e}")
+        known = self.decisions.get(signature.key)
+        if known is not None:
+            return known
+        entry = self.cache.lookup(self.name, signature.key)
+        if entry is None:
+            with _compile_lock, self.cache.lock(self.name):
+                # Another process may have compiled it while we waited.
+                entry = self.cache.lookup(self.name, signature.key)
+                if entry is None:
+                    return self._compile(signature)
+        return self._adopt(signature, entry, loaded=True)
+
+    def _compile(self, signature: CallSignature) -> Any:
+        # The original kernel runs first, on copies: it gives the result the
+        # compiled kernel must match, and eager's own error for a bad call.
+        reference_args = clone_args(signature.args)
+        try:
+            expected = call_op(self.op, reference_args)
+        except Exception:  # noqa: BLE001 - eager raises it again for the caller
+            self.decisions[signature.key] = False
+            return False
+        start = time.perf_counter()
+        try:
+            artifact = compile_call(signature, expected)
+        except CompileError as e:
+            return self._publish_eager(signature, str(e))
+        try:
+            kernel = self._load(artifact.library, artifact.output_counts)
+            check_matches_eager(kernel, signature, self.op, reference_args, expected)
+        except Mismatch as e:
+            return self._publish_eager(signature, f"compiled kernel disagrees with eager: {e}")
+        except Exception as e:  # noqa: BLE001
+            return self._publish_eager(signature, f"compiled kernel failed to run: {type(e).__name__}: {e}")
+        seconds = time.perf_counter() - start
+        entry = Entry(
+            op=self.name,
+            signature=signature.to_json(),
+            output_counts=artifact.output_counts,
+            library=artifact.library,
+            compile_seconds=round(seconds, 3),
+        )
+        entry = self.cache.publish(signature.key, entry, sidecar_files(artifact))
+        artifact.workdir.cleanup()
+        self.stats.compiles += 1
+        self.stats.compile_seconds += seconds
+        log.info("aoti_eager: compiled %s for (%s) in %.1f s", self.name, signature.short(), seconds)
+        return self._adopt(signature, entry, loaded=False)
+
+    def _adopt(self, signature: CallSignature, entry: Entry, loaded: bool) -> Any:
+        if entry.library is None:
+            return self._eager(entry.reason or "decided eager", signature)
+        try:
+            kernel = self._load(entry.library, entry.output_counts)
+        except Exception as e:  # noqa: BLE001
+            return self._eager(f"cached kernel failed to load: {e}", signature)
+        if loaded:
+            self.stats.cache_loads += 1
+        self.decisions[signature.key] = kernel
+        return kernel
+
+    def _load(self, library: Path, output_counts: list[int]) -> Any:
+        return _extension.load().CompiledKernel(str(library), self.device, output_counts)
+
+    def _publish_eager(self, signature: CallSignature, reason: str) -> bool:
+        self.cache.publish(signature.key, Entry(op=self.name, signature=signature.to_json(), reason=reason))
+        return self._eager(reason, signature)
+
+    def _eager(self, reason: str, signature: CallSignature | None = None) -> bool:
+        if signature is not None:
+            self.decisions[signature.key] = False
+        self.stats.eager_signatures += 1
+        self.stats.last_fallback_reason = reason
+        if reason not in self._logged:
+            self._logged.add(reason)
+            log.warning("aoti_eager: %s on %s runs eagerly: %s", self.name, self.device, reason)
+        return False
+
+
+_tokens = itertools.count()
+_by_token: dict[int, Override] = {}
+_installed: dict[tuple[OpOverload, str], Override] = {}
+_handler_set = False
+
+
+def _on_miss(token: int, args: list[Any]) -> Any:
+    override = _by_token.get(token)
+    if override is None:
+        return None
+    try:
+        return override.decide(args)
+    except Exception:  # noqa: BLE001 - never let a miss take the user's call down
+        log.exception("aoti_eager: internal error while handling a call of %s; running it eagerly", override.name)
+        return None
+
+
+def install(op: OpOverload, device: str, root: Path) -> Override | None:
+    """Overrides ``op`` at ``device``'s dispatch key (idempotent)."""
+    global _handler_set
+    key = (op, device)
+    if key in _installed:
+        return _installed[key]
+    if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), DISPATCH_KEYS[device]):
+        return None
+    C = _extension.load()
+    if not _handler_set:
+        C.set_miss_handler(_on_miss)
+        _handler_set = True
+    override = Override(op, device, KernelCache(root, torch.device(device)), next(_tokens))
+    override.handle = C.Override(op._schema.name, op._schema.overload_name, DISPATCH_KEYS[device], override.token)
+    _by_token[override.token] = override
+    _installed[key] = override
+    return override
+
+
+def uninstall(op: OpOverload | None = None, device: str | None = None) -> None:
+    """Restores the original kernels of ``op`` (every op if None) on ``device`` (every device if None)."""
+    for key in [k for k in _installed if op in (None, k[0]) and device in (None, k[1])]:
+        override = _installed.pop(key)
+        override.handle.remove()
+        _by_token.pop(override.token, None)
+
+
+def installed() -> list[Override]:
+    return list(_installed.values())

@@ -1,0 +1,7 @@
+"""The persistent kernel cache: where entries live, how they are keyed, and how
+they are published so that every process of the user can share them."""
+
+from aoti_eager.cache.layout import default_root, environment_key
+from aoti_eager.cache.store import Entry, KernelCache
+
+__all__ = ["Entry", "KernelCache", "default_root", "environment_key"]

@@ -1,0 +1,119 @@
+"""Where the cache lives and what its keys are made of.
+
+Layout under the root::
+
+    <root>/v1/<environment>/<op>/<signature>/entry.json   metadata, written last
+    <root>/v1/<environment>/<op>/<signature>/kernel.so    the AOTInductor library
+    <root>/v1/<environment>/<op>/.lock                    one compile of this op at a time
+    <root>/machine/<cpu>.json                             the CPU ISA, probed once
+
+``<environment>`` names everything that shapes an artifact besides the call
+itself (device kind and capability, torch build, this package's version), so a
+kernel is only ever found by a process that could have produced it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from functools import lru_cache
+from pathlib import Path
+
+import platformdirs
+import torch
+
+LAYOUT_VERSION = "v1"
+PACKAGE_VERSION = "0.1.0"
+
+
+def default_root() -> Path:
+    """``$AOTI_EAGER_CACHE_DIR`` if set, else the platform's per-user cache dir."""
+    override = os.environ.get("AOTI_EAGER_CACHE_DIR")
+    if override:
+        return Path(override).expanduser()
+    return Path(platformdirs.user_cache_dir("aoti_eager"))
+
+
+def make_private_dirs(path: Path) -> None:
+    """Creates ``path`` and its missing parents readable by the owner only."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Writes ``text`` to ``path`` so that readers see the old file or the new one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _cpu_identity() -> str:
+    """The CPU model and feature flags: what the vector ISA probe depends on."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [l for l in f if l.startswith(("model name", "flags"))]
+        text = "".join(sorted(set(lines)))
+    except OSError:
+        text = platform.processor() + platform.machine()
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cpu_isa(root: Path) -> str:
+    """The vector ISA Inductor compiles for on this CPU.
+
+    Inductor's probe compiles test programs and takes seconds, so its answer is
+    remembered on disk per CPU identity and torch build.
+    """
+    return _cpu_isa(root, torch.__version__)
+
+
+@lru_cache(maxsize=None)
+def _cpu_isa(root: Path, torch_version: str) -> str:
+    record = root / "machine" / f"{_cpu_identity()}-torch{torch_version}.json"
+    try:
+        return json.loads(record.read_text())["isa"]
+    except (OSError, ValueError, KeyError):
+        pass
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    isa = str(pick_vec_isa()) or "scalar"
+    make_private_dirs(record.parent)
+    atomic_write_text(record, json.dumps({"isa": isa}))
+    return isa
+
+
+def environment_fields(root: Path, device: torch.device) -> dict[str, str]:
+    """Everything besides the call that shapes a kernel compiled for ``device``.
+
+    Never the device index: a kernel compiled on ``cuda:0`` serves ``cuda:1``
+    of the same architecture.
+    """
+    fields = {
+        "device": device.type,
+        "torch": torch.__version__,
+        "torch_git": str(torch.version.git_version),
+        "aoti_eager": PACKAGE_VERSION,
+        "machine": platform.machine(),
+    }
+    if device.type == "cpu":
+        fields["isa"] = cpu_isa(root)
+    elif device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        fields["arch"] = f"sm_{major}{minor}"
+        fields["cuda"] = str(torch.version.cuda)
+        try:
+            import triton
+
+            fields["triton"] = triton.__version__
+        except ImportError:
+            fields["triton"] = "none"
+    return fields
+
+
+def environment_key(root: Path, device: torch.device) -> str:
+    """A directory name for :func:`environment_fields`: readable, then a digest."""
+    fields = environment_fields(root, device)
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+    capability = fields.get("isa") or fields.get("arch") or "generic"
+    return f"{device.type}-{capability}-torch{fields['torch']}-{digest}"

@@ -1,0 +1,39 @@
+#include "compiled_kernel.h"
+
+#include <c10/util/Exception.h>
+
+namespace aoti_eager {
+
+CompiledKernel::CompiledKernel(
+    const std::string& library_path,
+    const std::string& device,
+    std::vector<int64_t> output_counts)
+    : output_counts_(std::move(output_counts)) {
+  // Runners are created through AOTInductor's registry so that CUDA support
+  // comes from libtorch_cuda at run time and this extension needs no CUDA
+  // toolkit to build.
+  const std::string device_type = device.substr(0, device.find(':'));
+  auto& registry = torch::inductor::getAOTIModelRunnerRegistry();
+  auto it = registry.find(device_type);
+  TORCH_CHECK(
+      it != registry.end(),
+      "aoti_eager: this PyTorch build has no AOTInductor runner for device '",
+      device_type,
+      "'");
+  // One model instance: the container serializes concurrent runs on it, which
+  // makes a loaded kernel safe to call from several threads.
+  runner_ = it->second(
+      library_path,
+      /*num_models=*/1,
+      device,
+      /*bin_dir=*/"",
+      /*run_single_threaded=*/false);
+}
+
+std::vector<at::Tensor> CompiledKernel::run(
+    std::vector<at::Tensor>& inputs) const {
+  // A null stream makes the runner use the current stream of the device.
+  return runner_->run(inputs, /*stream_handle=*/nullptr);
+}
+
+} // namespace aoti_eager

@@ -1,0 +1,36 @@
+#pragma once
+
+// A kernel that AOTInductor compiled for one call signature of one op, loaded
+// from its shared library.
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/inductor/aoti_runner/model_container_runner.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace aoti_eager {
+
+class CompiledKernel {
+ public:
+  // `output_counts` has one entry per return of the op's schema: -1 for a
+  // Tensor, N for a Tensor[] of N tensors, 0 for a return that aliases a
+  // mutated argument (the kernel writes into that argument in place).
+  CompiledKernel(
+      const std::string& library_path,
+      const std::string& device,
+      std::vector<int64_t> output_counts);
+
+  std::vector<at::Tensor> run(std::vector<at::Tensor>& inputs) const;
+
+  const std::vector<int64_t>& output_counts() const {
+    return output_counts_;
+  }
+
+ private:
+  std::unique_ptr<torch::inductor::AOTIModelContainerRunner> runner_;
+  std::vector<int64_t> output_counts_;
+};
+
+} // namespace aoti_eager

@@ -1,0 +1,288 @@
+#include "op_override.h"
+
+#include <ATen/core/stack.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/utils/tensor_memoryformats.h>
+#include <torch/library.h>
+
+#include <mutex>
+
+namespace py = pybind11;
+
+namespace aoti_eager {
+namespace {
+
+thread_local int reentry_depth = 0;
+
+// Leaked on purpose: it must outlive every override, and destroying a Python
+// object at process exit without the GIL is not safe.
+py::object* miss_handler = nullptr;
+
+class BoxedOverride final : public c10::OperatorKernel {
+ public:
+  explicit BoxedOverride(std::shared_ptr<OpOverride> override)
+      : override_(std::move(override)) {}
+
+  void operator()(
+      const c10::OperatorHandle& op,
+      c10::DispatchKeySet keys,
+      torch::jit::Stack* stack) {
+    override_->call(op, keys, stack);
+  }
+
+ private:
+  std::shared_ptr<OpOverride> override_;
+};
+
+// Like torch::jit::toPyObject, but with the enums that the dispatcher stack
+// carries as plain ints (dtype, layout, memory format) turned back into their
+// Python objects, so that Python can call the op with them.
+py::object to_python(const c10::IValue& value, const c10::TypePtr& declared) {
+  if (value.isInt()) {
+    c10::TypePtr type = declared;
+    if (auto optional = type->cast<c10::OptionalType>()) {
+      type = optional->getElementType();
+    }
+    switch (type->kind()) {
+      case c10::TypeKind::ScalarTypeType:
+        return py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(
+            torch::getTHPDtype(static_cast<at::ScalarType>(value.toInt()))));
+      case c10::TypeKind::LayoutType:
+        return py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(
+            torch::getTHPLayout(static_cast<at::Layout>(value.toInt()))));
+      case c10::TypeKind::MemoryFormatType:
+        return py::reinterpret_borrow<py::object>(torch::utils::getTHPMemoryFormat(
+            static_cast<at::MemoryFormat>(value.toInt())));
+      default:
+        break;
+    }
+  }
+  return torch::jit::toPyObject(value);
+}
+
+} // namespace
+
+ReentryGuard::ReentryGuard() {
+  ++reentry_depth;
+}
+ReentryGuard::~ReentryGuard() {
+  --reentry_depth;
+}
+bool ReentryGuard::active() {
+  return reentry_depth > 0;
+}
+
+void set_miss_handler(py::object handler) {
+  delete miss_handler;
+  miss_handler = new py::object(std::move(handler));
+}
+
+OpOverride::OpOverride(
+    const c10::OperatorHandle& op,
+    c10::DispatchKey dispatch_key,
+    int64_t token)
+    : original_(op.getComputedKernelForDispatchKey(dispatch_key)),
+      schema_(&op.schema()),
+      token_(token),
+      num_arguments_(op.schema().arguments().size()) {
+  const auto& schema = op.schema();
+  for (const auto& ret : schema.returns()) {
+    int64_t alias = -1;
+    if (ret.alias_info() && ret.alias_info()->isWrite()) {
+      for (size_t i = 0; i < schema.arguments().size(); ++i) {
+        const auto& arg_alias = schema.arguments()[i].alias_info();
+        if (arg_alias && arg_alias->beforeSets() == ret.alias_info()->beforeSets()) {
+          alias = static_cast<int64_t>(i);
+          break;
+        }
+      }
+    }
+    return_aliases_.push_back(alias);
+  }
+}
+
+void OpOverride::call(
+    const c10::OperatorHandle& op,
+    c10::DispatchKeySet keys,
+    torch::jit::Stack* stack) {
+  if (ReentryGuard::active()) {
+    // aoti_eager's own work (compiling, validating, a kernel calling back into
+    // the dispatcher) is not a user call: no counting, no lookup.
+    original_.callBoxed(op, keys, stack);
+    return;
+  }
+  counters_.calls.fetch_add(1, std::memory_order_relaxed);
+  CallKey key;
+  auto args = torch::jit::last(*stack, num_arguments_);
+  if (!compute_call_key(args, key)) {
+    run_original(op, keys, stack);
+    return;
+  }
+
+  std::optional<Entry> entry = lookup(key);
+  if (!entry) {
+    counters_.misses.fetch_add(1, std::memory_order_relaxed);
+    entry = on_miss(key, stack);
+  } else if (entry->kernel) {
+    counters_.hits.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (entry && entry->kernel) {
+    run_kernel(*entry->kernel, stack);
+  } else {
+    run_original(op, keys, stack);
+  }
+}
+
+std::optional<OpOverride::Entry> OpOverride::lookup(const CallKey& key) const {
+  std::shared_lock<std::shared_mutex> lock(mutex_);
+  auto it = entries_.find(key);
+  if (it == entries_.end()) {
+    return std::nullopt;
+  }
+  return it->second;
+}
+
+void OpOverride::run_original(
+    const c10::OperatorHandle& op,
+    c10::DispatchKeySet keys,
+    torch::jit::Stack* stack) {
+  counters_.eager_calls.fetch_add(1, std::memory_order_relaxed);
+  original_.callBoxed(op, keys, stack);
+}
+
+void OpOverride::run_kernel(
+    const CompiledKernel& kernel,
+    torch::jit::Stack* stack) {
+  auto args = torch::jit::last(*stack, num_arguments_);
+  std::vector<at::Tensor> inputs;
+  inputs.reserve(args.size());
+  auto add_input = [&](const at::Tensor& t) {
+    // Wrapped numbers are compiled into the kernel (they are in its key).
+    if (t.defined() && !t.unsafeGetTensorImpl()->is_wrapped_number()) {
+      inputs.push_back(t);
+    }
+  };
+  for (const c10::IValue& arg : args) {
+    if (arg.isTensor()) {
+      add_input(arg.toTensor());
+    } else if (arg.isTensorList()) {
+      for (const at::Tensor& t : arg.toTensorList()) {
+        add_input(t);
+      }
+    } else if (arg.isList()) {
+      for (const c10::IValue& item : arg.toListRef()) {
+        if (item.isTensor()) {
+          add_input(item.toTensor());
+        }
+      }
+    }
+  }
+
+  std::vector<at::Tensor> outputs;
+  {
+    // A kernel whose graph kept an op as an extern call re-enters the
+    // dispatcher; that call must reach the original kernel.
+    ReentryGuard guard;
+    outputs = kernel.run(inputs);
+  }
+
+  const auto& counts = kernel.output_counts();
+  c10::SmallVector<c10::IValue, 4> results;
+  size_t next = 0;
+  for (size_t r = 0; r < return_aliases_.size(); ++r) {
+    if (return_aliases_[r] >= 0) {
+      results.push_back(args[return_aliases_[r]]);
+    } else if (counts[r] < 0) {
+      results.emplace_back(std::move(outputs[next++]));
+    } else {
+      c10::List<at::Tensor> list;
+      list.reserve(counts[r]);
+      for (int64_t i = 0; i < counts[r]; ++i) {
+        list.push_back(std::move(outputs[next++]));
+      }
+      results.emplace_back(std::move(list));
+    }
+  }
+  torch::jit::drop(*stack, num_arguments_);
+  for (auto& result : results) {
+    torch::jit::push(*stack, std::move(result));
+  }
+}
+
+std::optional<OpOverride::Entry> OpOverride::on_miss(
+    const CallKey& key,
+    torch::jit::Stack* stack) {
+  py::gil_scoped_acquire gil;
+  // Another thread may have decided this signature while we waited.
+  if (auto entry = lookup(key)) {
+    return entry;
+  }
+  if (miss_handler == nullptr) {
+    return std::nullopt;
+  }
+  Entry entry;
+  try {
+    ReentryGuard guard;
+    // The miss path runs torch.export and Inductor: they need the dispatcher
+    // as a fresh thread sees it, not the keys that autograd excluded on its
+    // way down to this kernel.
+    c10::impl::ForceDispatchKeyGuard fresh_keys(
+        c10::default_included_set, c10::default_excluded_set);
+    py::list py_args;
+    auto args = torch::jit::last(*stack, num_arguments_);
+    for (size_t i = 0; i < args.size(); ++i) {
+      py_args.append(to_python(args[i], schema_->arguments()[i].type()));
+    }
+    py::object decision = (*miss_handler)(token_, py_args);
+    if (decision.is_none()) {
+      return std::nullopt;
+    }
+    if (!py::isinstance<py::bool_>(decision)) {
+      entry.kernel = decision.cast<std::shared_ptr<const CompiledKernel>>();
+      TORCH_CHECK(
+          entry.kernel->output_counts().size() == return_aliases_.size(),
+          "aoti_eager: compiled kernel describes ",
+          entry.kernel->output_counts().size(),
+          " returns, the op has ",
+          return_aliases_.size());
+    }
+  } catch (const std::exception& e) {
+    // The miss handler logs its own failures; anything that still escapes it
+    // must not take the user's call down.
+    PyErr_Clear();
+    return std::nullopt;
+  }
+  std::unique_lock<std::shared_mutex> lock(mutex_);
+  return entries_.emplace(key, std::move(entry)).first->second;
+}
+
+void OpOverride::clear() {
+  std::unique_lock<std::shared_mutex> lock(mutex_);
+  entries_.clear();
+}
+
+size_t OpOverride::num_entries() const {
+  std::shared_lock<std::shared_mutex> lock(mutex_);
+  return entries_.size();
+}
+
+std::unique_ptr<c10::RegistrationHandleRAII> register_override(
+    const std::string& op_name,
+    const std::string& overload_name,
+    c10::DispatchKey dispatch_key,
+    std::shared_ptr<OpOverride> override) {
+  c10::OperatorName name(op_name, overload_name);
+  return std::make_unique<c10::RegistrationHandleRAII>(
+      c10::Dispatcher::singleton().registerImpl(
+          name,
+          dispatch_key,
+          c10::KernelFunction::makeFromBoxedFunctor(
+              std::make_unique<BoxedOverride>(std::move(override))),
+          std::nullopt,
+          nullptr,
+          "aoti_eager override of " + c10::toString(name)));
+}
+
+} // namespace aoti_eager

@@ -1,0 +1,111 @@
+#pragma once
+
+// The boxed kernel that replaces one aten op at one dispatch key.
+//
+// Hit path (no Python, no GIL): key the call from the dispatcher stack, find
+// the loaded kernel, run it, push its outputs. Miss path: ask Python (the
+// handler set with set_miss_handler) for a decision about the signature and
+// remember it. Signatures decided "eager", arguments that cannot be keyed, and
+// calls made while this thread is already inside aoti_eager (compiling, or
+// running a compiled kernel that calls back into the dispatcher) run the
+// original kernel, kept from before the override.
+
+#include "call_key.h"
+#include "compiled_kernel.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <pybind11/pybind11.h>
+
+#include <atomic>
+#include <memory>
+#include <optional>
+#include <shared_mutex>
+#include <string>
+#include <type_traits>
+#include <unordered_map>
+#include <vector>
+
+namespace aoti_eager {
+
+using OriginalKernel = std::decay_t<decltype(std::declval<c10::OperatorHandle>()
+                                                 .getComputedKernelForDispatchKey(
+                                                     c10::DispatchKey::CPU))>;
+
+struct Counters {
+  std::atomic<uint64_t> calls{0};
+  std::atomic<uint64_t> hits{0};
+  std::atomic<uint64_t> misses{0};
+  std::atomic<uint64_t> eager_calls{0};
+};
+
+class OpOverride : public std::enable_shared_from_this<OpOverride> {
+ public:
+  // `token` identifies this override to the Python miss handler.
+  OpOverride(
+      const c10::OperatorHandle& op,
+      c10::DispatchKey dispatch_key,
+      int64_t token);
+
+  void call(
+      const c10::OperatorHandle& op,
+      c10::DispatchKeySet keys,
+      torch::jit::Stack* stack);
+
+  const Counters& counters() const {
+    return counters_;
+  }
+
+  // Forgets every decision (kernels and eager); the next call of each
+  // signature misses again.
+  void clear();
+
+  size_t num_entries() const;
+
+ private:
+  struct Entry {
+    std::shared_ptr<const CompiledKernel> kernel; // null: run eagerly
+  };
+
+  void run_original(
+      const c10::OperatorHandle& op,
+      c10::DispatchKeySet keys,
+      torch::jit::Stack* stack);
+  void run_kernel(const CompiledKernel& kernel, torch::jit::Stack* stack);
+  std::optional<Entry> lookup(const CallKey& key) const;
+  // Returns nullopt when this one call must run eagerly without remembering.
+  std::optional<Entry> on_miss(const CallKey& key, torch::jit::Stack* stack);
+
+  OriginalKernel original_;
+  const c10::FunctionSchema* schema_; // owned by the dispatcher, lives forever
+  const int64_t token_;
+  const size_t num_arguments_;
+  // For each return: the index of the argument it aliases (in-place and out=
+  // ops return their mutated argument), or -1.
+  std::vector<int64_t> return_aliases_;
+
+  mutable std::shared_mutex mutex_;
+  std::unordered_map<CallKey, Entry, CallKeyHash> entries_;
+  Counters counters_;
+};
+
+// Registers `override` as the kernel of its op at `dispatch_key`; dropping the
+// handle restores the original kernel.
+std::unique_ptr<c10::RegistrationHandleRAII> register_override(
+    const std::string& op_name,
+    const std::string& overload_name,
+    c10::DispatchKey dispatch_key,
+    std::shared_ptr<OpOverride> override);
+
+// handler(token, args: list) -> CompiledKernel | False (remember eager) | None
+// (run this call eagerly, decide again next time).
+void set_miss_handler(pybind11::object handler);
+
+// Runs the original kernels for the rest of the scope on this thread.
+class ReentryGuard {
+ public:
+  ReentryGuard();
+  ~ReentryGuard();
+  static bool active();
+};
+
+} // namespace aoti_eager

@@ -1,0 +1,176 @@
+"""From one op call to an AOTInductor library.
+
+The call becomes a small module whose inputs are the call's tensors and whose
+other arguments are constants; ``torch.export`` traces it and AOTInductor
+compiles the exported program into a shared library. In-place and ``out=``
+ops stay mutating: the library writes into the given tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aoti_eager.kernels.signature import CallSignature
+
+log = logging.getLogger("aoti_eager")
+
+
+class CompileError(Exception):
+    """torch.export or AOTInductor failed on a call; the call runs eagerly."""
+
+
+@dataclass
+class Artifact:
+    """A compiled library and how to call it."""
+
+    library: Path
+    output_counts: list[int]
+    seconds: dict[str, float] = field(default_factory=dict)
+    workdir: tempfile.TemporaryDirectory | None = None
+
+
+def returns_alias(op: torch._ops.OpOverload) -> list[bool]:
+    """For each return: whether it is a mutated argument handed back (in-place, out=)."""
+    return [r.alias_info is not None and r.alias_info.is_write for r in op._schema.returns]
+
+
+def mutated_arguments(op: torch._ops.OpOverload) -> list[int]:
+    """Indices of the arguments the op writes into."""
+    return [i for i, a in enumerate(op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+
+
+def return_alias_indices(op: torch._ops.OpOverload) -> list[int | None]:
+    """For each return: the index of the argument it hands back, or None."""
+    arguments = op._schema.arguments
+    indices: list[int | None] = []
+    for r in op._schema.returns:
+        index = None
+        if r.alias_info is not None and r.alias_info.is_write:
+            index = next(
+                i for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.before_set == r.alias_info.before_set
+            )
+        indices.append(index)
+    return indices
+
+
+def call_op(op: torch._ops.OpOverload, args: list[Any] | tuple[Any, ...]) -> Any:
+    """Calls ``op`` with its arguments in schema order, keyword-only ones by name."""
+    positional, keywords = [], {}
+    for schema_arg, value in zip(op._schema.arguments, args):
+        if schema_arg.kwarg_only:
+            keywords[schema_arg.name] = value
+        else:
+            positional.append(value)
+    return op(*positional, **keywords)
+
+
+def flat_tensor_inputs(signature: CallSignature, args: tuple[Any, ...] | list[Any] | None = None) -> list[torch.Tensor]:
+    """The tensors of ``args`` (default: the call's) in schema order: the kernel's inputs."""
+    flat: list[torch.Tensor] = []
+    for value, described in zip(signature.args if args is None else args, signature.described):
+        if described["kind"] == "tensor":
+            flat.append(value)
+        elif described["kind"] == "list":
+            flat.extend(v for v, d in zip(value, described["items"]) if d["kind"] == "tensor")
+    return flat
+
+
+class _OpCall(torch.nn.Module):
+    """``forward(*tensors)`` calls the op with every other argument fixed."""
+
+    def __init__(self, signature: CallSignature):
+        super().__init__()
+        self.op = signature.op
+        self.signature = signature
+        self.aliased = returns_alias(signature.op)
+
+    def _arguments(self, tensors: list[torch.Tensor]) -> list[Any]:
+        it = iter(tensors)
+
+        def rebuild(value: Any, described: dict[str, Any]) -> Any:
+            if described["kind"] == "tensor":
+                return next(it)
+            if described["kind"] == "number":
+                return value.item()
+            if described["kind"] == "list":
+                return [rebuild(v, d) for v, d in zip(value, described["items"])]
+            return value
+
+        return [rebuild(v, d) for v, d in zip(self.signature.args, self.signature.described)]
+
+    def forward(self, *tensors: torch.Tensor):
+        result = call_op(self.op, self._arguments(list(tensors)))
+        results = result if isinstance(result, tuple) else (result,)
+        if not self.op._schema.returns:
+            results = ()
+        outputs = []
+        for aliased, r in zip(self.aliased, results):
+            if aliased:
+                continue  # the library mutates the argument in place
+            if isinstance(r, (list, tuple)):
+                outputs.extend(r)
+            else:
+                outputs.append(r)
+        return tuple(outputs)
+
+    def output_counts(self, eager_result: Any) -> list[int]:
+        results = eager_result if isinstance(eager_result, tuple) else (eager_result,)
+        if not self.op._schema.returns:
+            results = ()
+        return [0 if aliased else (len(r) if isinstance(r, (list, tuple)) else -1) for aliased, r in zip(self.aliased, results)]
+
+
+def compile_call(signature: CallSignature, eager_result: Any, inductor_options: dict[str, Any] | None = None) -> Artifact:
+    """Compiles ``signature``'s call into a library in a temporary directory.
+
+    ``eager_result`` is what the original kernel returned for the call; it fixes
+    the structure of the outputs (e.g. the length of a returned Tensor[]).
+    Raises CompileError with the stage and cause on failure.
+    """
+    module = _OpCall(signature)
+    # Fresh copies: tracing an in-place op must not touch the caller's tensors.
+    from aoti_eager.kernels.validate import clone_args
+
+    example = tuple(flat_tensor_inputs(signature, clone_args(signature.args)))
+    workdir = tempfile.TemporaryDirectory(prefix="aoti_eager-")
+    library = Path(workdir.name) / "kernel.so"
+    seconds: dict[str, float] = {}
+    stage = "torch.export"
+    try:
+        with warnings.catch_warnings():
+            # Deprecation notices from PyTorch internals are not the user's concern.
+            warnings.simplefilter("ignore")
+            start = time.perf_counter()
+            exported = torch.export.export(module, example, strict=False)
+            seconds["export"] = time.perf_counter() - start
+            stage = "AOTInductor"
+            start = time.perf_counter()
+            options = {"aot_inductor.output_path": str(library), **(inductor_options or {})}
+            torch._inductor.aot_compile(exported.module(), example, options=options)
+            seconds["compile"] = time.perf_counter() - start
+    except Exception as e:  # noqa: BLE001 - any failure means "run eagerly"
+        workdir.cleanup()
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CompileError(f"{stage} failed: {type(e).__name__}: {message[:300]}") from e
+    return Artifact(library, module.output_counts(eager_result), seconds, workdir)
+
+
+def sidecar_files(artifact: Artifact) -> dict[str, Path]:
+    """The files the library needs at run time, by their name in a cache entry.
+
+    AOTInductor looks for ``kernel.json`` (ops it left to the dispatcher) next
+    to ``kernel.so``.
+    """
+    files = {"kernel.so": artifact.library}
+    for path in artifact.library.parent.glob("*.json"):
+        if not path.name.endswith("_metadata.json"):
+            files["kernel.json"] = path
+    return files

@@ -1,0 +1,114 @@
+"""The static input signature of one op call.
+
+A signature describes every argument the way the compiled kernel depends on
+it: a tensor by dtype, device, sizes, strides and alignment; any other
+argument by its value (compiled into the kernel). It is stored as JSON beside
+the kernel and its digest names the cache entry.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ALIGNMENT = 16  # bytes; must match is_aligned() in csrc/call_key.h
+
+
+class Unsupported(Exception):
+    """An argument that no kernel is compiled for; the call runs eagerly."""
+
+
+def _is_wrapped_number(t: torch.Tensor) -> bool:
+    from aoti_eager import _extension
+
+    return _extension.load().is_wrapped_number(t)
+
+
+def describe_tensor(t: torch.Tensor, device: torch.device) -> dict[str, Any]:
+    if t.layout != torch.strided:
+        raise Unsupported(f"{t.layout} tensors")
+    if t.is_conj() or t.is_neg():
+        raise Unsupported("tensors with a lazy conjugate or negative bit")
+    if t.device.type != device.type:
+        raise Unsupported(f"a {t.device} tensor in a call dispatched to {device.type}")
+    return {
+        "kind": "tensor",
+        "dtype": str(t.dtype).removeprefix("torch."),
+        "device": t.device.type,
+        "sizes": list(t.shape),
+        "strides": list(t.stride()),
+        "aligned": t.data_ptr() % ALIGNMENT == 0,
+    }
+
+
+def _describe(value: Any, device: torch.device) -> dict[str, Any]:
+    if isinstance(value, torch.Tensor):
+        if _is_wrapped_number(value):
+            # A Python number the op received as a 0-d tensor: it promotes like
+            # a scalar, and its value is compiled into the kernel.
+            return {"kind": "number", "dtype": str(value.dtype).removeprefix("torch."), "value": repr(value.item())}
+        return describe_tensor(value, device)
+    if value is None:
+        return {"kind": "none"}
+    if isinstance(value, bool):
+        return {"kind": "bool", "value": value}
+    if isinstance(value, int):
+        return {"kind": "int", "value": value}
+    if isinstance(value, float):
+        return {"kind": "float", "value": repr(value)}
+    if isinstance(value, str):
+        return {"kind": "str", "value": value}
+    if isinstance(value, (torch.dtype, torch.layout, torch.memory_format, torch.device)):
+        return {"kind": type(value).__name__, "value": str(value)}
+    if isinstance(value, (list, tuple)):
+        return {"kind": "list", "items": [_describe(v, device) for v in value]}
+    raise Unsupported(f"arguments of type {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class CallSignature:
+    """One call's arguments as the compiled kernel sees them.
+
+    ``args`` are the op's arguments in schema order, as the dispatcher passed them.
+    """
+
+    op: torch._ops.OpOverload
+    device: torch.device
+    args: tuple[Any, ...]
+    described: tuple[dict[str, Any], ...]
+
+    @classmethod
+    def of(cls, op: torch._ops.OpOverload, device: torch.device, args: list[Any]) -> "CallSignature":
+        described = tuple(_describe(a, device) for a in args)
+        return cls(op, device, tuple(args), described)
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [{"name": a.name, **d} for a, d in zip(self.op._schema.arguments, self.described)]
+
+    @property
+    def key(self) -> str:
+        """The digest that names this signature's cache entry."""
+        text = json.dumps([str(self.op._schema), self.to_json()], sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+    def short(self) -> str:
+        """A one-line form for logs, e.g. ``f32[64, 64], f32[64, 64], alpha=2``."""
+        parts = []
+        for a, d in zip(self.op._schema.arguments, self.described):
+            parts.append(f"{a.name}={_short(d)}")
+        return ", ".join(parts)
+
+
+def _short(d: dict[str, Any]) -> str:
+    kind = d["kind"]
+    if kind == "tensor":
+        return f"{d['dtype']}{d['sizes']}"
+    if kind == "list":
+        return "[" + ", ".join(_short(i) for i in d["items"]) + "]"
+    if kind == "none":
+        return "None"
+    return str(d["value"])

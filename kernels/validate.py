@@ -1,0 +1,90 @@
+"""A freshly compiled kernel is run once against the original kernel, on copies
+of the call that compiled it, before anyone else may use it: a kernel that
+disagrees with eager (values, dtype, shape, strides, or what it writes into
+its arguments) is never published."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from aoti_eager.kernels.compile import flat_tensor_inputs, mutated_arguments, return_alias_indices
+from aoti_eager.kernels.signature import CallSignature
+
+
+class Mismatch(Exception):
+    """The compiled kernel's result differs from eager's."""
+
+
+def clone_exact(t: torch.Tensor) -> torch.Tensor:
+    """A copy with the same sizes, strides, storage offset and dtype."""
+    with torch.no_grad():
+        copy = torch.empty(0, dtype=t.dtype, device=t.device)
+        copy.set_(t.untyped_storage().clone(), t.storage_offset(), t.size(), t.stride())
+    return copy
+
+
+def clone_args(args: tuple[Any, ...] | list[Any]) -> list[Any]:
+    """Copies every tensor argument (wrapped numbers stay, they are not inputs)."""
+
+    def clone(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value if _is_number(value) else clone_exact(value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(clone(v) for v in value)
+        return value
+
+    return [clone(a) for a in args]
+
+
+def _is_number(t: torch.Tensor) -> bool:
+    from aoti_eager import _extension
+
+    return _extension.load().is_wrapped_number(t)
+
+
+def _compare(what: str, actual: Any, expected: Any) -> None:
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(actual, torch.Tensor):
+            raise Mismatch(f"{what}: expected a tensor, got {type(actual).__name__}")
+        if actual.dtype != expected.dtype or actual.shape != expected.shape:
+            raise Mismatch(f"{what}: {actual.dtype}{list(actual.shape)} instead of {expected.dtype}{list(expected.shape)}")
+        strides = [s for s, n in zip(actual.stride(), actual.shape) if n > 1]
+        expected_strides = [s for s, n in zip(expected.stride(), expected.shape) if n > 1]
+        if actual.numel() > 0 and strides != expected_strides:
+            raise Mismatch(f"{what}: strides {actual.stride()} instead of {expected.stride()}")
+        try:
+            torch.testing.assert_close(actual, expected, equal_nan=True)
+        except AssertionError as e:
+            raise Mismatch(f"{what}: {str(e).splitlines()[0]}") from None
+    elif isinstance(expected, (list, tuple)):
+        if not isinstance(actual, (list, tuple)) or len(actual) != len(expected):
+            raise Mismatch(f"{what}: expected {len(expected)} values")
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            _compare(f"{what}[{i}]", a, e)
+
+
+def check_matches_eager(
+    kernel: Any, signature: CallSignature, op: torch._ops.OpOverload, reference_args: list[Any], expected: Any
+) -> None:
+    """Runs ``kernel`` on fresh copies of the call and compares with eager.
+
+    ``reference_args`` are the copies eager ran on (holding what eager wrote
+    into them), ``expected`` what eager returned. Raises Mismatch.
+    """
+    args = clone_args(signature.args)
+    outputs = iter(kernel.run(flat_tensor_inputs(signature, args)))
+    results = expected if isinstance(expected, tuple) else (expected,)
+    if not op._schema.returns:
+        results = ()
+    for i, (alias, count, want) in enumerate(zip(return_alias_indices(op), kernel.output_counts, results)):
+        if alias is not None:
+            got = args[alias]
+        elif count < 0:
+            got = next(outputs)
+        else:
+            got = [next(outputs) for _ in range(count)]
+        _compare(f"return {i}", got, want)
+    for i in mutated_arguments(op):
+        _compare(f"argument {op._schema.arguments[i].name}", args[i], reference_args[i])
