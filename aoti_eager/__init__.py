@@ -111,7 +111,7 @@ def enable(
         _root = Path(cache_dir).expanduser()
     root = _root if _root is not None else default_root()
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*Overriding a previously registered kernel")
+        warnings.filterwarnings("ignore", message="(?s).*previously registered kernel")
         for op in selected:
             for device in devices:
                 _runtime.install(op, device, root)

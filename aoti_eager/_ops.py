@@ -37,7 +37,7 @@ def resolve(spec: OpSpec) -> Resolved:
     if isinstance(spec, OpOverload):
         return Resolved(qualified_name(spec), (spec,), packet=False)
     if isinstance(spec, OpOverloadPacket):
-        return Resolved(str(spec), tuple(getattr(spec, o) for o in spec.overloads()), packet=True)
+        return Resolved(str(spec), dispatcher_overloads(spec), packet=True)
     if not isinstance(spec, str):
         raise TypeError(f"aoti_eager: an op is a name like 'aten::add.Tensor', an OpOverload or an OpOverloadPacket, not {spec!r}")
     namespace, _, name = spec.rpartition("::")
@@ -50,12 +50,27 @@ def resolve(spec: OpSpec) -> Resolved:
     if not isinstance(packet, OpOverloadPacket):
         raise ValueError(f"aoti_eager: {spec!r} is not an op")
     if overload:
-        if overload not in packet.overloads():
+        if overload not in packet.overloads() or not _in_dispatcher(getattr(packet, overload)):
             raise ValueError(
                 f"aoti_eager: {namespace}::{base} has no overload {overload!r}; it has {', '.join(packet.overloads())}"
             )
         return Resolved(spec, (getattr(packet, overload),), packet=False)
-    return Resolved(spec, tuple(getattr(packet, o) for o in packet.overloads()), packet=True)
+    return Resolved(spec, dispatcher_overloads(packet), packet=True)
+
+
+def _in_dispatcher(op: OpOverload) -> bool:
+    try:
+        torch._C._dispatch_find_schema_or_throw(op._schema.name, op._schema.overload_name)
+    except RuntimeError:
+        return False
+    return True
+
+
+def dispatcher_overloads(packet: OpOverloadPacket) -> tuple[OpOverload, ...]:
+    """The packet's overloads that the dispatcher serves (not TorchScript's
+    builtins such as ``add.int`` or ``copy_.Tensor``, which tensors never reach)."""
+    overloads = (getattr(packet, o) for o in packet.overloads())
+    return tuple(op for op in overloads if _in_dispatcher(op))
 
 
 def refusal(op: OpOverload) -> str | None:

@@ -75,11 +75,23 @@ class Override:
         entry = self.cache.lookup(self.name, signature.key)
         if entry is None:
             with _compile_lock, self.cache.lock(self.name):
-                # Another process may have compiled it while we waited.
+                # Another thread or process may have decided it while we waited.
+                known = self.decisions.get(signature.key)
+                if known is not None:
+                    return known
                 entry = self.cache.lookup(self.name, signature.key)
                 if entry is None:
                     return self._compile(signature)
         return self._adopt(signature, entry, loaded=True)
+
+    def report_unkeyable(self, args: list[Any]) -> None:
+        """Records why the C++ side could not key a call (it runs eagerly)."""
+        try:
+            CallSignature.of(self.op, torch.device(self.device), args)
+            reason = "arguments of a kind the C++ call key does not cover"
+        except Unsupported as e:
+            reason = str(e)
+        self._eager(f"unsupported input: {reason}")
 
     def _compile(self, signature: CallSignature) -> Any:
         # The original kernel runs first, on copies: it gives the result the
@@ -94,6 +106,7 @@ class Override:
         try:
             artifact = compile_call(signature, expected)
         except CompileError as e:
+            log.debug("aoti_eager: compiling %s failed", self.name, exc_info=e.__cause__)
             return self._publish_eager(signature, str(e))
         try:
             kernel = self._load(artifact.library, artifact.output_counts)
@@ -153,11 +166,13 @@ _installed: dict[tuple[OpOverload, str], Override] = {}
 _handler_set = False
 
 
-def _on_miss(token: int, args: list[Any]) -> Any:
+def _on_miss(token: int, args: list[Any], decide: bool) -> Any:
     override = _by_token.get(token)
     if override is None:
         return None
     try:
+        if not decide:
+            return override.report_unkeyable(args)
         return override.decide(args)
     except Exception:  # noqa: BLE001 - never let a miss take the user's call down
         log.exception("aoti_eager: internal error while handling a call of %s; running it eagerly", override.name)

@@ -37,8 +37,19 @@ def default_root() -> Path:
 
 
 def make_private_dirs(path: Path) -> None:
-    """Creates ``path`` and its missing parents readable by the owner only."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    """Creates ``path`` and its missing parents, readable by the owner only.
+
+    (``Path.mkdir(parents=True)`` would create the parents with the default mode.)
+    """
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for directory in reversed(missing):
+        try:
+            directory.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -32,7 +32,10 @@ int64_t double_bits(double v) {
   return bits;
 }
 
-bool add_tensor(const at::Tensor& t, CallKey& key) {
+// Storages of the call's tensors, to find arguments that share memory.
+using Storages = c10::SmallVector<const c10::StorageImpl*, 8>;
+
+bool add_tensor(const at::Tensor& t, CallKey& key, Storages& storages) {
   if (!t.defined()) {
     key.words.push_back(kUndefinedTensor);
     return true;
@@ -56,6 +59,9 @@ bool add_tensor(const at::Tensor& t, CallKey& key) {
     }
     return true;
   }
+  if (t.has_storage()) {
+    storages.push_back(t.storage().unsafeGetStorageImpl());
+  }
   key.words.push_back(kTensor);
   key.words.push_back(static_cast<int64_t>(t.scalar_type()));
   key.words.push_back(static_cast<int64_t>(t.device().type()));
@@ -71,9 +77,9 @@ bool add_tensor(const at::Tensor& t, CallKey& key) {
   return true;
 }
 
-bool add_value(const c10::IValue& v, CallKey& key) {
+bool add_value(const c10::IValue& v, CallKey& key, Storages& storages) {
   if (v.isTensor()) {
-    return add_tensor(v.toTensor(), key);
+    return add_tensor(v.toTensor(), key, storages);
   }
   if (v.isNone()) {
     key.words.push_back(kNone);
@@ -121,7 +127,7 @@ bool add_value(const c10::IValue& v, CallKey& key) {
     auto list = v.toTensorList();
     key.words.push_back(static_cast<int64_t>(list.size()));
     for (const at::Tensor& t : list) {
-      if (!add_tensor(t, key)) {
+      if (!add_tensor(t, key, storages)) {
         return false;
       }
     }
@@ -133,7 +139,7 @@ bool add_value(const c10::IValue& v, CallKey& key) {
     for (const c10::IValue& item : list) {
       if (item.isNone()) {
         key.words.push_back(kNone);
-      } else if (!item.isTensor() || !add_tensor(item.toTensor(), key)) {
+      } else if (!item.isTensor() || !add_tensor(item.toTensor(), key, storages)) {
         return false;
       }
     }
@@ -146,11 +152,26 @@ bool add_value(const c10::IValue& v, CallKey& key) {
 
 } // namespace
 
-bool compute_call_key(c10::ArrayRef<c10::IValue> args, CallKey& key) {
+bool compute_call_key(
+    c10::ArrayRef<c10::IValue> args,
+    bool mutates,
+    CallKey& key) {
   key.words.clear();
+  Storages storages;
   for (const c10::IValue& arg : args) {
-    if (!add_value(arg, key)) {
+    if (!add_value(arg, key, storages)) {
       return false;
+    }
+  }
+  if (mutates) {
+    // Kernels are compiled for arguments in separate memory; an op that
+    // writes into one of them may not be handed overlapping ones.
+    for (size_t i = 0; i < storages.size(); ++i) {
+      for (size_t j = 0; j < i; ++j) {
+        if (storages[i] == storages[j]) {
+          return false;
+        }
+      }
     }
   }
   size_t h = key.words.size();

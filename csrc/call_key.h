@@ -27,8 +27,12 @@ struct CallKeyHash {
 };
 
 // Fills `key` from the op's arguments. Returns false when an argument is of a
-// kind no kernel is compiled for (the call then runs the original kernel).
-bool compute_call_key(c10::ArrayRef<c10::IValue> args, CallKey& key);
+// kind no kernel is compiled for, or when an op that `mutates` its arguments
+// gets two tensors sharing memory (the call then runs the original kernel).
+bool compute_call_key(
+    c10::ArrayRef<c10::IValue> args,
+    bool mutates,
+    CallKey& key);
 
 // Inputs whose data pointer is 16-byte aligned may be read with aligned
 // vector loads; a kernel compiled for them must not see a misaligned input.

@@ -86,7 +86,8 @@ OpOverride::OpOverride(
     : original_(op.getComputedKernelForDispatchKey(dispatch_key)),
       schema_(&op.schema()),
       token_(token),
-      num_arguments_(op.schema().arguments().size()) {
+      num_arguments_(op.schema().arguments().size()),
+      mutates_(op.schema().is_mutable()) {
   const auto& schema = op.schema();
   for (const auto& ret : schema.returns()) {
     int64_t alias = -1;
@@ -116,7 +117,11 @@ void OpOverride::call(
   counters_.calls.fetch_add(1, std::memory_order_relaxed);
   CallKey key;
   auto args = torch::jit::last(*stack, num_arguments_);
-  if (!compute_call_key(args, key)) {
+  if (!compute_call_key(args, mutates_, key)) {
+    if (!reported_unkeyable_.exchange(true)) {
+      // Once per override, so that Python can log and count the reason.
+      on_miss(key, stack, /*remember=*/false);
+    }
     run_original(op, keys, stack);
     return;
   }
@@ -213,7 +218,8 @@ void OpOverride::run_kernel(
 
 std::optional<OpOverride::Entry> OpOverride::on_miss(
     const CallKey& key,
-    torch::jit::Stack* stack) {
+    torch::jit::Stack* stack,
+    bool remember) {
   py::gil_scoped_acquire gil;
   // Another thread may have decided this signature while we waited.
   if (auto entry = lookup(key)) {
@@ -235,8 +241,8 @@ std::optional<OpOverride::Entry> OpOverride::on_miss(
     for (size_t i = 0; i < args.size(); ++i) {
       py_args.append(to_python(args[i], schema_->arguments()[i].type()));
     }
-    py::object decision = (*miss_handler)(token_, py_args);
-    if (decision.is_none()) {
+    py::object decision = (*miss_handler)(token_, py_args, remember);
+    if (decision.is_none() || !remember) {
       return std::nullopt;
     }
     if (!py::isinstance<py::bool_>(decision)) {

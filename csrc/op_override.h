@@ -73,12 +73,16 @@ class OpOverride : public std::enable_shared_from_this<OpOverride> {
   void run_kernel(const CompiledKernel& kernel, torch::jit::Stack* stack);
   std::optional<Entry> lookup(const CallKey& key) const;
   // Returns nullopt when this one call must run eagerly without remembering.
-  std::optional<Entry> on_miss(const CallKey& key, torch::jit::Stack* stack);
+  std::optional<Entry> on_miss(
+      const CallKey& key,
+      torch::jit::Stack* stack,
+      bool remember = true);
 
   OriginalKernel original_;
   const c10::FunctionSchema* schema_; // owned by the dispatcher, lives forever
   const int64_t token_;
   const size_t num_arguments_;
+  const bool mutates_;
   // For each return: the index of the argument it aliases (in-place and out=
   // ops return their mutated argument), or -1.
   std::vector<int64_t> return_aliases_;
@@ -86,6 +90,7 @@ class OpOverride : public std::enable_shared_from_this<OpOverride> {
   mutable std::shared_mutex mutex_;
   std::unordered_map<CallKey, Entry, CallKeyHash> entries_;
   Counters counters_;
+  std::atomic<bool> reported_unkeyable_{false};
 };
 
 // Registers `override` as the kernel of its op at `dispatch_key`; dropping the
@@ -96,8 +101,9 @@ std::unique_ptr<c10::RegistrationHandleRAII> register_override(
     c10::DispatchKey dispatch_key,
     std::shared_ptr<OpOverride> override);
 
-// handler(token, args: list) -> CompiledKernel | False (remember eager) | None
-// (run this call eagerly, decide again next time).
+// handler(token, args: list, decide: bool) -> CompiledKernel | False (remember
+// eager) | None (run this call eagerly, decide again next time). With decide
+// false the call's arguments cannot be keyed: the handler only records why.
 void set_miss_handler(pybind11::object handler);
 
 // Runs the original kernels for the rest of the scope on this thread.

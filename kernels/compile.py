@@ -9,6 +9,7 @@ ops stay mutating: the library writes into the given tensors.
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 import time
 import warnings
@@ -156,6 +157,11 @@ def compile_call(signature: CallSignature, eager_result: Any, inductor_options: 
             options = {"aot_inductor.output_path": str(library), **(inductor_options or {})}
             torch._inductor.aot_compile(exported.module(), example, options=options)
             seconds["compile"] = time.perf_counter() - start
+            # Ops that AOTInductor leaves to the dispatcher are described in a
+            # JSON file, which the runner looks for beside the library.
+            for path in library.parent.glob("*.json"):
+                if not path.name.endswith("_metadata.json") and path != library.with_suffix(".json"):
+                    shutil.copyfile(path, library.with_suffix(".json"))
     except Exception as e:  # noqa: BLE001 - any failure means "run eagerly"
         workdir.cleanup()
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -164,13 +170,9 @@ def compile_call(signature: CallSignature, eager_result: Any, inductor_options: 
 
 
 def sidecar_files(artifact: Artifact) -> dict[str, Path]:
-    """The files the library needs at run time, by their name in a cache entry.
-
-    AOTInductor looks for ``kernel.json`` (ops it left to the dispatcher) next
-    to ``kernel.so``.
-    """
+    """The files the library needs at run time, by their name in a cache entry."""
     files = {"kernel.so": artifact.library}
-    for path in artifact.library.parent.glob("*.json"):
-        if not path.name.endswith("_metadata.json"):
-            files["kernel.json"] = path
+    extern_nodes = artifact.library.with_suffix(".json")
+    if extern_nodes.exists():
+        files["kernel.json"] = extern_nodes
     return files

@@ -48,6 +48,8 @@ def describe_tensor(t: torch.Tensor, device: torch.device) -> dict[str, Any]:
 def _describe(value: Any, device: torch.device) -> dict[str, Any]:
     if isinstance(value, torch.Tensor):
         if _is_wrapped_number(value):
+            if value.is_complex():
+                raise Unsupported("complex Python numbers")
             # A Python number the op received as a 0-d tensor: it promotes like
             # a scalar, and its value is compiled into the kernel.
             return {"kind": "number", "dtype": str(value.dtype).removeprefix("torch."), "value": repr(value.item())}
@@ -69,6 +71,21 @@ def _describe(value: Any, device: torch.device) -> dict[str, Any]:
     raise Unsupported(f"arguments of type {type(value).__name__}")
 
 
+def _share_memory(args: list[Any], described: tuple[dict[str, Any], ...]) -> bool:
+    storages = []
+
+    def collect(value: Any, d: dict[str, Any]) -> None:
+        if d["kind"] == "tensor":
+            storages.append(value.untyped_storage()._cdata)
+        elif d["kind"] == "list":
+            for v, item in zip(value, d["items"]):
+                collect(v, item)
+
+    for value, d in zip(args, described):
+        collect(value, d)
+    return len(storages) != len(set(storages))
+
+
 @dataclass(frozen=True)
 class CallSignature:
     """One call's arguments as the compiled kernel sees them.
@@ -84,6 +101,8 @@ class CallSignature:
     @classmethod
     def of(cls, op: torch._ops.OpOverload, device: torch.device, args: list[Any]) -> "CallSignature":
         described = tuple(_describe(a, device) for a in args)
+        if op._schema.is_mutable and _share_memory(args, described):
+            raise Unsupported("an op that writes into an argument, given arguments that share memory")
         return cls(op, device, tuple(args), described)
 
     def to_json(self) -> list[dict[str, Any]]:

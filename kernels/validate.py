@@ -74,7 +74,16 @@ def check_matches_eager(
     into them), ``expected`` what eager returned. Raises Mismatch.
     """
     args = clone_args(signature.args)
-    outputs = iter(kernel.run(flat_tensor_inputs(signature, args)))
+    inputs = flat_tensor_inputs(signature, args)
+    fresh = kernel.run(inputs)
+    # Eager returns new memory (other than through an aliasing return); a
+    # kernel that hands back an input, or one buffer twice, does not.
+    seen = {t.untyped_storage()._cdata for t in inputs}
+    for t in fresh:
+        if t.numel() > 0 and t.untyped_storage()._cdata in seen:
+            raise Mismatch("an output shares memory with an input or another output")
+        seen.add(t.untyped_storage()._cdata)
+    outputs = iter(fresh)
     results = expected if isinstance(expected, tuple) else (expected,)
     if not op._schema.returns:
         results = ()

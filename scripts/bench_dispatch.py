@@ -1,0 +1,53 @@
+"""Steady-state call latency of tiny overridden ops against eager.
+
+Both are timed in the same process, in alternating rounds, on the same inputs:
+the ratio is what counts on a shared, noisy machine.
+
+    python scripts/bench_dispatch.py [--device cpu|cuda] [--calls N] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+
+import torch
+
+from timing import compare
+
+
+def cases(device: str):
+    x = torch.randn(128, device=device)
+    a, b = torch.randn(64, 64, device=device), torch.randn(64, 64, device=device)
+    return [
+        ("abs, 128 floats", "aten::abs.default", lambda: torch.abs(x)),
+        ("add 64x64", "aten::add.Tensor", lambda: torch.add(a, b)),
+        ("add 64x64, alpha=2", "aten::add.Tensor", lambda: torch.add(a, b, alpha=2)),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--calls", type=int, default=20000)
+    parser.add_argument("--cache-dir", default=None, help="default: a new empty cache")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="aoti_eager-bench-")
+    rows = []
+    for name, op, fn in cases(args.device):
+        compiled, eager = compare(fn, [op], calls=args.calls, devices=[args.device], cache_dir=cache_dir)
+        rows.append(dict(case=name, device=args.device, aoti_us=compiled * 1e6, eager_us=eager * 1e6, ratio=compiled / eager))
+    if args.json:
+        print(json.dumps(rows))
+        return
+    print(f"torch {torch.__version__}, device {args.device}"
+          + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""))
+    print(f"{'case':<22}{'aoti_eager us':>15}{'eager us':>10}{'ratio':>8}")
+    for r in rows:
+        print(f"{r['case']:<22}{r['aoti_us']:>15.2f}{r['eager_us']:>10.2f}{r['ratio']:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()

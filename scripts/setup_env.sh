@@ -1,0 +1,13 @@
+# Sourced by the run_*.sh scripts: creates the project's virtual environment
+# (default .venv, or $AOTI_EAGER_VENV) and installs the package into it.
+# torch==2.13.0 is installed first where no torch is present, so that the
+# package's torch range never pulls a multi-GB CUDA build by itself.
+VENV="${AOTI_EAGER_VENV:-.venv}"
+if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+fi
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+    "$VENV/bin/pip" install -q "torch==2.13.0"
+fi
+"$VENV/bin/pip" install -q -e ".[test]"
+PYTHON="$VENV/bin/python"

@@ -1,0 +1,40 @@
+"""Side-by-side timing of a callable with aoti_eager enabled and disabled."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+import aoti_eager
+
+
+def per_call_seconds(fn: Callable[[], object], calls: int) -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls
+
+
+def compare(fn: Callable[[], object], ops: list, calls: int, rounds: int = 7, **enable_kwargs) -> tuple[float, float]:
+    """Median per-call seconds of ``fn`` with ``ops`` enabled and with eager.
+
+    Rounds alternate between the two so that both see the same machine load.
+    """
+    aoti_eager.enable(ops, **enable_kwargs)
+    fn(), fn()  # decide every signature (compile or load) before timing
+    aoti_eager.disable()
+    compiled, eager = [], []
+    for _ in range(rounds):
+        aoti_eager.enable(ops, **enable_kwargs)
+        fn()  # reload the decisions from the cache
+        compiled.append(per_call_seconds(fn, calls))
+        aoti_eager.disable()
+        eager.append(per_call_seconds(fn, calls))
+    return statistics.median(compiled), statistics.median(eager)

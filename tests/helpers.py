@@ -1,0 +1,49 @@
+"""Comparisons against eager shared by the tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def clone_tree(value: Any, memo: dict[int, torch.Tensor] | None = None) -> Any:
+    """Copies every tensor with its exact sizes, strides and storage offset; a
+    tensor that appears twice is copied once (aliasing is kept)."""
+    memo = {} if memo is None else memo
+    if isinstance(value, torch.Tensor):
+        if id(value) not in memo:
+            copy = torch.empty(0, dtype=value.dtype, device=value.device)
+            copy.set_(value.untyped_storage().clone(), value.storage_offset(), value.size(), value.stride())
+            memo[id(value)] = copy
+        return memo[id(value)]
+    if isinstance(value, (list, tuple)):
+        return type(value)(clone_tree(v, memo) for v in value)
+    if isinstance(value, dict):
+        return {k: clone_tree(v, memo) for k, v in value.items()}
+    return value
+
+
+def assert_same_as_eager(actual: Any, expected: Any, what: str = "result") -> None:
+    """Values (assert_close), dtype, shape and, where eager defines them, strides."""
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), f"{what}: {type(actual)}"
+        assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+        assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+        assert actual.device == expected.device, f"{what}: device {actual.device} != {expected.device}"
+        if expected.numel() > 1:
+            dims = [i for i, n in enumerate(expected.shape) if n > 1]
+            assert [actual.stride(i) for i in dims] == [expected.stride(i) for i in dims], (
+                f"{what}: strides {actual.stride()} != {expected.stride()}"
+            )
+        torch.testing.assert_close(actual, expected, equal_nan=True, msg=lambda m: f"{what}: {m}")
+    elif isinstance(expected, (list, tuple)):
+        assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), f"{what}: {actual!r}"
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_same_as_eager(a, e, f"{what}[{i}]")
+    elif isinstance(expected, dict):
+        assert actual.keys() == expected.keys(), f"{what}: {actual.keys()} != {expected.keys()}"
+        for k in expected:
+            assert_same_as_eager(actual[k], expected[k], f"{what}[{k!r}]")
+    else:
+        assert actual == expected, f"{what}: {actual!r} != {expected!r}"

@@ -1,0 +1,48 @@
+"""Per-op correctness: each case of op_cases.CASES, overridden, against eager."""
+
+from __future__ import annotations
+
+import pytest
+
+import aoti_eager
+from aoti_eager._ops import qualified_name
+from conftest import DEVICES
+from helpers import assert_same_as_eager, clone_tree
+from op_cases import CASES, Case
+
+
+def call(case: Case, args, kwargs):
+    return case.op(*args, **kwargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_matches_eager(case: Case, device: str, shared_cache):
+    args, kwargs = case.make(device)
+    expected_args, expected_kwargs = clone_tree((args, kwargs))
+    expected = call(case, expected_args, expected_kwargs)
+
+    runs = [clone_tree((args, kwargs)) for _ in range(2)]
+    with aoti_eager.enabled([case.op], devices=[device], cache_dir=shared_cache):
+        # The first call decides the signature (compile or cache), the second
+        # must be served by that decision.
+        results = [(call(case, a, k), a, k) for a, k in runs]
+        stats = aoti_eager.stats()[qualified_name(case.op)]
+
+    for result, run_args, run_kwargs in results:
+        assert_same_as_eager(result, expected)
+        assert_same_as_eager(run_args, expected_args, "arguments")
+        assert_same_as_eager(run_kwargs, expected_kwargs, "keyword arguments")
+        if case.returns_input == "out":
+            assert result is run_kwargs["out"]
+        elif case.returns_input is not None:
+            assert result is run_args[case.returns_input]
+
+    assert stats["calls"] == 2
+    if case.eager_reason is None:
+        assert stats["fallback_reason"] is None, stats
+        assert (stats["misses"], stats["hits"], stats["fallbacks"]) == (1, 1, 0), stats
+        assert stats["compiles"] + stats["cache_loads"] == 1, stats
+    else:
+        assert case.eager_reason in stats["fallback_reason"], stats
+        assert (stats["hits"], stats["fallbacks"]) == (0, 2), stats
