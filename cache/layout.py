@@ -109,6 +109,8 @@ def environment_fields(root: Path, device: torch.device) -> dict[str, str]:
     }
     if device.type == "cpu":
         fields["isa"] = cpu_isa(root)
+        # Inductor compiles with -march=native: the exact CPU model matters.
+        fields["cpu"] = _cpu_identity()
     elif device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         fields["arch"] = f"sm_{major}{minor}"

@@ -24,6 +24,14 @@ from aoti_eager.kernels.signature import CallSignature
 log = logging.getLogger("aoti_eager")
 
 
+# Inductor's defaults, changed where an op-sized kernel differs from a model:
+# a CPU loop is split across threads only above ATen's grain size (as eager
+# does), so that a small op does not pay for an OpenMP fork and join.
+DEFAULT_INDUCTOR_OPTIONS: dict[str, Any] = {
+    "cpp.min_chunk_size": 32768,
+}
+
+
 class CompileError(Exception):
     """torch.export or AOTInductor failed on a call; the call runs eagerly."""
 
@@ -154,7 +162,7 @@ def compile_call(signature: CallSignature, eager_result: Any, inductor_options: 
             seconds["export"] = time.perf_counter() - start
             stage = "AOTInductor"
             start = time.perf_counter()
-            options = {"aot_inductor.output_path": str(library), **(inductor_options or {})}
+            options = {**DEFAULT_INDUCTOR_OPTIONS, **(inductor_options or {}), "aot_inductor.output_path": str(library)}
             torch._inductor.aot_compile(exported.module(), example, options=options)
             seconds["compile"] = time.perf_counter() - start
             # Ops that AOTInductor leaves to the dispatcher are described in a
