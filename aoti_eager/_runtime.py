@@ -22,12 +22,16 @@ from aoti_eager import _extension
 from aoti_eager._ops import qualified_name
 from aoti_eager.cache import Entry, KernelCache
 from aoti_eager.kernels import CallSignature, CompileError, Unsupported, compile_call
-from aoti_eager.kernels.compile import call_op, mutated_arguments, sidecar_files
+from aoti_eager.kernels.compile import call_op, sidecar_files
+from aoti_eager.kernels.load_probe import check_loads
 from aoti_eager.kernels.validate import Mismatch, check_matches_eager, clone_args
 
 log = logging.getLogger("aoti_eager")
 
 DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+
+# A CUDA library must carry its kernels' binaries: it is moved into the cache.
+INDUCTOR_OPTIONS = {"cuda": {"aot_inductor.embed_kernel_binary": True}}
 
 # Inductor is not thread-safe: one compile at a time in a process (the cache's
 # file lock orders processes).
@@ -50,44 +54,57 @@ class Override:
     """One op overload overridden at one device's dispatch key."""
 
     op: OpOverload
-    device: str
-    cache: KernelCache
+    device: str  # the device type: "cpu" or "cuda"
+    root: Path
     token: int
     handle: Any = None
     stats: OpStats = field(default_factory=OpStats)
-    # Signature digest -> loaded kernel, or False for "eager".
-    decisions: dict[str, Any] = field(default_factory=dict)
+    # (signature digest, device) -> loaded kernel, or False for "eager".
+    decisions: dict[tuple[str, str], Any] = field(default_factory=dict)
+    _caches: dict[str, KernelCache] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
     _logged: set[str] = field(default_factory=set)
 
     @property
     def name(self) -> str:
         return qualified_name(self.op)
 
+    def cache(self, device: torch.device) -> KernelCache:
+        """The cache of kernels for ``device`` (keyed by its capability, not its index)."""
+        if str(device) not in self._caches:
+            self._caches[str(device)] = KernelCache(self.root, device)
+        return self._caches[str(device)]
+
     def decide(self, args: list[Any]) -> Any:
         """The miss path: a CompiledKernel, False (eager, remembered) or None (eager, this call)."""
         try:
-            signature = CallSignature.of(self.op, torch.device(self.device), args)
+            signature = CallSignature.of(self.op, self.device, args)
         except Unsupported as e:
             return self._eager(f"unsupported input: {e}")
-        known = self.decisions.get(signature.key)
+        decision_key = (signature.key, str(signature.device))
+        known = self.decisions.get(decision_key)
         if known is not None:
             return known
-        entry = self.cache.lookup(self.name, signature.key)
-        if entry is None:
-            with _compile_lock, self.cache.lock(self.name):
-                # Another thread or process may have decided it while we waited.
-                known = self.decisions.get(signature.key)
-                if known is not None:
-                    return known
-                entry = self.cache.lookup(self.name, signature.key)
-                if entry is None:
-                    return self._compile(signature)
-        return self._adopt(signature, entry, loaded=True)
+        if signature.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None  # no compile or load inside CUDA graph capture; eager until it ends
+        with self._lock:  # threads that miss the same signature decide it once
+            known = self.decisions.get(decision_key)
+            if known is not None:
+                return known
+            cache = self.cache(signature.device)
+            entry = cache.lookup(self.name, signature.key)
+            if entry is None:
+                with _compile_lock, cache.lock(self.name):
+                    # Another process may have compiled it while we waited.
+                    entry = cache.lookup(self.name, signature.key)
+                    if entry is None:
+                        return self._compile(signature)
+            return self._adopt(signature, entry, loaded=True)
 
     def report_unkeyable(self, args: list[Any]) -> None:
         """Records why the C++ side could not key a call (it runs eagerly)."""
         try:
-            CallSignature.of(self.op, torch.device(self.device), args)
+            CallSignature.of(self.op, self.device, args)
             reason = "arguments of a kind the C++ call key does not cover"
         except Unsupported as e:
             reason = str(e)
@@ -100,16 +117,16 @@ class Override:
         try:
             expected = call_op(self.op, reference_args)
         except Exception:  # noqa: BLE001 - eager raises it again for the caller
-            self.decisions[signature.key] = False
+            self.decisions[(signature.key, str(signature.device))] = False
             return False
         start = time.perf_counter()
         try:
-            artifact = compile_call(signature, expected)
+            artifact = compile_call(signature, expected, INDUCTOR_OPTIONS.get(signature.device.type))
         except CompileError as e:
             log.debug("aoti_eager: compiling %s failed", self.name, exc_info=e.__cause__)
             return self._publish_eager(signature, str(e))
         try:
-            kernel = self._load(artifact.library, artifact.output_counts)
+            kernel = self._load(artifact.library, artifact.output_counts, signature.device)
             check_matches_eager(kernel, signature, self.op, reference_args, expected)
         except Mismatch as e:
             return self._publish_eager(signature, f"compiled kernel disagrees with eager: {e}")
@@ -123,7 +140,7 @@ class Override:
             library=artifact.library,
             compile_seconds=round(seconds, 3),
         )
-        entry = self.cache.publish(signature.key, entry, sidecar_files(artifact))
+        entry = self.cache(signature.device).publish(signature.key, entry, sidecar_files(artifact))
         artifact.workdir.cleanup()
         self.stats.compiles += 1
         self.stats.compile_seconds += seconds
@@ -134,24 +151,26 @@ class Override:
         if entry.library is None:
             return self._eager(entry.reason or "decided eager", signature)
         try:
-            kernel = self._load(entry.library, entry.output_counts)
+            kernel = self._load(entry.library, entry.output_counts, signature.device)
         except Exception as e:  # noqa: BLE001
             return self._eager(f"cached kernel failed to load: {e}", signature)
         if loaded:
             self.stats.cache_loads += 1
-        self.decisions[signature.key] = kernel
+        self.decisions[(signature.key, str(signature.device))] = kernel
         return kernel
 
-    def _load(self, library: Path, output_counts: list[int]) -> Any:
-        return _extension.load().CompiledKernel(str(library), self.device, output_counts)
+    def _load(self, library: Path, output_counts: list[int], device: torch.device) -> Any:
+        check_loads(self.cache(device).directory, library, str(device))
+        return _extension.load().CompiledKernel(str(library), str(device), output_counts)
 
     def _publish_eager(self, signature: CallSignature, reason: str) -> bool:
-        self.cache.publish(signature.key, Entry(op=self.name, signature=signature.to_json(), reason=reason))
+        entry = Entry(op=self.name, signature=signature.to_json(), reason=reason)
+        self.cache(signature.device).publish(signature.key, entry)
         return self._eager(reason, signature)
 
     def _eager(self, reason: str, signature: CallSignature | None = None) -> bool:
         if signature is not None:
-            self.decisions[signature.key] = False
+            self.decisions[(signature.key, str(signature.device))] = False
         self.stats.eager_signatures += 1
         self.stats.last_fallback_reason = reason
         if reason not in self._logged:
@@ -191,7 +210,7 @@ def install(op: OpOverload, device: str, root: Path) -> Override | None:
     if not _handler_set:
         C.set_miss_handler(_on_miss)
         _handler_set = True
-    override = Override(op, device, KernelCache(root, torch.device(device)), next(_tokens))
+    override = Override(op, device, root, next(_tokens))
     override.handle = C.Override(op._schema.name, op._schema.overload_name, DISPATCH_KEYS[device], override.token)
     _by_token[override.token] = override
     _installed[key] = override

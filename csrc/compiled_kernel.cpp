@@ -1,5 +1,7 @@
 #include "compiled_kernel.h"
 
+#include <c10/core/DeviceGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 
 namespace aoti_eager {
@@ -8,11 +10,11 @@ CompiledKernel::CompiledKernel(
     const std::string& library_path,
     const std::string& device,
     std::vector<int64_t> output_counts)
-    : output_counts_(std::move(output_counts)) {
+    : device_(device), output_counts_(std::move(output_counts)) {
   // Runners are created through AOTInductor's registry so that CUDA support
   // comes from libtorch_cuda at run time and this extension needs no CUDA
   // toolkit to build.
-  const std::string device_type = device.substr(0, device.find(':'));
+  const std::string device_type = c10::DeviceTypeName(device_.type(), /*lower_case=*/true);
   auto& registry = torch::inductor::getAOTIModelRunnerRegistry();
   auto it = registry.find(device_type);
   TORCH_CHECK(
@@ -32,8 +34,15 @@ CompiledKernel::CompiledKernel(
 
 std::vector<at::Tensor> CompiledKernel::run(
     std::vector<at::Tensor>& inputs) const {
-  // A null stream makes the runner use the current stream of the device.
-  return runner_->run(inputs, /*stream_handle=*/nullptr);
+  if (device_.is_cpu()) {
+    return runner_->run(inputs, /*stream_handle=*/nullptr);
+  }
+  // On the kernel's device and the caller's current stream there, as eager
+  // would run. Through the device-generic interface, so that this extension
+  // builds without CUDA headers.
+  c10::DeviceGuard device_guard(device_);
+  const auto* guard_impl = c10::impl::getDeviceGuardImpl(device_.type());
+  return runner_->run(inputs, guard_impl->getStream(device_).native_handle());
 }
 
 } // namespace aoti_eager

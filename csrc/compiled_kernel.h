@@ -14,7 +14,7 @@ namespace aoti_eager {
 
 class CompiledKernel {
  public:
-  // `output_counts` has one entry per return of the op's schema: -1 for a
+  // `device` is where the kernel runs ("cpu", "cuda:1"). `output_counts` has one entry per return of the op's schema: -1 for a
   // Tensor, N for a Tensor[] of N tensors, 0 for a return that aliases a
   // mutated argument (the kernel writes into that argument in place).
   CompiledKernel(
@@ -29,6 +29,7 @@ class CompiledKernel {
   }
 
  private:
+  c10::Device device_;
   std::unique_ptr<torch::inductor::AOTIModelContainerRunner> runner_;
   std::vector<int64_t> output_counts_;
 };

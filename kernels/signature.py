@@ -33,8 +33,8 @@ def describe_tensor(t: torch.Tensor, device: torch.device) -> dict[str, Any]:
         raise Unsupported(f"{t.layout} tensors")
     if t.is_conj() or t.is_neg():
         raise Unsupported("tensors with a lazy conjugate or negative bit")
-    if t.device.type != device.type:
-        raise Unsupported(f"a {t.device} tensor in a call dispatched to {device.type}")
+    if t.device != device:
+        raise Unsupported(f"a {t.device} tensor in a call on {device}")
     return {
         "kind": "tensor",
         "dtype": str(t.dtype).removeprefix("torch."),
@@ -71,6 +71,26 @@ def _describe(value: Any, device: torch.device) -> dict[str, Any]:
     raise Unsupported(f"arguments of type {type(value).__name__}")
 
 
+def _call_device(device_type: str, args: list[Any]) -> torch.device:
+    """The device the call runs on: its first tensor's, or its device argument's."""
+
+    def find(value: Any) -> torch.device | None:
+        if isinstance(value, torch.Tensor) and value.device.type == device_type and not _is_wrapped_number(value):
+            return value.device
+        if isinstance(value, torch.device) and value.type == device_type:
+            return value
+        if isinstance(value, (list, tuple)):
+            return next((d for d in map(find, value) if d is not None), None)
+        return None
+
+    device = find(list(args))
+    if device is None:
+        device = torch.device(device_type)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _share_memory(args: list[Any], described: tuple[dict[str, Any], ...]) -> bool:
     storages = []
 
@@ -94,12 +114,14 @@ class CallSignature:
     """
 
     op: torch._ops.OpOverload
-    device: torch.device
+    device: torch.device  # where the call runs; only its type is part of the key
     args: tuple[Any, ...]
     described: tuple[dict[str, Any], ...]
 
     @classmethod
-    def of(cls, op: torch._ops.OpOverload, device: torch.device, args: list[Any]) -> "CallSignature":
+    def of(cls, op: torch._ops.OpOverload, device_type: str, args: list[Any]) -> "CallSignature":
+        """The signature of a call that the dispatcher sent to ``device_type``'s kernel."""
+        device = _call_device(device_type, args)
         described = tuple(_describe(a, device) for a in args)
         if op._schema.is_mutable and _share_memory(args, described):
             raise Unsupported("an op that writes into an argument, given arguments that share memory")

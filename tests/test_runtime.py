@@ -10,7 +10,7 @@ import torch
 
 import aoti_eager
 from aoti_eager import _runtime
-from aoti_eager.kernels import CompileError
+from aoti_eager.kernels import CompileError, load_probe
 from helpers import assert_same_as_eager
 
 A = torch.ops.aten
@@ -19,7 +19,7 @@ A = torch.ops.aten
 def test_failed_compile_falls_back_once_and_is_remembered(tmp_path, monkeypatch, caplog):
     attempts = []
 
-    def failing_compile(signature, expected, **kwargs):
+    def failing_compile(signature, *args):
         attempts.append(signature.short())
         raise CompileError("AOTInductor failed: RuntimeError: injected")
 
@@ -44,6 +44,21 @@ def test_failed_compile_falls_back_once_and_is_remembered(tmp_path, monkeypatch,
     aoti_eager.disable()
     assert_same_as_eager(y, x.abs())
     assert len(attempts) == 1
+
+
+def test_a_runtime_that_crashes_on_load_leaves_kernels_eager(tmp_path, monkeypatch):
+    monkeypatch.setattr(load_probe, "_CHILD", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    load_probe._verdict.cache_clear()
+    x = torch.randn(32)
+    aoti_eager.enable(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path)
+    results = [torch.abs(x) for _ in range(2)]
+    stats = aoti_eager.stats()["aten::abs"]
+    aoti_eager.disable()
+    load_probe._verdict.cache_clear()
+    for r in results:
+        assert_same_as_eager(r, x.abs())
+    assert stats["hits"] == 0 and stats["fallbacks"] == 2
+    assert "crashed a test process" in stats["fallback_reason"] and "signal 11" in stats["fallback_reason"]
 
 
 def test_eagers_own_error_reaches_the_caller(tmp_path, monkeypatch):

@@ -1,0 +1,5 @@
+import sys
+
+from aoti_eager.cli import main
+
+sys.exit(main())

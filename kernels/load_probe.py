@@ -1,0 +1,49 @@
+"""Whether AOTInductor's runtime loads kernels without crashing here.
+
+Some builds crash the process (a segmentation fault) when AOTInductor creates
+a model container; seen with CUDA kernels under torch 2.11 on an H100, and with
+PyTorch's own ``aoti_load_package`` too. A crash cannot be caught, so the first
+kernel of each cache environment is loaded once in a child process and the
+verdict is kept beside the environment's entries.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+
+_CHILD = "import sys, aoti_eager._extension as e; e.load().CompiledKernel(sys.argv[1], sys.argv[2], [])"
+VERDICT_FILE = "load-probe.json"
+
+
+class UnsafeToLoad(RuntimeError):
+    """Loading a kernel crashed a child process: kernels here stay eager."""
+
+
+def check_loads(environment_dir: Path, library: Path, device: str) -> None:
+    """Raises UnsafeToLoad unless kernels of ``environment_dir`` load safely."""
+    reason = _verdict(environment_dir, str(library), device)
+    if reason is not None:
+        raise UnsafeToLoad(reason)
+
+
+@lru_cache(maxsize=None)
+def _verdict(environment_dir: Path, library: str, device: str) -> str | None:
+    record = environment_dir / VERDICT_FILE
+    try:
+        return json.loads(record.read_text())["reason"]
+    except (OSError, ValueError, KeyError):
+        pass
+    from aoti_eager.cache.layout import atomic_write_text
+
+    child = subprocess.run([sys.executable, "-c", _CHILD, library, device], capture_output=True, text=True)
+    reason = None
+    if child.returncode != 0:
+        how = f"signal {-child.returncode}" if child.returncode < 0 else f"exit code {child.returncode}"
+        last = (child.stderr.strip().splitlines() or [""])[-1][:200]
+        reason = f"AOTInductor's runtime crashed a test process loading a {device} kernel ({how}) {last}".strip()
+    atomic_write_text(record, json.dumps({"reason": reason, "library": library}))
+    return reason
