@@ -63,7 +63,6 @@ class Override:
     decisions: dict[tuple[str, str], Any] = field(default_factory=dict)
     _caches: dict[str, KernelCache] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _logged: set[str] = field(default_factory=set)
 
     @property
     def name(self) -> str:
@@ -173,12 +172,14 @@ class Override:
             self.decisions[(signature.key, str(signature.device))] = False
         self.stats.eager_signatures += 1
         self.stats.last_fallback_reason = reason
-        if reason not in self._logged:
-            self._logged.add(reason)
+        if (self.name, self.device, reason) not in _logged:
+            _logged.add((self.name, self.device, reason))
             log.warning("aoti_eager: %s on %s runs eagerly: %s", self.name, self.device, reason)
         return False
 
 
+# (op, device, reason) already logged: one line per process, not per call.
+_logged: set[tuple[str, str, str]] = set()
 _tokens = itertools.count()
 _by_token: dict[int, Override] = {}
 _installed: dict[tuple[OpOverload, str], Override] = {}

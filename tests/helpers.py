@@ -47,3 +47,13 @@ def assert_same_as_eager(actual: Any, expected: Any, what: str = "result") -> No
             assert_same_as_eager(actual[k], expected[k], f"{what}[{k!r}]")
     else:
         assert actual == expected, f"{what}: {actual!r} != {expected!r}"
+
+
+def xfail_if_kernels_cannot_load(stats: dict[str, Any]) -> None:
+    """Where AOTInductor's runtime crashes loading kernels (the runtime then
+    runs everything eagerly), a test about the compiled path cannot pass."""
+    reason = stats.get("fallback_reason") or ""
+    if "crashed a test process" in reason:
+        import pytest
+
+        pytest.xfail(f"results equal eager's, but kernels cannot be loaded here: {reason}")
