@@ -35,7 +35,7 @@ INDUCTOR_OPTIONS = {"cuda": {"aot_inductor.embed_kernel_binary": True}}
 
 # Inductor is not thread-safe: one compile at a time in a process (the cache's
 # file lock orders processes).
-_compile_lock = threading.RLock()
+_compile_lock = threading.Lock()
 
 
 @dataclass
@@ -59,7 +59,7 @@ class Override:
     token: int
     handle: Any = None
     stats: OpStats = field(default_factory=OpStats)
-    # (signature digest, device) -> loaded kernel, or False for "eager".
+    # CallSignature.decision_key -> loaded kernel, or False for "eager".
     decisions: dict[tuple[str, str], Any] = field(default_factory=dict)
     _caches: dict[str, KernelCache] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -80,14 +80,13 @@ class Override:
             signature = CallSignature.of(self.op, self.device, args)
         except Unsupported as e:
             return self._eager(f"unsupported input: {e}")
-        decision_key = (signature.key, str(signature.device))
-        known = self.decisions.get(decision_key)
+        known = self.decisions.get(signature.decision_key)
         if known is not None:
             return known
         if signature.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None  # no compile or load inside CUDA graph capture; eager until it ends
         with self._lock:  # threads that miss the same signature decide it once
-            known = self.decisions.get(decision_key)
+            known = self.decisions.get(signature.decision_key)
             if known is not None:
                 return known
             cache = self.cache(signature.device)
@@ -116,8 +115,7 @@ class Override:
         try:
             expected = call_op(self.op, reference_args)
         except Exception:  # noqa: BLE001 - eager raises it again for the caller
-            self.decisions[(signature.key, str(signature.device))] = False
-            return False
+            return self._remember(signature, False)
         start = time.perf_counter()
         try:
             artifact = compile_call(signature, expected, INDUCTOR_OPTIONS.get(signature.device.type))
@@ -125,22 +123,24 @@ class Override:
             log.debug("aoti_eager: compiling %s failed", self.name, exc_info=e.__cause__)
             return self._publish_eager(signature, str(e))
         try:
-            kernel = self._load(artifact.library, artifact.output_counts, signature.device)
-            check_matches_eager(kernel, signature, self.op, reference_args, expected)
-        except Mismatch as e:
-            return self._publish_eager(signature, f"compiled kernel disagrees with eager: {e}")
-        except Exception as e:  # noqa: BLE001
-            return self._publish_eager(signature, f"compiled kernel failed to run: {type(e).__name__}: {e}")
-        seconds = time.perf_counter() - start
-        entry = Entry(
-            op=self.name,
-            signature=signature.to_json(),
-            output_counts=artifact.output_counts,
-            library=artifact.library,
-            compile_seconds=round(seconds, 3),
-        )
-        entry = self.cache(signature.device).publish(signature.key, entry, sidecar_files(artifact))
-        artifact.workdir.cleanup()
+            try:
+                kernel = self._load(artifact.library, artifact.output_counts, signature.device)
+                check_matches_eager(kernel, signature, self.op, reference_args, expected)
+            except Mismatch as e:
+                return self._publish_eager(signature, f"compiled kernel disagrees with eager: {e}")
+            except Exception as e:  # noqa: BLE001
+                return self._publish_eager(signature, f"compiled kernel failed to run: {type(e).__name__}: {e}")
+            seconds = time.perf_counter() - start
+            entry = Entry(
+                op=self.name,
+                signature=signature.to_json(),
+                output_counts=artifact.output_counts,
+                library=artifact.library,
+                compile_seconds=round(seconds, 3),
+            )
+            entry = self.cache(signature.device).publish(signature.key, entry, sidecar_files(artifact))
+        finally:
+            artifact.workdir.cleanup()
         self.stats.compiles += 1
         self.stats.compile_seconds += seconds
         log.info("aoti_eager: compiled %s for (%s) in %.1f s", self.name, signature.short(), seconds)
@@ -155,8 +155,11 @@ class Override:
             return self._eager(f"cached kernel failed to load: {e}", signature)
         if loaded:
             self.stats.cache_loads += 1
-        self.decisions[(signature.key, str(signature.device))] = kernel
-        return kernel
+        return self._remember(signature, kernel)
+
+    def _remember(self, signature: CallSignature, decision: Any) -> Any:
+        self.decisions[signature.decision_key] = decision
+        return decision
 
     def _load(self, library: Path, output_counts: list[int], device: torch.device) -> Any:
         check_loads(self.cache(device).directory, library, str(device))
@@ -169,7 +172,7 @@ class Override:
 
     def _eager(self, reason: str, signature: CallSignature | None = None) -> bool:
         if signature is not None:
-            self.decisions[(signature.key, str(signature.device))] = False
+            self._remember(signature, False)
         self.stats.eager_signatures += 1
         self.stats.last_fallback_reason = reason
         if (self.name, self.device, reason) not in _logged:

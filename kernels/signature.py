@@ -136,6 +136,11 @@ class CallSignature:
         text = json.dumps([str(self.op._schema), self.to_json()], sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
+    @property
+    def decision_key(self) -> tuple[str, str]:
+        """What a process remembers a decision by: a kernel is loaded per device."""
+        return (self.key, str(self.device))
+
     def short(self) -> str:
         """A one-line form for logs, e.g. ``f32[64, 64], f32[64, 64], alpha=2``."""
         parts = []

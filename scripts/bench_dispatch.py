@@ -34,11 +34,11 @@ def main() -> None:
     parser.add_argument("--cache-dir", default=None, help="default: a new empty cache")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="aoti_eager-bench-")
     rows = []
-    for name, op, fn in cases(args.device):
-        compiled, eager = compare(fn, [op], calls=args.calls, devices=[args.device], cache_dir=cache_dir)
-        rows.append(dict(case=name, device=args.device, aoti_us=compiled * 1e6, eager_us=eager * 1e6, ratio=compiled / eager))
+    with tempfile.TemporaryDirectory(prefix="aoti_eager-bench-") as scratch:
+        for name, op, fn in cases(args.device):
+            compiled, eager = compare(fn, [op], calls=args.calls, devices=[args.device], cache_dir=args.cache_dir or scratch)
+            rows.append(dict(case=name, device=args.device, aoti_us=compiled * 1e6, eager_us=eager * 1e6, ratio=compiled / eager))
     if args.json:
         print(json.dumps(rows))
         return

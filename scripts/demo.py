@@ -114,14 +114,17 @@ def main() -> None:
     if args.child:
         print(json.dumps(run(args.cache_dir, args.steps)))
         return
-    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="aoti_eager-demo-")
-    print(f"aoti_eager demo: ops {', '.join(OPS)}; cache {cache_dir}")
-    for title in ("cold process (empty cache: compiles)", "warm process (same cache, new process: loads)"):
-        out = subprocess.run([sys.executable, __file__, "--child", "--cache-dir", cache_dir, "--steps", str(args.steps)],
-                             capture_output=True, text=True)
-        if out.returncode != 0:
-            sys.exit(f"demo run failed:\n{out.stderr}")
-        report(title, json.loads(out.stdout.strip().splitlines()[-1]))
+    with tempfile.TemporaryDirectory(prefix="aoti_eager-demo-") as scratch:
+        cache_dir = args.cache_dir or scratch
+        print(f"aoti_eager demo: ops {', '.join(OPS)}; cache {cache_dir}")
+        for title in ("cold process (empty cache: compiles)", "warm process (same cache, new process: loads)"):
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", "--cache-dir", cache_dir, "--steps", str(args.steps)],
+                capture_output=True, text=True,
+            )
+            if out.returncode != 0:
+                sys.exit(f"demo run failed:\n{out.stderr}")
+            report(title, json.loads(out.stdout.strip().splitlines()[-1]))
 
 
 if __name__ == "__main__":
