@@ -22,7 +22,7 @@ enum Tag : int64_t {
   kDoubleList,
   kBoolList,
   kTensorList,
-  kOptionalTensorList,
+  kList,
   kDevice,
 };
 
@@ -132,14 +132,13 @@ bool add_value(const c10::IValue& v, CallKey& key, Storages& storages) {
       }
     }
   } else if (v.isList()) {
-    // Tensor?[] (e.g. the indices of aten::index.Tensor).
-    key.words.push_back(kOptionalTensorList);
+    // Lists of mixed IValues: Tensor?[] (the indices of aten::index_put) and
+    // Scalar[] (the scalars of aten::_foreach_add.ScalarList).
+    key.words.push_back(kList);
     auto list = v.toListRef();
     key.words.push_back(static_cast<int64_t>(list.size()));
     for (const c10::IValue& item : list) {
-      if (item.isNone()) {
-        key.words.push_back(kNone);
-      } else if (!item.isTensor() || !add_tensor(item.toTensor(), key, storages)) {
+      if (!add_value(item, key, storages)) {
         return false;
       }
     }

@@ -113,6 +113,12 @@ CASES: list[Case] = [
     Case("gather", A.gather.default, lambda d: ([randn(4, 5, device=d), 1, randint(5, 4, 3, device=d)], {})),
     Case("binary_cross_entropy_with_logits", A.binary_cross_entropy_with_logits.default, lambda d: ([randn(8, device=d), (randn(8, device=d, seed=1) > 0).float(), None, None, 1], {})),
     Case("threshold_backward", A.threshold_backward.default, lambda d: ([randn(10, device=d), randn(10, device=d, seed=1), 0.0], {})),
+    Case("index_put-optional-tensor-list", A.index_put.default, lambda d: ([randn(4, 5, device=d), [None, randint(5, 3, device=d)], randn(4, 3, device=d, seed=1)], {})),
+    # AOTInductor leaves this op to its proxy executor, which fails on the
+    # Scalar[] (torch 2.13): the check against eager catches it.
+    Case("_foreach_add.ScalarList-float-list", A._foreach_add.ScalarList, lambda d: ([[randn(3, device=d), randn(2, 2, device=d)], [0.5, -2.0]], {}), eager_reason="compiled kernel failed to run"),
+    Case("new_zeros-size-dtype", A.new_zeros.default, lambda d: ([randn(3, device=d), [2, 5]], {"dtype": torch.int32})),
+    Case("full-no-tensor-inputs", A.full.default, lambda d: ([[3, 4], 1.5], {"dtype": torch.float32, "device": torch.device(d)})),
     # Matrix products (Inductor calls a library kernel for these).
     Case("mm", A.mm.default, lambda d: ([randn(8, 16, device=d), randn(16, 4, device=d, seed=1)], {})),
     Case("addmm-beta-alpha", A.addmm.default, lambda d: ([randn(4, device=d), randn(8, 16, device=d, seed=1), randn(16, 4, device=d, seed=2)], {"beta": 0.5, "alpha": 2.0})),
