@@ -1,5 +1,7 @@
 """Builds and imports ``aoti_eager._C``, the C++ fast path.
 
+``aoti_eager._C`` exists from the first call of :func:`load` on.
+
 The extension is compiled against the torch of the running interpreter on first
 use, once per (torch build, source) pair, and kept next to the kernel cache; a
 later process imports the built library directly, in milliseconds.
@@ -24,7 +26,8 @@ from aoti_eager.cache import layout
 
 log = logging.getLogger("aoti_eager")
 
-_NAME = "aoti_eager_C"
+_NAME = "_C"
+_QUALIFIED_NAME = "aoti_eager._C"
 _SOURCES = sorted((Path(__file__).resolve().parent / "csrc").glob("*.cpp")) or sorted(
     (Path(__file__).resolve().parent.parent / "csrc").glob("*.cpp")
 )
@@ -47,10 +50,14 @@ def build_directory() -> Path:
 
 
 def _import_from(path: Path) -> ModuleType:
-    loader = importlib.machinery.ExtensionFileLoader(_NAME, str(path))
-    spec = importlib.util.spec_from_file_location(_NAME, path, loader=loader)
+    loader = importlib.machinery.ExtensionFileLoader(_QUALIFIED_NAME, str(path))
+    spec = importlib.util.spec_from_file_location(_QUALIFIED_NAME, path, loader=loader)
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
+    sys.modules[_QUALIFIED_NAME] = module
+    import aoti_eager
+
+    aoti_eager._C = module
     return module
 
 
@@ -68,11 +75,13 @@ def load() -> ModuleType:
                 log.info("building the aoti_eager C++ extension for torch %s (once per torch build)", torch.__version__)
                 from torch.utils.cpp_extension import load as build
 
-                return build(
+                build(
                     name=_NAME,
                     sources=[str(s) for s in _SOURCES],
                     extra_cflags=["-O3", "-std=c++17"],
                     build_directory=str(directory),
                     verbose=os.environ.get("AOTI_EAGER_VERBOSE_BUILD") == "1",
+                    # Only built here; imported below under its package name.
+                    is_python_module=False,
                 )
     return _import_from(library)
