@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import filelock
 import torch
 from torch._ops import OpOverload
 
 from aoti_eager import _extension
 from aoti_eager._ops import qualified_name
-from aoti_eager.cache import Entry, KernelCache
+from aoti_eager.cache import Entry, KernelCache, UntrustedEntry
 from aoti_eager.kernels import CallSignature, CompileError, Unsupported, compile_call
 from aoti_eager.kernels.compile import call_op, sidecar_files
 from aoti_eager.kernels.load_probe import check_loads
@@ -32,6 +34,12 @@ DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 
 # A CUDA library must carry its kernels' binaries: it is moved into the cache.
 INDUCTOR_OPTIONS = {"cuda": {"aot_inductor.embed_kernel_binary": True}}
+
+def lock_timeout() -> float:
+    """Seconds a miss waits for another process compiling the same op
+    (``$AOTI_EAGER_LOCK_TIMEOUT``, default 900) before running eagerly."""
+    return float(os.environ.get("AOTI_EAGER_LOCK_TIMEOUT", "900"))
+
 
 # Inductor is not thread-safe: one compile at a time in a process (the cache's
 # file lock orders processes).
@@ -90,13 +98,19 @@ class Override:
             if known is not None:
                 return known
             cache = self.cache(signature.device)
-            entry = cache.lookup(self.name, signature.key)
-            if entry is None:
-                with _compile_lock, cache.lock(self.name):
-                    # Another process may have compiled it while we waited.
-                    entry = cache.lookup(self.name, signature.key)
-                    if entry is None:
-                        return self._compile(signature)
+            try:
+                entry = cache.lookup(self.name, signature.key)
+                if entry is None:
+                    with _compile_lock, cache.lock(self.name, timeout=lock_timeout()):
+                        # Another process may have compiled it while we waited.
+                        entry = cache.lookup(self.name, signature.key)
+                        if entry is None:
+                            return self._compile(signature)
+            except UntrustedEntry as e:
+                return self._eager(f"refused an untrusted cache entry: {e}", signature)
+            except filelock.Timeout:
+                self._log(f"waited over {lock_timeout():.0f} s for another process's compile; running eagerly meanwhile")
+                return None
             return self._adopt(signature, entry, loaded=True)
 
     def report_unkeyable(self, args: list[Any]) -> None:
@@ -175,10 +189,13 @@ class Override:
             self._remember(signature, False)
         self.stats.eager_signatures += 1
         self.stats.last_fallback_reason = reason
+        self._log(reason)
+        return False
+
+    def _log(self, reason: str) -> None:
         if (self.name, self.device, reason) not in _logged:
             _logged.add((self.name, self.device, reason))
             log.warning("aoti_eager: %s on %s runs eagerly: %s", self.name, self.device, reason)
-        return False
 
 
 # (op, device, reason) already logged: one line per process, not per call.

@@ -60,6 +60,25 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
+class UntrustedEntry(Exception):
+    """An entry that another user could have written: it is never loaded."""
+
+
+def check_trusted(path: Path, root: Path) -> None:
+    """Raises UntrustedEntry unless ``path`` and every directory between it and
+    ``root`` belong to this user and are not writable by group or others."""
+    current = path
+    while True:
+        st = current.stat()
+        if st.st_uid != os.getuid():
+            raise UntrustedEntry(f"{current} belongs to uid {st.st_uid}, not to this user")
+        if st.st_mode & 0o022:
+            raise UntrustedEntry(f"{current} is writable by group or others (mode {st.st_mode & 0o777:o})")
+        if current == root or current.parent == current:
+            return
+        current = current.parent
+
+
 def _op_dirname(op: str) -> str:
     return op.replace("::", ".")
 
@@ -78,15 +97,26 @@ class KernelCache:
     def entry_dir(self, op: str, signature_key: str) -> Path:
         return self._op_dir(op) / signature_key
 
-    def lock(self, op: str) -> FileLock:
-        """The lock held while an entry of ``op`` is compiled."""
+    def lock(self, op: str, timeout: float = -1) -> FileLock:
+        """The lock held while an entry of ``op`` is compiled.
+
+        An flock: the kernel releases it when its holder dies, so a crashed
+        compile never leaves a stale lock behind. ``timeout`` < 0 waits forever.
+        """
         op_dir = self._op_dir(op)
         layout.make_private_dirs(op_dir)
-        return FileLock(str(op_dir / ".lock"))
+        return FileLock(str(op_dir / ".lock"), timeout=timeout, mode=0o600)
 
     def lookup(self, op: str, signature_key: str) -> Entry | None:
-        """The published entry, or None; a damaged entry is moved aside."""
+        """The published entry, or None; a damaged entry is moved aside.
+
+        Raises UntrustedEntry for an entry that another user could have written.
+        """
         directory = self.entry_dir(op, signature_key)
+        if directory.exists():
+            check_trusted(directory, self.root)
+            for path in directory.iterdir():
+                check_trusted(path, directory)
         try:
             data = json.loads((directory / ENTRY_FILE).read_text())
         except FileNotFoundError:

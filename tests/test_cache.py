@@ -8,10 +8,11 @@ import stat
 import threading
 import uuid
 
+import filelock
 import pytest
 import torch
 
-from aoti_eager.cache import Entry, KernelCache, layout
+from aoti_eager.cache import Entry, KernelCache, UntrustedEntry, layout
 from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE
 
 CPU = torch.device("cpu")
@@ -144,3 +145,30 @@ def test_default_root_is_per_user(monkeypatch):
     monkeypatch.delenv("AOTI_EAGER_CACHE_DIR", raising=False)
     root = layout.default_root()
     assert root.name == "aoti_eager" and str(root).startswith(os.path.expanduser("~"))
+
+
+@pytest.mark.parametrize("what", ["entry-dir", "artifact", "environment-dir"])
+def test_group_writable_entries_are_refused(cache, tmp_path, what):
+    publish_kernel(cache, tmp_path)
+    directory = cache.entry_dir("aten::abs", "sig")
+    target = {"entry-dir": directory, "artifact": directory / LIBRARY_FILE, "environment-dir": cache.directory}[what]
+    os.chmod(target, stat.S_IMODE(target.stat().st_mode) | stat.S_IWGRP)
+    with pytest.raises(UntrustedEntry, match="writable by group or others"):
+        cache.lookup("aten::abs", "sig")
+    assert directory.exists()  # refused, not deleted
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="changing a file's owner needs root")
+def test_entries_of_another_user_are_refused(cache, tmp_path):
+    publish_kernel(cache, tmp_path)
+    os.chown(cache.entry_dir("aten::abs", "sig") / LIBRARY_FILE, 65534, -1)
+    with pytest.raises(UntrustedEntry, match="belongs to uid 65534"):
+        cache.lookup("aten::abs", "sig")
+
+
+def test_lock_file_is_private_and_times_out(cache):
+    held = cache.lock("aten::abs")
+    with held:
+        assert stat.S_IMODE((cache.entry_dir("aten::abs", "x").parent / ".lock").stat().st_mode) == 0o600
+        with pytest.raises(filelock.Timeout):
+            cache.lock("aten::abs", timeout=0.1).acquire()

@@ -10,6 +10,7 @@ import torch
 
 import aoti_eager
 from aoti_eager import _runtime
+from aoti_eager.cache import KernelCache, UntrustedEntry
 from aoti_eager.kernels import CompileError, load_probe
 from helpers import assert_same_as_eager
 
@@ -59,6 +60,37 @@ def test_a_runtime_that_crashes_on_load_leaves_kernels_eager(tmp_path, monkeypat
         assert_same_as_eager(r, x.abs())
     assert stats["hits"] == 0 and stats["fallbacks"] == 2
     assert "crashed a test process" in stats["fallback_reason"] and "signal 11" in stats["fallback_reason"]
+
+
+def test_untrusted_cache_entry_runs_eagerly(tmp_path, monkeypatch):
+    def untrusted(self, op, key):
+        raise UntrustedEntry(f"{self.directory} is writable by group or others (mode 775)")
+
+    monkeypatch.setattr(KernelCache, "lookup", untrusted)
+    monkeypatch.setattr(_runtime, "compile_call", lambda *a, **k: pytest.fail("must not compile"))
+    x = torch.randn(8)
+    aoti_eager.enable(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path)
+    y = torch.abs(x)
+    stats = aoti_eager.stats()["aten::abs"]
+    aoti_eager.disable()
+    assert_same_as_eager(y, x.abs())
+    assert "refused an untrusted cache entry" in stats["fallback_reason"]
+
+
+def test_waiting_on_another_process_compile_times_out_to_eager(tmp_path, monkeypatch):
+    monkeypatch.setenv("AOTI_EAGER_LOCK_TIMEOUT", "0.2")
+    monkeypatch.setattr(_runtime, "compile_call", lambda *a, **k: pytest.fail("must not compile without the lock"))
+    x = torch.randn(8)
+    aoti_eager.enable(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path)
+    override = _runtime.installed()[0]
+    with override.cache(torch.device("cpu")).lock("aten::abs"):  # as if another process were compiling
+        ys = [torch.abs(x) for _ in range(2)]
+    stats = aoti_eager.stats()["aten::abs"]
+    aoti_eager.disable()
+    for y in ys:
+        assert_same_as_eager(y, x.abs())
+    # Not remembered as eager: each call asks again until the lock is free.
+    assert (stats["misses"], stats["fallbacks"], stats["compiles"]) == (2, 2, 0), stats
 
 
 def test_eagers_own_error_reaches_the_caller(tmp_path, monkeypatch):
