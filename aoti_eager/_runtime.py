@@ -35,6 +35,13 @@ DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 # A CUDA library must carry its kernels' binaries: it is moved into the cache.
 INDUCTOR_OPTIONS = {"cuda": {"aot_inductor.embed_kernel_binary": True}}
 
+def max_value_variants() -> int:
+    """Compiles per op and signature shape that differ only in the values of
+    numbers (``$AOTI_EAGER_MAX_VALUE_VARIANTS``, default 8, like dynamo's cache
+    size limit); further values run eagerly instead of compiling forever."""
+    return int(os.environ.get("AOTI_EAGER_MAX_VALUE_VARIANTS", "8"))
+
+
 def lock_timeout() -> float:
     """Seconds a miss waits for another process compiling the same op
     (``$AOTI_EAGER_LOCK_TIMEOUT``, default 900) before running eagerly."""
@@ -71,6 +78,8 @@ class Override:
     decisions: dict[tuple[str, str], Any] = field(default_factory=dict)
     _caches: dict[str, KernelCache] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    # CallSignature.shape_key -> compiles attempted for it in this process.
+    _value_variants: dict[str, int] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -123,6 +132,14 @@ class Override:
         self._eager(f"unsupported input: {reason}")
 
     def _compile(self, signature: CallSignature) -> Any:
+        variants = self._value_variants.get(signature.shape_key, 0)
+        if variants >= max_value_variants():
+            return self._eager(
+                f"{variants} kernels already compiled for new values of its numeric arguments "
+                f"(AOTI_EAGER_MAX_VALUE_VARIANTS={max_value_variants()}); further values run eagerly",
+                signature,
+            )
+        self._value_variants[signature.shape_key] = variants + 1
         # The original kernel runs first, on copies: it gives the result the
         # compiled kernel must match, and eager's own error for a bad call.
         reference_args = clone_args(signature.args)

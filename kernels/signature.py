@@ -137,6 +137,19 @@ class CallSignature:
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
     @property
+    def shape_key(self) -> str:
+        """The key without the values of numbers: signatures that share it
+        differ only in values compiled into the kernel (``alpha``, ``lr``, ...)."""
+
+        def strip(d: dict[str, Any]) -> dict[str, Any]:
+            if d["kind"] == "list":
+                return {**d, "items": [strip(i) for i in d["items"]]}
+            return {k: v for k, v in d.items() if not (k == "value" and d["kind"] in ("number", "int", "float"))}
+
+        text = json.dumps([str(self.op._schema), [strip(d) for d in self.described]], sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+    @property
     def decision_key(self) -> tuple[str, str]:
         """What a process remembers a decision by: a kernel is loaded per device."""
         return (self.key, str(self.device))

@@ -93,6 +93,29 @@ def test_waiting_on_another_process_compile_times_out_to_eager(tmp_path, monkeyp
     assert (stats["misses"], stats["fallbacks"], stats["compiles"]) == (2, 2, 0), stats
 
 
+def test_new_scalar_values_stop_compiling_past_the_limit(tmp_path, monkeypatch, caplog):
+    attempts = []
+
+    def failing_compile(signature, *args):
+        attempts.append(signature.short())
+        raise CompileError("AOTInductor failed: RuntimeError: injected")
+
+    monkeypatch.setenv("AOTI_EAGER_MAX_VALUE_VARIANTS", "2")
+    monkeypatch.setattr(_runtime, "compile_call", failing_compile)
+    x = torch.randn(8)
+    aoti_eager.enable(["aten::mul.Tensor"], devices=["cpu"], cache_dir=tmp_path)
+    with caplog.at_level(logging.WARNING, logger="aoti_eager"):
+        results = [torch.mul(x, s) for s in (0.5, 1.5, 2.5, 3.5, 0.5)]
+        torch.mul(x, x)  # another shape of signature: not limited by the numbers' variants
+    stats = aoti_eager.stats()["aten::mul.Tensor"]
+    aoti_eager.disable()
+    for r, s in zip(results, (0.5, 1.5, 2.5, 3.5, 0.5)):
+        assert_same_as_eager(r, x * s)
+    assert len(attempts) == 3, attempts  # 0.5, 1.5, then x * x; 2.5 and 3.5 hit the limit
+    assert stats["fallbacks"] == 6 and stats["hits"] == 0
+    assert sum("AOTI_EAGER_MAX_VALUE_VARIANTS" in r.message for r in caplog.records) == 1
+
+
 def test_eagers_own_error_reaches_the_caller(tmp_path, monkeypatch):
     monkeypatch.setattr(_runtime, "compile_call", lambda *a, **k: pytest.fail("must not compile a failing call"))
     a, b = torch.randn(3), torch.randn(4)
