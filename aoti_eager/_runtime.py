@@ -24,16 +24,13 @@ from aoti_eager import _extension
 from aoti_eager._ops import qualified_name
 from aoti_eager.cache import Entry, KernelCache, UntrustedEntry
 from aoti_eager.kernels import CallSignature, CompileError, Unsupported, compile_call
-from aoti_eager.kernels.compile import call_op, sidecar_files
+from aoti_eager.kernels.compile import call_op, compile_options, sidecar_files
 from aoti_eager.kernels.load_probe import check_loads
 from aoti_eager.kernels.validate import Mismatch, check_matches_eager, clone_args
 
 log = logging.getLogger("aoti_eager")
 
 DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
-
-# A CUDA library must carry its kernels' binaries: it is moved into the cache.
-INDUCTOR_OPTIONS = {"cuda": {"aot_inductor.embed_kernel_binary": True}}
 
 def max_value_variants() -> int:
     """Compiles per op and signature shape that differ only in the values of
@@ -88,7 +85,7 @@ class Override:
     def cache(self, device: torch.device) -> KernelCache:
         """The cache of kernels for ``device`` (keyed by its capability, not its index)."""
         if str(device) not in self._caches:
-            self._caches[str(device)] = KernelCache(self.root, device)
+            self._caches[str(device)] = KernelCache(self.root, device, compile_options(device.type))
         return self._caches[str(device)]
 
     def decide(self, args: list[Any]) -> Any:
@@ -111,6 +108,7 @@ class Override:
                 entry = cache.lookup(self.name, signature.key)
                 if entry is None:
                     with _compile_lock, cache.lock(self.name, timeout=lock_timeout()):
+                        cache.remove_abandoned(self.name)
                         # Another process may have compiled it while we waited.
                         entry = cache.lookup(self.name, signature.key)
                         if entry is None:
@@ -149,7 +147,7 @@ class Override:
             return self._remember(signature, False)
         start = time.perf_counter()
         try:
-            artifact = compile_call(signature, expected, INDUCTOR_OPTIONS.get(signature.device.type))
+            artifact = compile_call(signature, expected)
         except CompileError as e:
             log.debug("aoti_eager: compiling %s failed", self.name, exc_info=e.__cause__)
             return self._publish_eager(signature, str(e))

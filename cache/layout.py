@@ -18,8 +18,10 @@ import hashlib
 import json
 import os
 import platform
+import subprocess
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import platformdirs
 import torch
@@ -94,8 +96,24 @@ def _cpu_isa(root: Path, torch_version: str) -> str:
     return isa
 
 
-def environment_fields(root: Path, device: torch.device) -> dict[str, str]:
-    """Everything besides the call that shapes a kernel compiled for ``device``.
+@lru_cache(maxsize=None)
+def cpp_compiler() -> str:
+    """The C++ compiler Inductor builds with, and its version."""
+    from torch._inductor.cpp_builder import get_cpp_compiler
+
+    compiler = get_cpp_compiler()
+    try:
+        out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return f"{compiler}: {(out.splitlines() or ['unknown version'])[0]}"
+
+
+def environment_fields(
+    root: Path, device: torch.device, compile_options: dict[str, Any] | None = None
+) -> dict[str, str]:
+    """Everything besides the call that shapes a kernel compiled for ``device``
+    with the given Inductor options.
 
     Never the device index: a kernel compiled on ``cuda:0`` serves ``cuda:1``
     of the same architecture.
@@ -106,6 +124,8 @@ def environment_fields(root: Path, device: torch.device) -> dict[str, str]:
         "torch_git": str(torch.version.git_version),
         "aoti_eager": PACKAGE_VERSION,
         "machine": platform.machine(),
+        "compiler": cpp_compiler(),
+        "inductor_options": json.dumps(compile_options or {}, sort_keys=True),
     }
     if device.type == "cpu":
         fields["isa"] = cpu_isa(root)
@@ -124,9 +144,9 @@ def environment_fields(root: Path, device: torch.device) -> dict[str, str]:
     return fields
 
 
-def environment_key(root: Path, device: torch.device) -> str:
+def environment_key(root: Path, device: torch.device, compile_options: dict[str, Any] | None = None) -> str:
     """A directory name for :func:`environment_fields`: readable, then a digest."""
-    fields = environment_fields(root, device)
+    fields = environment_fields(root, device, compile_options)
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
     capability = fields.get("isa") or fields.get("arch") or "generic"
     return f"{device.type}-{capability}-torch{fields['torch']}-{digest}"

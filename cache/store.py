@@ -86,10 +86,11 @@ def _op_dirname(op: str) -> str:
 class KernelCache:
     """The entries of one cache root for one device."""
 
-    def __init__(self, root: Path, device: torch.device):
+    def __init__(self, root: Path, device: torch.device, compile_options: dict[str, Any] | None = None):
         self.root = Path(root)
         self.device = device
-        self.directory = self.root / layout.LAYOUT_VERSION / layout.environment_key(self.root, device)
+        environment = layout.environment_key(self.root, device, compile_options)
+        self.directory = self.root / layout.LAYOUT_VERSION / environment
 
     def _op_dir(self, op: str) -> Path:
         return self.directory / _op_dirname(op)
@@ -106,6 +107,16 @@ class KernelCache:
         op_dir = self._op_dir(op)
         layout.make_private_dirs(op_dir)
         return FileLock(str(op_dir / ".lock"), timeout=timeout, mode=0o600)
+
+    def remove_abandoned(self, op: str) -> None:
+        """Removes entries half-assembled by processes that died while publishing.
+
+        Call it holding :meth:`lock`: entries are only published under it, so
+        any temporary entry then belongs to no living process.
+        """
+        for tmp in self._op_dir(op).glob(".tmp-*"):
+            log.info("aoti_eager: removing %s, left by a process that died while publishing", tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def lookup(self, op: str, signature_key: str) -> Entry | None:
         """The published entry, or None; a damaged entry is moved aside.

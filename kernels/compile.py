@@ -24,12 +24,19 @@ from aoti_eager.kernels.signature import CallSignature
 log = logging.getLogger("aoti_eager")
 
 
-# Inductor's defaults, changed where an op-sized kernel differs from a model:
-# a CPU loop is split across threads only above ATen's grain size (as eager
+# Inductor's defaults, changed where an op-sized kernel differs from a model.
+# CPU: a loop is split across threads only above ATen's grain size (as eager
 # does), so that a small op does not pay for an OpenMP fork and join.
-DEFAULT_INDUCTOR_OPTIONS: dict[str, Any] = {
-    "cpp.min_chunk_size": 32768,
+# CUDA: the library carries its kernels' binaries, as it is moved into the cache.
+_INDUCTOR_OPTIONS: dict[str, dict[str, Any]] = {
+    "cpu": {"cpp.min_chunk_size": 32768},
+    "cuda": {"aot_inductor.embed_kernel_binary": True},
 }
+
+
+def compile_options(device_type: str) -> dict[str, Any]:
+    """The Inductor options kernels for ``device_type`` are compiled with (part of the cache key)."""
+    return dict(_INDUCTOR_OPTIONS.get(device_type, {}))
 
 
 class CompileError(Exception):
@@ -137,7 +144,7 @@ class _OpCall(torch.nn.Module):
         return [0 if aliased else (len(r) if isinstance(r, (list, tuple)) else -1) for aliased, r in zip(self.aliased, results)]
 
 
-def compile_call(signature: CallSignature, eager_result: Any, inductor_options: dict[str, Any] | None = None) -> Artifact:
+def compile_call(signature: CallSignature, eager_result: Any) -> Artifact:
     """Compiles ``signature``'s call into a library in a temporary directory.
 
     ``eager_result`` is what the original kernel returned for the call; it fixes
@@ -162,7 +169,7 @@ def compile_call(signature: CallSignature, eager_result: Any, inductor_options: 
             seconds["export"] = time.perf_counter() - start
             stage = "AOTInductor"
             start = time.perf_counter()
-            options = {**DEFAULT_INDUCTOR_OPTIONS, **(inductor_options or {}), "aot_inductor.output_path": str(library)}
+            options = {**compile_options(signature.device.type), "aot_inductor.output_path": str(library)}
             torch._inductor.aot_compile(exported.module(), example, options=options)
             seconds["compile"] = time.perf_counter() - start
             # Ops that AOTInductor leaves to the dispatcher are described in a

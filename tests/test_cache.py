@@ -123,6 +123,26 @@ def test_environment_key_changes_with_what_shapes_a_kernel(tmp_path, monkeypatch
     monkeypatch.undo()
 
 
+def test_environment_key_names_the_compiler_and_the_inductor_options(tmp_path, monkeypatch):
+    monkeypatch.setattr(layout, "cpu_isa", lambda root: "avx2")
+    base = layout.environment_key(tmp_path, CPU, {"cpp.min_chunk_size": 32768})
+    assert layout.environment_key(tmp_path, CPU, {"cpp.min_chunk_size": 1}) != base
+    monkeypatch.setattr(layout, "cpp_compiler", lambda: "g++: g++ 99.0")
+    assert layout.environment_key(tmp_path, CPU, {"cpp.min_chunk_size": 32768}) != base
+
+
+def test_entries_abandoned_mid_publish_are_removed_under_the_lock(cache, tmp_path):
+    publish_kernel(cache, tmp_path)
+    op_dir = cache.entry_dir("aten::abs", "sig").parent
+    abandoned = op_dir / ".tmp-deadbeef"
+    abandoned.mkdir()
+    (abandoned / LIBRARY_FILE).write_bytes(b"half")
+    with cache.lock("aten::abs"):
+        cache.remove_abandoned("aten::abs")
+    assert not abandoned.exists()
+    assert cache.lookup("aten::abs", "sig") is not None
+
+
 def test_device_index_is_not_in_the_key(tmp_path, monkeypatch):
     monkeypatch.setattr(layout, "cpu_isa", lambda root: "avx2")
     assert layout.environment_key(tmp_path, torch.device("cpu")) == layout.environment_key(tmp_path, torch.device("cpu", 0))
