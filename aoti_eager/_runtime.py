@@ -56,7 +56,6 @@ class OpStats:
 
     compiles: int = 0
     cache_loads: int = 0
-    eager_signatures: int = 0
     compile_seconds: float = 0.0
     last_fallback_reason: str | None = None
 
@@ -172,7 +171,8 @@ class Override:
             artifact.workdir.cleanup()
         self.stats.compiles += 1
         self.stats.compile_seconds += seconds
-        log.info("aoti_eager: compiled %s for (%s) in %.1f s", self.name, signature.short(), seconds)
+        stages = ", ".join(f"{stage} {t:.1f} s" for stage, t in artifact.seconds.items())
+        log.info("aoti_eager: compiled %s for (%s) in %.1f s (%s)", self.name, signature.short(), seconds, stages)
         return self._adopt(signature, entry, loaded=False)
 
     def _adopt(self, signature: CallSignature, entry: Entry, loaded: bool) -> Any:
@@ -202,7 +202,6 @@ class Override:
     def _eager(self, reason: str, signature: CallSignature | None = None) -> bool:
         if signature is not None:
             self._remember(signature, False)
-        self.stats.eager_signatures += 1
         self.stats.last_fallback_reason = reason
         self._log(reason)
         return False
