@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -98,10 +99,12 @@ def _cpu_isa(root: Path, torch_version: str) -> str:
 
 @lru_cache(maxsize=None)
 def cpp_compiler() -> str:
-    """The C++ compiler Inductor builds with, and its version."""
-    from torch._inductor.cpp_builder import get_cpp_compiler
+    """The C++ compiler Inductor builds with, and its version.
 
-    compiler = get_cpp_compiler()
+    Inductor's own default (``$CXX``, else g++), found without importing
+    Inductor: a warm process must not pay seconds for that import.
+    """
+    compiler = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
     try:
         out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
