@@ -8,7 +8,6 @@ ops stay mutating: the library writes into the given tensors.
 
 from __future__ import annotations
 
-import logging
 import shutil
 import tempfile
 import time
@@ -20,8 +19,6 @@ from typing import Any
 import torch
 
 from aoti_eager.kernels.signature import CallSignature
-
-log = logging.getLogger("aoti_eager")
 
 
 # Inductor's defaults, changed where an op-sized kernel differs from a model.
@@ -51,11 +48,6 @@ class Artifact:
     output_counts: list[int]
     seconds: dict[str, float] = field(default_factory=dict)
     workdir: tempfile.TemporaryDirectory | None = None
-
-
-def returns_alias(op: torch._ops.OpOverload) -> list[bool]:
-    """For each return: whether it is a mutated argument handed back (in-place, out=)."""
-    return [r.alias_info is not None and r.alias_info.is_write for r in op._schema.returns]
 
 
 def mutated_arguments(op: torch._ops.OpOverload) -> list[int]:
@@ -106,7 +98,8 @@ class _OpCall(torch.nn.Module):
         super().__init__()
         self.op = signature.op
         self.signature = signature
-        self.aliased = returns_alias(signature.op)
+        # Returns that hand back a mutated argument (in-place, out=).
+        self.aliased = [i is not None for i in return_alias_indices(signature.op)]
 
     def _arguments(self, tensors: list[torch.Tensor]) -> list[Any]:
         it = iter(tensors)
