@@ -14,9 +14,10 @@ namespace aoti_eager {
 
 class CompiledKernel {
  public:
-  // `device` is where the kernel runs ("cpu", "cuda:1"). `output_counts` has one entry per return of the op's schema: -1 for a
-  // Tensor, N for a Tensor[] of N tensors, 0 for a return that aliases a
-  // mutated argument (the kernel writes into that argument in place).
+  // `device` is where the kernel runs ("cpu", "cuda:1"). `output_counts` has
+  // one entry per return of the op's schema: -1 for a Tensor, N for a
+  // Tensor[] of N tensors, 0 for a return that aliases a mutated argument
+  // (the kernel writes into that argument in place).
   CompiledKernel(
       const std::string& library_path,
       const std::string& device,

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from functools import lru_cache
 from pathlib import Path
 
 _CHILD = "import sys, aoti_eager._extension as e; e.load().CompiledKernel(sys.argv[1], sys.argv[2], [])"
@@ -23,14 +22,19 @@ class UnsafeToLoad(RuntimeError):
     """Loading a kernel crashed a child process: kernels here stay eager."""
 
 
+# Environment directory -> the reason its kernels are unsafe, or None.
+_verdicts: dict[Path, str | None] = {}
+
+
 def check_loads(environment_dir: Path, library: Path, device: str) -> None:
-    """Raises UnsafeToLoad unless kernels of ``environment_dir`` load safely."""
-    reason = _verdict(environment_dir, str(library), device)
-    if reason is not None:
-        raise UnsafeToLoad(reason)
+    """Raises UnsafeToLoad unless kernels of ``environment_dir`` load safely;
+    ``library`` is the one tried if the environment has no verdict yet."""
+    if environment_dir not in _verdicts:
+        _verdicts[environment_dir] = _verdict(environment_dir, str(library), device)
+    if _verdicts[environment_dir] is not None:
+        raise UnsafeToLoad(_verdicts[environment_dir])
 
 
-@lru_cache(maxsize=None)
 def _verdict(environment_dir: Path, library: str, device: str) -> str | None:
     record = environment_dir / VERDICT_FILE
     try:

@@ -49,13 +49,13 @@ def test_failed_compile_falls_back_once_and_is_remembered(tmp_path, monkeypatch,
 
 def test_a_runtime_that_crashes_on_load_leaves_kernels_eager(tmp_path, monkeypatch):
     monkeypatch.setattr(load_probe, "_CHILD", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
-    load_probe._verdict.cache_clear()
+    load_probe._verdicts.clear()
     x = torch.randn(32)
     aoti_eager.enable(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path)
     results = [torch.abs(x) for _ in range(2)]
     stats = aoti_eager.stats()["aten::abs"]
     aoti_eager.disable()
-    load_probe._verdict.cache_clear()
+    load_probe._verdicts.clear()
     for r in results:
         assert_same_as_eager(r, x.abs())
     assert stats["hits"] == 0 and stats["fallbacks"] == 2
