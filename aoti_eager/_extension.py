@@ -73,15 +73,31 @@ def load() -> ModuleType:
         with FileLock(str(directory / "build.lock")):
             if not library.exists():
                 log.info("building the aoti_eager C++ extension for torch %s (once per torch build)", torch.__version__)
-                from torch.utils.cpp_extension import load as build
-
-                build(
-                    name=_NAME,
-                    sources=[str(s) for s in _SOURCES],
-                    extra_cflags=["-O3", "-std=c++17"],
-                    build_directory=str(directory),
-                    verbose=os.environ.get("AOTI_EAGER_VERBOSE_BUILD") == "1",
-                    # Only built here; imported below under its package name.
-                    is_python_module=False,
-                )
+                _build(directory)
     return _import_from(library)
+
+
+def _build(directory: Path) -> None:
+    from torch.utils.cpp_extension import load as build
+
+    from aoti_eager.kernels.toolchain import cpp_compiler
+
+    # cpp_extension builds with $CXX: make it the compiler the kernels use,
+    # one whose libraries are known to work beside torch.
+    user_cxx = os.environ.get("CXX")
+    os.environ["CXX"] = cpp_compiler(layout.default_root())
+    try:
+        build(
+            name=_NAME,
+            sources=[str(s) for s in _SOURCES],
+            extra_cflags=["-O3", "-std=c++17"],
+            build_directory=str(directory),
+            verbose=os.environ.get("AOTI_EAGER_VERBOSE_BUILD") == "1",
+            # Only built here; imported below under its package name.
+            is_python_module=False,
+        )
+    finally:
+        if user_cxx is None:
+            del os.environ["CXX"]
+        else:
+            os.environ["CXX"] = user_cxx

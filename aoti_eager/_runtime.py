@@ -84,7 +84,7 @@ class Override:
     def cache(self, device: torch.device) -> KernelCache:
         """The cache of kernels for ``device`` (keyed by its capability, not its index)."""
         if str(device) not in self._caches:
-            self._caches[str(device)] = KernelCache(self.root, device, compile_options(device.type))
+            self._caches[str(device)] = KernelCache(self.root, device, compile_options(device.type, self.root))
         return self._caches[str(device)]
 
     def decide(self, args: list[Any]) -> Any:
@@ -146,7 +146,7 @@ class Override:
             return self._remember(signature, False)
         start = time.perf_counter()
         try:
-            artifact = compile_call(signature, expected)
+            artifact = compile_call(signature, expected, self.cache(signature.device).compile_options)
         except CompileError as e:
             log.debug("aoti_eager: compiling %s failed", self.name, exc_info=e.__cause__)
             return self._publish_eager(signature, str(e))

@@ -98,13 +98,12 @@ def _cpu_isa(root: Path, torch_version: str) -> str:
 
 
 @lru_cache(maxsize=None)
-def cpp_compiler() -> str:
-    """The C++ compiler Inductor builds with, and its version.
+def cpp_compiler(compiler: str | None = None) -> str:
+    """``compiler`` (by default Inductor's: ``$CXX``, else g++) and its version.
 
-    Inductor's own default (``$CXX``, else g++), found without importing
-    Inductor: a warm process must not pay seconds for that import.
+    Found without importing Inductor: a warm process must not pay seconds for that import.
     """
-    compiler = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+    compiler = compiler or os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
     try:
         out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
@@ -127,7 +126,7 @@ def environment_fields(
         "torch_git": str(torch.version.git_version),
         "aoti_eager": PACKAGE_VERSION,
         "machine": platform.machine(),
-        "compiler": cpp_compiler(),
+        "compiler": cpp_compiler((compile_options or {}).get("cpp.cxx", (None, None))[1]),
         "inductor_options": json.dumps(compile_options or {}, sort_keys=True),
     }
     if device.type == "cpu":

@@ -89,7 +89,8 @@ class KernelCache:
     def __init__(self, root: Path, device: torch.device, compile_options: dict[str, Any] | None = None):
         self.root = Path(root)
         self.device = device
-        environment = layout.environment_key(self.root, device, compile_options)
+        self.compile_options = compile_options or {}
+        environment = layout.environment_key(self.root, device, self.compile_options)
         self.directory = self.root / layout.LAYOUT_VERSION / environment
 
     def _op_dir(self, op: str) -> Path:

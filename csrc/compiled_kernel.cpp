@@ -22,18 +22,21 @@ CompiledKernel::CompiledKernel(
       "aoti_eager: this PyTorch build has no AOTInductor runner for device '",
       device_type,
       "'");
-  // One model instance: the container serializes concurrent runs on it, which
-  // makes a loaded kernel safe to call from several threads.
+  // One model, run without the container's model pool: the pool's locks and
+  // its CUDA event per run (recorded, then waited on by the next run) cost
+  // more than a small kernel, and that wait is not allowed while a CUDA graph
+  // is being captured. run_mutex_ serializes the runs instead.
   runner_ = it->second(
       library_path,
       /*num_models=*/1,
       device,
       /*bin_dir=*/"",
-      /*run_single_threaded=*/false);
+      /*run_single_threaded=*/true);
 }
 
 std::vector<at::Tensor> CompiledKernel::run(
     std::vector<at::Tensor>& inputs) const {
+  std::lock_guard<std::mutex> lock(run_mutex_);
   if (device_.is_cpu()) {
     return runner_->run(inputs, /*stream_handle=*/nullptr);
   }

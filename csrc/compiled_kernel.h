@@ -7,6 +7,7 @@
 #include <torch/csrc/inductor/aoti_runner/model_container_runner.h>
 
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,7 @@ class CompiledKernel {
  private:
   c10::Device device_;
   std::unique_ptr<torch::inductor::AOTIModelContainerRunner> runner_;
+  mutable std::mutex run_mutex_;
   std::vector<int64_t> output_counts_;
 };
 

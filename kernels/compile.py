@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from aoti_eager.kernels.signature import CallSignature
+from aoti_eager.kernels.toolchain import cpp_compiler
 
 
 # Inductor's defaults, changed where an op-sized kernel differs from a model.
@@ -31,9 +32,10 @@ _INDUCTOR_OPTIONS: dict[str, dict[str, Any]] = {
 }
 
 
-def compile_options(device_type: str) -> dict[str, Any]:
-    """The Inductor options kernels for ``device_type`` are compiled with (part of the cache key)."""
-    return dict(_INDUCTOR_OPTIONS.get(device_type, {}))
+def compile_options(device_type: str, root: Path) -> dict[str, Any]:
+    """The Inductor options kernels for ``device_type`` are compiled with (part of
+    the cache key); ``root`` keeps the verdict on which compiler to use."""
+    return {**_INDUCTOR_OPTIONS.get(device_type, {}), "cpp.cxx": (None, cpp_compiler(root))}
 
 
 class CompileError(Exception):
@@ -137,8 +139,9 @@ class _OpCall(torch.nn.Module):
         return [0 if aliased else (len(r) if isinstance(r, (list, tuple)) else -1) for aliased, r in zip(self.aliased, results)]
 
 
-def compile_call(signature: CallSignature, eager_result: Any) -> Artifact:
-    """Compiles ``signature``'s call into a library in a temporary directory.
+def compile_call(signature: CallSignature, eager_result: Any, options: dict[str, Any]) -> Artifact:
+    """Compiles ``signature``'s call with the Inductor ``options`` (see
+    :func:`compile_options`) into a library in a temporary directory.
 
     ``eager_result`` is what the original kernel returned for the call; it fixes
     the structure of the outputs (e.g. the length of a returned Tensor[]).
@@ -162,8 +165,9 @@ def compile_call(signature: CallSignature, eager_result: Any) -> Artifact:
             seconds["export"] = time.perf_counter() - start
             stage = "AOTInductor"
             start = time.perf_counter()
-            options = {**compile_options(signature.device.type), "aot_inductor.output_path": str(library)}
-            torch._inductor.aot_compile(exported.module(), example, options=options)
+            torch._inductor.aot_compile(
+                exported.module(), example, options={**options, "aot_inductor.output_path": str(library)}
+            )
             seconds["AOTInductor"] = time.perf_counter() - start
             # Ops that AOTInductor leaves to the dispatcher are described in a
             # JSON file, which the runner looks for beside the library.

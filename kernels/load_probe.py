@@ -1,10 +1,11 @@
 """Whether AOTInductor's runtime loads kernels without crashing here.
 
-Some builds crash the process (a segmentation fault) when AOTInductor creates
-a model container; seen with CUDA kernels under torch 2.11 on an H100, and with
-PyTorch's own ``aoti_load_package`` too. A crash cannot be caught, so the first
-kernel of each cache environment is loaded once in a child process and the
-verdict is kept beside the environment's entries.
+A library can crash the process (a segmentation fault) when AOTInductor
+creates its model container, e.g. one built by a compiler that links its own
+libstdc++ (see :mod:`aoti_eager.kernels.toolchain`, which avoids the known
+case). A crash cannot be caught, so the first kernel of each cache environment
+is loaded once in a child process and the verdict is kept beside the
+environment's entries.
 """
 
 from __future__ import annotations

@@ -1,0 +1,98 @@
+"""The C++ compiler that kernels are built with.
+
+Inductor builds with ``$CXX``, else ``g++``. Some compilers link libstdc++
+statically into every shared library they build (custom GCC builds do). Such a
+library crashes the process as soon as it touches ``std::locale`` beside
+torch's own libstdc++, and AOTInductor's runtime does that when it creates a
+model: it parses the device string with ``std::regex``. So each candidate
+builds a small library that does the same, a child process loads it beside
+torch, and the first candidate that passes is used. The verdict is kept on
+disk per set of candidates and torch build, as it costs seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+from aoti_eager.cache import layout
+
+log = logging.getLogger("aoti_eager")
+
+_TEST_LIBRARY_SOURCE = r"""
+#include <regex>
+#include <string>
+extern "C" int aoti_eager_toolchain_check() {
+  std::string device = "cuda:0";
+  std::smatch match;
+  return std::regex_match(device, match, std::regex("(cpu|cuda)(:([0-9]+))?")) ? 0 : 1;
+}
+"""
+_LOAD_BESIDE_TORCH = "import ctypes, sys, torch; sys.exit(ctypes.CDLL(sys.argv[1]).aoti_eager_toolchain_check())"
+
+
+def candidates() -> list[str]:
+    """Compilers to try, in order: ``$CXX`` (Inductor's choice), then the usual names on PATH."""
+    names = [os.environ.get("CXX"), "clang++" if sys.platform == "darwin" else "g++", "c++", "clang++"]
+    found: dict[str, str] = {}
+    for name in filter(None, names):
+        path = shutil.which(name)
+        if path:
+            found.setdefault(os.path.realpath(path), path)
+    return list(found.values())
+
+
+def why_unusable(compiler: str) -> str | None:
+    """None if a library built by ``compiler`` runs beside torch, else the reason."""
+    with tempfile.TemporaryDirectory(prefix="aoti_eager-toolchain-") as workdir:
+        source, library = Path(workdir, "check.cpp"), Path(workdir, "check.so")
+        source.write_text(_TEST_LIBRARY_SOURCE)
+        build = subprocess.run(
+            [compiler, "-shared", "-fPIC", "-std=c++17", str(source), "-o", str(library)],
+            capture_output=True, text=True, timeout=300,
+        )
+        if build.returncode != 0:
+            return f"cannot build a shared library: {(build.stderr.strip().splitlines() or [''])[-1][:200]}"
+        load = subprocess.run([sys.executable, "-c", _LOAD_BESIDE_TORCH, str(library)], capture_output=True, timeout=300)
+        if load.returncode < 0:
+            return f"its libraries crash a process that has imported torch (signal {-load.returncode})"
+        if load.returncode != 0:
+            return f"its libraries fail beside torch (exit code {load.returncode})"
+    return None
+
+
+@lru_cache(maxsize=None)
+def cpp_compiler(root: Path) -> str:
+    """The first of :func:`candidates` whose libraries work beside torch.
+
+    Falls back to the first candidate when none passes: kernels then fail to
+    compile or to load, and their calls run eagerly.
+    """
+    found = candidates()
+    digest = hashlib.sha256(json.dumps([found, torch.__version__]).encode()).hexdigest()[:16]
+    record = root / "machine" / f"compiler-{digest}.json"
+    try:
+        return json.loads(record.read_text())["compiler"]
+    except (OSError, ValueError, KeyError):
+        pass
+    chosen = None
+    for compiler in found:
+        reason = why_unusable(compiler)
+        if reason is None:
+            chosen = compiler
+            break
+        log.warning("aoti_eager: not building kernels with %s: %s", compiler, reason)
+    chosen = chosen or (found[0] if found else "g++")
+    layout.make_private_dirs(record.parent)
+    layout.atomic_write_text(record, json.dumps({"compiler": chosen, "candidates": found}))
+    return chosen
