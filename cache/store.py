@@ -99,16 +99,17 @@ def read_entry(directory: Path, root: Path) -> Entry | None:
 
     Raises UntrustedEntry (see :func:`check_trusted`) or DamagedEntry.
     """
-    if not directory.exists():
-        return None
-    check_trusted(directory, root)
-    for path in directory.iterdir():
-        check_trusted(path, directory)
+    try:
+        check_trusted(directory, root)
+        for path in directory.iterdir():
+            check_trusted(path, directory)
+    except FileNotFoundError:
+        return None  # none, or removed meanwhile
     try:
         data = json.loads((directory / ENTRY_FILE).read_text())
     except FileNotFoundError:
         if not directory.exists():
-            return None  # removed meanwhile
+            return None
         raise DamagedEntry(f"{ENTRY_FILE} is missing") from None
     except (OSError, ValueError) as e:
         raise DamagedEntry(f"unreadable {ENTRY_FILE}: {e}") from None
@@ -238,6 +239,9 @@ class KernelCache:
         process and entry, as a process remembers what it found.
         """
         directory = self.entry_dir(op, signature_key)
+        if self._op_dir(op).exists():
+            # Even on a miss: a kernel is never compiled into a directory others could write.
+            check_trusted(self._op_dir(op), self.root)
         try:
             entry = read_entry(directory, self.root)
         except DamagedEntry as e:

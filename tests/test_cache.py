@@ -171,15 +171,24 @@ def test_default_root_is_per_user(monkeypatch):
     assert root.name == "aoti_eager" and str(root).startswith(os.path.expanduser("~"))
 
 
-@pytest.mark.parametrize("what", ["entry-dir", "artifact", "environment-dir"])
+@pytest.mark.parametrize("what", ["entry-dir", "artifact", "op-dir", "environment-dir"])
 def test_group_writable_entries_are_refused(cache, tmp_path, what):
     publish_kernel(cache, tmp_path)
     directory = cache.entry_dir("aten::abs", "sig")
-    target = {"entry-dir": directory, "artifact": directory / LIBRARY_FILE, "environment-dir": cache.directory}[what]
+    target = {
+        "entry-dir": directory,
+        "artifact": directory / LIBRARY_FILE,
+        "op-dir": directory.parent,
+        "environment-dir": cache.directory,
+    }[what]
     os.chmod(target, stat.S_IMODE(target.stat().st_mode) | stat.S_IWGRP)
     with pytest.raises(UntrustedEntry, match="writable by group or others"):
         cache.lookup("aten::abs", "sig")
     assert directory.exists()  # refused, not deleted
+    if what in ("op-dir", "environment-dir"):
+        # Not even a miss: nothing is compiled into a directory others could write.
+        with pytest.raises(UntrustedEntry):
+            cache.lookup("aten::abs", "not-compiled-yet")
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="changing a file's owner needs root")
