@@ -37,6 +37,11 @@ def _duration(text: str) -> float:
     return float(match[1]) * _DURATION_UNITS[match[2]]
 
 
+def _op(text: str) -> str:
+    """``add``, ``add.Tensor``: aten ops may be named without ``aten::``."""
+    return text if "::" in text else f"aten::{text}"
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
@@ -247,7 +252,7 @@ def _parser() -> argparse.ArgumentParser:
     command(cache, "path", lambda root, args: print(json.dumps(str(root)) if args.json else root),
             "print the cache directory ($AOTI_EAGER_CACHE_DIR or the per-user cache dir)")
     listing = command(cache, "list", cache_list, "entries per op: signature, size, compile time, last use")
-    listing.add_argument("--op", help="only this op (aten::add: all its overloads)")
+    listing.add_argument("--op", type=_op, help="only this op (aten::add or add: all its overloads)")
     command(cache, "stats", cache_stats, "entries and bytes, by op and by device")
     verify = command(cache, "verify", cache_verify, "re-hash every entry; exit code 1 if any is bad")
     verify.add_argument("--quarantine", action="store_true", help="move bad entries to the quarantine")
@@ -255,7 +260,7 @@ def _parser() -> argparse.ArgumentParser:
     prune.add_argument("--max-size", type=_size, help="keep at most this much, e.g. 5GiB (default: the size limit)")
     prune.add_argument("--older-than", type=_duration, help="also evict entries unused for this long, e.g. 30d")
     clear = command(cache, "clear", cache_clear, "remove every entry (and the quarantine)")
-    clear.add_argument("--op", help="only this op's entries (aten::add: all its overloads)")
+    clear.add_argument("--op", type=_op, help="only this op's entries (aten::add or add: all its overloads)")
     command(commands, "doctor", doctor, "check the environment: torch, compiler, ISA, CUDA, cache, C++ extension")
     return parser
 

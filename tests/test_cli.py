@@ -105,7 +105,7 @@ def test_prune_by_size_and_by_age(cache, capsys):
 
 
 def test_clear_one_op_then_everything(cache, capsys):
-    code, report = cli_json(cache, capsys, "cache", "clear", "--op", "aten::add")
+    code, report = cli_json(cache, capsys, "cache", "clear", "--op", "add")
     assert code == 0 and report["removed"] == 1
     assert {listing.op for listing in inventory.entries(cache.root)} == {"aten::abs"}
     (cache.entry_dir("aten::abs", "old") / ENTRY_FILE).write_text("{")
