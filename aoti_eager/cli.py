@@ -43,11 +43,12 @@ def _op(text: str) -> str:
 
 
 def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
         n /= 1024
-    raise AssertionError
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"
 
 
 def _when(timestamp: float) -> str:
