@@ -69,7 +69,7 @@ def load() -> ModuleType:
     directory = build_directory()
     library = directory / f"{_NAME}.so"
     if not library.exists():
-        layout.make_private_dirs(directory)
+        layout.make_cache_dirs(directory)
         with FileLock(str(directory / "build.lock")):
             if not library.exists():
                 log.info("building the aoti_eager C++ extension for torch %s (once per torch build)", torch.__version__)

@@ -22,7 +22,7 @@ from torch._ops import OpOverload
 
 from aoti_eager import _extension
 from aoti_eager._ops import qualified_name
-from aoti_eager.cache import Entry, KernelCache, UntrustedEntry
+from aoti_eager.cache import Entry, KernelCache, UntrustedEntry, inventory, layout
 from aoti_eager.kernels import CallSignature, CompileError, Unsupported, compile_call
 from aoti_eager.kernels.compile import call_op, compile_options, sidecar_files
 from aoti_eager.kernels.load_probe import check_loads
@@ -104,20 +104,26 @@ class Override:
                 return known
             cache = self.cache(signature.device)
             try:
-                entry = cache.lookup(self.name, signature.key)
-                if entry is None:
+                decision = self._from_cache(cache, signature)
+                if decision is None:
                     with _compile_lock, cache.lock(self.name, timeout=lock_timeout()):
                         cache.remove_abandoned(self.name)
                         # Another process may have compiled it while we waited.
-                        entry = cache.lookup(self.name, signature.key)
-                        if entry is None:
-                            return self._compile(signature)
+                        decision = self._from_cache(cache, signature)
+                        if decision is None:
+                            decision = self._compile(cache, signature)
+                return decision
             except UntrustedEntry as e:
                 return self._eager(f"refused an untrusted cache entry: {e}", signature)
             except filelock.Timeout:
                 self._log(f"waited over {lock_timeout():.0f} s for another process's compile; running eagerly meanwhile")
                 return None
-            return self._adopt(signature, entry, loaded=True)
+
+    def _from_cache(self, cache: KernelCache, signature: CallSignature) -> Any:
+        """The decision a published entry holds, or None if there is none."""
+        with cache.in_use(self.name, signature.key):
+            entry = cache.lookup(self.name, signature.key)
+            return None if entry is None else self._adopt(signature, entry, loaded=True)
 
     def report_unkeyable(self, args: list[Any]) -> None:
         """Records why the C++ side could not key a call (it runs eagerly)."""
@@ -128,7 +134,7 @@ class Override:
             reason = str(e)
         self._eager(f"unsupported input: {reason}")
 
-    def _compile(self, signature: CallSignature) -> Any:
+    def _compile(self, cache: KernelCache, signature: CallSignature) -> Any:
         variants = self._value_variants.get(signature.shape_key, 0)
         if variants >= max_value_variants():
             return self._eager(
@@ -146,7 +152,7 @@ class Override:
             return self._remember(signature, False)
         start = time.perf_counter()
         try:
-            artifact = compile_call(signature, expected, self.cache(signature.device).compile_options)
+            artifact = compile_call(signature, expected, cache.compile_options, cache.temporary_directory(self.name))
         except CompileError as e:
             log.debug("aoti_eager: compiling %s failed", self.name, exc_info=e.__cause__)
             return self._publish_eager(signature, str(e))
@@ -166,14 +172,25 @@ class Override:
                 library=artifact.library,
                 compile_seconds=round(seconds, 3),
             )
-            entry = self.cache(signature.device).publish(signature.key, entry, sidecar_files(artifact))
+            entry = cache.publish(signature.key, entry, sidecar_files(artifact))
         finally:
             artifact.workdir.cleanup()
         self.stats.compiles += 1
         self.stats.compile_seconds += seconds
         stages = ", ".join(f"{stage} {t:.1f} s" for stage, t in artifact.seconds.items())
         log.info("aoti_eager: compiled %s for (%s) in %.1f s (%s)", self.name, signature.short(), seconds, stages)
-        return self._adopt(signature, entry, loaded=False)
+        with cache.in_use(self.name, signature.key):
+            decision = self._adopt(signature, entry, loaded=False)
+        self._keep_size_limit()
+        return decision
+
+    def _keep_size_limit(self) -> None:
+        eviction = inventory.evict(self.root, max_bytes=layout.size_limit())
+        if eviction.removed:
+            log.info(
+                "aoti_eager: evicted %d least recently used cache entries (%d bytes) to stay under %d bytes",
+                len(eviction.removed), sum(e.bytes for e in eviction.removed), layout.size_limit(),
+            )
 
     def _adopt(self, signature: CallSignature, entry: Entry, loaded: bool) -> Any:
         if entry.library is None:

@@ -1,23 +1,275 @@
-"""The ``aoti-eager`` command line (also ``python -m aoti_eager``)."""
+"""The ``aoti-eager`` command line (also ``python -m aoti_eager``).
+
+Exit codes: 0 success, 1 problems found (``cache verify``, ``doctor``) or a
+failure, 2 a usage error.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
+import re
 import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
 
-from aoti_eager.cache import default_root
+from aoti_eager.cache import default_root, inventory, layout
+
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def _size(text: str) -> int:
+    try:
+        return layout.parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _duration(text: str) -> float:
+    """``"30d"``, ``"12h"``, ``"90m"``, ``"45s"``, ``"3600"`` -> seconds."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhdw]?)", text.strip().lower())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 30d, 12h, 90m, 3600)")
+    return float(match[1]) * _DURATION_UNITS[match[2]]
+
+
+def _op(text: str) -> str:
+    """``add``, ``add.Tensor``: aten ops may be named without ``aten::``."""
+    return text if "::" in text else f"aten::{text}"
+
+
+def _human(n: float) -> str:
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}"
+
+
+def _when(timestamp: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp))
+
+
+def _listing_json(listing: inventory.Listing) -> dict[str, Any]:
+    from aoti_eager.kernels.signature import short_form
+
+    meta = listing.metadata()
+    try:
+        signature = short_form(meta["signature"])
+    except (KeyError, TypeError):
+        signature = "(unreadable entry.json)"
+    return {
+        "op": listing.op,
+        "device": listing.device,
+        "environment": listing.environment,
+        "key": listing.directory.name,
+        "signature": signature,
+        "bytes": listing.bytes,
+        "compile_seconds": meta.get("compile_seconds"),
+        "last_use": listing.last_use,
+        "eager_reason": meta.get("reason") if meta.get("library") is None else None,
+    }
+
+
+def cache_list(root: Path, args: argparse.Namespace) -> int:
+    rows = [_listing_json(listing) for listing in inventory.entries(root, args.op)]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    by_op: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        by_op[row["op"]].append(row)
+    for op in sorted(by_op):
+        total = sum(row["bytes"] for row in by_op[op])
+        print(f"{op}: {len(by_op[op])} entries, {_human(total)}")
+        for row in by_op[op]:
+            what = f"eager: {row['eager_reason']}" if row["eager_reason"] else f"compiled in {row['compile_seconds']} s"
+            print(f"  {row['device']:<4} ({row['signature']})  {_human(row['bytes'])}  {what}  last used {_when(row['last_use'])}")
+    if not rows:
+        print(f"no entries in {root}")
+    return 0
+
+
+def cache_stats(root: Path, args: argparse.Namespace) -> int:
+    listed = inventory.entries(root)
+    by_op: dict[str, dict[str, int]] = defaultdict(lambda: {"entries": 0, "bytes": 0})
+    by_device: dict[str, dict[str, int]] = defaultdict(lambda: {"entries": 0, "bytes": 0})
+    for listing in listed:
+        for row in (by_op[listing.op], by_device[listing.device]):
+            row["entries"] += 1
+            row["bytes"] += listing.bytes
+    stats = {
+        "path": str(root),
+        "entries": len(listed),
+        "bytes": sum(listing.bytes for listing in listed),
+        "size_limit": layout.size_limit(),
+        "quarantined": len(inventory.quarantined(root)),
+        "by_op": dict(sorted(by_op.items())),
+        "by_device": dict(sorted(by_device.items())),
+    }
+    if args.json:
+        print(json.dumps(stats, indent=1))
+        return 0
+    print(f"{root}: {stats['entries']} entries, {_human(stats['bytes'])} of {_human(stats['size_limit'])}, "
+          f"{stats['quarantined']} quarantined")
+    for title, rows in (("by op", stats["by_op"]), ("by device", stats["by_device"])):
+        if rows:
+            print(title + ":")
+            for name, row in rows.items():
+                print(f"  {name}: {row['entries']} entries, {_human(row['bytes'])}")
+    return 0
+
+
+def cache_verify(root: Path, args: argparse.Namespace) -> int:
+    checked = len(inventory.entries(root))
+    problems = inventory.verify(root, quarantine=args.quarantine)
+    if args.json:
+        bad = [{"entry": str(listing.directory), "op": listing.op, "problem": problem} for listing, problem in problems]
+        print(json.dumps({"checked": checked, "bad": bad, "quarantined": args.quarantine}, indent=1))
+    else:
+        for listing, problem in problems:
+            print(f"BAD {listing.directory}: {problem}")
+        moved = " (moved to the quarantine)" if args.quarantine and problems else ""
+        print(f"{checked} entries checked, {len(problems)} bad{moved}")
+    return 1 if problems else 0
+
+
+def _report_eviction(eviction: inventory.Eviction, args: argparse.Namespace, **extra: Any) -> int:
+    removed_bytes = sum(listing.bytes for listing in eviction.removed)
+    if args.json:
+        print(json.dumps({
+            "removed": len(eviction.removed),
+            "removed_bytes": removed_bytes,
+            "in_use": [str(listing.directory) for listing in eviction.in_use],
+            **extra,
+        }, indent=1))
+        return 0
+    print(f"removed {len(eviction.removed)} entries ({_human(removed_bytes)})")
+    for listing in eviction.in_use:
+        print(f"kept {listing.directory}: a process is loading it")
+    return 0
+
+
+def cache_prune(root: Path, args: argparse.Namespace) -> int:
+    max_size = args.max_size if args.max_size is not None else layout.size_limit()
+    eviction = inventory.evict(root, max_bytes=max_size, older_than=args.older_than)
+    return _report_eviction(eviction, args)
+
+
+def cache_clear(root: Path, args: argparse.Namespace) -> int:
+    eviction = inventory.evict(root, max_bytes=0, op=args.op)
+    quarantined = 0 if args.op else inventory.clear_quarantine(root)
+    if not args.json and quarantined:
+        print(f"removed {quarantined} quarantined entries")
+    return _report_eviction(eviction, args, quarantined_removed=quarantined)
+
+
+def _cache_directory_report(root: Path) -> tuple[dict[str, Any], list[str]]:
+    from aoti_eager.cache.store import UntrustedEntry, check_trusted
+
+    report: dict[str, Any] = {"path": str(root), "exists": root.exists()}
+    problems = []
+    if root.exists():
+        st = root.stat()
+        report.update(mode=f"{st.st_mode & 0o7777:o}", owner_uid=st.st_uid, group_gid=st.st_gid)
+        try:
+            check_trusted(root, root)
+        except UntrustedEntry as e:
+            problems.append(f"cache directory: {e}; nothing in it will be loaded")
+    return report, problems
+
+
+def doctor(root: Path, args: argparse.Namespace) -> int:
+    import torch
+
+    from aoti_eager import _extension, _runtime
+    from aoti_eager.kernels.toolchain import cpp_compiler
+
+    problems: list[str] = []
+    report: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_git": str(torch.version.git_version),
+        "compiler": layout.cpp_compiler(cpp_compiler(root)),
+        "cpu_isa": layout.cpu_isa(root),
+        "cuda": {"available": torch.cuda.is_available(), "version": torch.version.cuda, "devices": []},
+    }
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            major, minor = torch.cuda.get_device_capability(index)
+            report["cuda"]["devices"].append({"index": index, "name": torch.cuda.get_device_name(index), "arch": f"sm_{major}{minor}"})
+    report["cache"], cache_problems = _cache_directory_report(root)
+    problems += cache_problems
+    report["settings"] = {
+        "AOTI_EAGER_CACHE_SIZE": layout.size_limit(),
+        "AOTI_EAGER_CACHE_GROUP": os.environ.get("AOTI_EAGER_CACHE_GROUP"),
+        "AOTI_EAGER_LOCK_TIMEOUT": _runtime.lock_timeout(),
+    }
+    try:
+        _extension.load()
+        report["extension"] = {"loads": True, "directory": str(_extension.build_directory())}
+    except Exception as e:  # noqa: BLE001 - reported, with exit code 1
+        report["extension"] = {"loads": False, "error": f"{type(e).__name__}: {e}"}
+        problems.append(f"the C++ extension does not build or load: {type(e).__name__}: {e}")
+    report["problems"] = problems
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        devices = ", ".join(f"cuda:{d['index']} {d['name']} ({d['arch']})" for d in report["cuda"]["devices"]) or "none"
+        cache = report["cache"]
+        permissions = f"mode {cache['mode']}, uid {cache['owner_uid']}" if cache["exists"] else "not created yet"
+        print(f"python     {report['python']} on {report['platform']}")
+        print(f"torch      {report['torch']} ({report['torch_git']})")
+        print(f"compiler   {report['compiler']}")
+        print(f"cpu isa    {report['cpu_isa']}")
+        print(f"cuda       {report['cuda']['version'] or 'none'}; devices: {devices}")
+        print(f"cache      {cache['path']} ({permissions})")
+        print(f"extension  {'builds and loads' if report['extension']['loads'] else report['extension']['error']}")
+        print("settings   " + ", ".join(f"{k}={v}" for k, v in report["settings"].items()))
+        for problem in problems:
+            print(f"PROBLEM: {problem}")
+    return 1 if problems else 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="aoti-eager", description="Eager PyTorch with AOTInductor kernels.")
+    parser.add_argument("--version", action="version", version="aoti_eager 0.1.0")
+    parser.add_argument("--cache-dir", type=Path, help="the cache (default: $AOTI_EAGER_CACHE_DIR, else the per-user cache dir)")
+    json_output = argparse.ArgumentParser(add_help=False)
+    json_output.add_argument("--json", action="store_true", help="print JSON")
+    commands = parser.add_subparsers(dest="command", required=True)
+    cache = commands.add_parser("cache", help="the persistent kernel cache").add_subparsers(dest="action", required=True)
+
+    def command(parent, name: str, run, help: str) -> argparse.ArgumentParser:
+        sub = parent.add_parser(name, help=help, parents=[json_output])
+        sub.set_defaults(run=run)
+        return sub
+
+    command(cache, "path", lambda root, args: print(json.dumps(str(root)) if args.json else root),
+            "print the cache directory ($AOTI_EAGER_CACHE_DIR or the per-user cache dir)")
+    listing = command(cache, "list", cache_list, "entries per op: signature, size, compile time, last use")
+    listing.add_argument("--op", type=_op, help="only this op (aten::add or add: all its overloads)")
+    command(cache, "stats", cache_stats, "entries and bytes, by op and by device")
+    verify = command(cache, "verify", cache_verify, "re-hash every entry; exit code 1 if any is bad")
+    verify.add_argument("--quarantine", action="store_true", help="move bad entries to the quarantine")
+    prune = command(cache, "prune", cache_prune, "evict least recently used entries (entries being loaded stay)")
+    prune.add_argument("--max-size", type=_size, help="keep at most this much, e.g. 5GiB (default: the size limit)")
+    prune.add_argument("--older-than", type=_duration, help="also evict entries unused for this long, e.g. 30d")
+    clear = command(cache, "clear", cache_clear, "remove every entry (and the quarantine)")
+    clear.add_argument("--op", type=_op, help="only this op's entries (aten::add or add: all its overloads)")
+    command(commands, "doctor", doctor, "check the environment: torch, compiler, ISA, CUDA, cache, C++ extension")
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="aoti-eager", description="Eager PyTorch with AOTInductor kernels.")
-    parser.add_argument("--version", action="version", version="aoti_eager 0.1.0")
-    commands = parser.add_subparsers(dest="command", required=True)
-    cache = commands.add_parser("cache", help="the persistent kernel cache").add_subparsers(dest="action", required=True)
-    cache.add_parser("path", help="print the cache directory ($AOTI_EAGER_CACHE_DIR or the per-user cache dir)")
-    args = parser.parse_args(argv)
-    if (args.command, args.action) == ("cache", "path"):
-        print(default_root())
-    return 0
+    args = _parser().parse_args(argv)
+    return args.run(args.cache_dir or default_root(), args) or 0
 
 
 if __name__ == "__main__":

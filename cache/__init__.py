@@ -2,6 +2,6 @@
 they are published so that every process of the user can share them."""
 
 from aoti_eager.cache.layout import default_root, environment_key
-from aoti_eager.cache.store import Entry, KernelCache, UntrustedEntry
+from aoti_eager.cache.store import DamagedEntry, Entry, KernelCache, UntrustedEntry
 
-__all__ = ["Entry", "KernelCache", "UntrustedEntry", "default_root", "environment_key"]
+__all__ = ["DamagedEntry", "Entry", "KernelCache", "UntrustedEntry", "default_root", "environment_key"]

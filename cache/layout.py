@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 from functools import lru_cache
@@ -39,11 +40,49 @@ def default_root() -> Path:
     return Path(platformdirs.user_cache_dir("aoti_eager"))
 
 
-def make_private_dirs(path: Path) -> None:
-    """Creates ``path`` and its missing parents, readable by the owner only.
+def size_limit() -> int:
+    """Bytes the kernel cache may hold before its least recently used entries
+    are evicted (``$AOTI_EAGER_CACHE_SIZE``, default 10 GiB)."""
+    return parse_size(os.environ.get("AOTI_EAGER_CACHE_SIZE", "10GiB"))
+
+
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """``"10GiB"``, ``"10G"``, ``"500MB"``, ``"4096"`` -> bytes (units are binary)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?)(?:i?b)?", text.strip().lower())
+    if match is None:
+        raise ValueError(f"not a size: {text!r} (e.g. 10GiB, 500M, 4096)")
+    return int(float(match[1]) * _SIZE_UNITS[match[2]])
+
+
+def shared_group() -> int | None:
+    """The group whose members may write a shared team cache
+    (``$AOTI_EAGER_CACHE_GROUP``, a group name or id).
+
+    None, the default, is a private cache: only this user may write it.
+    """
+    name = os.environ.get("AOTI_EAGER_CACHE_GROUP")
+    if not name:
+        return None
+    import grp
+
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        if name.isdigit():
+            return int(name)
+        raise ValueError(f"AOTI_EAGER_CACHE_GROUP={name!r} names no group") from None
+
+
+def make_cache_dirs(path: Path) -> None:
+    """Creates ``path`` and its missing parents: mode 0700, or in a shared
+    cache 2770 and owned by the shared group.
 
     (``Path.mkdir(parents=True)`` would create the parents with the default mode.)
     """
+    group = shared_group()
     missing = []
     while not path.exists():
         missing.append(path)
@@ -52,7 +91,11 @@ def make_private_dirs(path: Path) -> None:
         try:
             directory.mkdir(mode=0o700)
         except FileExistsError:
-            pass
+            continue
+        if group is not None:
+            os.chown(directory, -1, group)
+            # setgid: what is created inside belongs to the group too.
+            os.chmod(directory, 0o2770)
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -92,7 +135,7 @@ def _cpu_isa(root: Path, torch_version: str) -> str:
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
     isa = str(pick_vec_isa()) or "scalar"
-    make_private_dirs(record.parent)
+    make_cache_dirs(record.parent)
     atomic_write_text(record, json.dumps({"isa": isa}))
     return isa
 

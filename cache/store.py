@@ -1,23 +1,27 @@
-"""Entries of the kernel cache: lookup, per-op locks and atomic publication.
+"""Entries of the kernel cache: lookup, per-op locks, atomic publication, removal.
 
 An entry is a directory named by its signature digest. It is assembled under a
 temporary name inside the op's directory and published with one ``rename``, so
 a reader sees either no entry or a complete one; ``entry.json`` carries the
-artifact's sha256, checked before the library is loaded.
+artifact's sha256, checked before the library is loaded. Removal is a rename
+to a temporary name too, and leaves alone an entry that a process is loading.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
+import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from filelock import FileLock
@@ -28,6 +32,8 @@ log = logging.getLogger("aoti_eager")
 
 ENTRY_FILE = "entry.json"
 LIBRARY_FILE = "kernel.so"
+# Directories being assembled, compiled in or removed; never an entry.
+TEMPORARY_PREFIX = ".tmp-"
 
 
 @dataclasses.dataclass
@@ -61,26 +67,116 @@ def sha256_of(path: Path) -> str:
 
 
 class UntrustedEntry(Exception):
-    """An entry that another user could have written: it is never loaded."""
+    """An entry that someone else could have written: it is never loaded."""
+
+
+class DamagedEntry(Exception):
+    """An entry that is incomplete or does not match its recorded sha256."""
 
 
 def check_trusted(path: Path, root: Path) -> None:
     """Raises UntrustedEntry unless ``path`` and every directory between it and
-    ``root`` belong to this user and are not writable by group or others."""
+    ``root`` could only have been written by this user (or, in a shared cache,
+    by the shared group: see :func:`layout.shared_group`)."""
+    group = layout.shared_group()
     current = path
     while True:
         st = current.stat()
-        if st.st_uid != os.getuid():
+        shared = group is not None and st.st_gid == group
+        if st.st_uid != os.getuid() and not shared:
             raise UntrustedEntry(f"{current} belongs to uid {st.st_uid}, not to this user")
-        if st.st_mode & 0o022:
-            raise UntrustedEntry(f"{current} is writable by group or others (mode {st.st_mode & 0o777:o})")
+        if st.st_mode & (0o002 if shared else 0o022):
+            who = "others" if shared else "group or others"
+            raise UntrustedEntry(f"{current} is writable by {who} (mode {st.st_mode & 0o777:o})")
         if current == root or current.parent == current:
             return
         current = current.parent
 
 
-def _op_dirname(op: str) -> str:
+def read_entry(directory: Path, root: Path) -> Entry | None:
+    """The entry published in ``directory``, its artifact verified against its
+    sha256; None if there is none.
+
+    Raises UntrustedEntry (see :func:`check_trusted`) or DamagedEntry.
+    """
+    try:
+        check_trusted(directory, root)
+        for path in directory.iterdir():
+            check_trusted(path, directory)
+    except FileNotFoundError:
+        return None  # none, or removed meanwhile
+    try:
+        data = json.loads((directory / ENTRY_FILE).read_text())
+    except FileNotFoundError:
+        if not directory.exists():
+            return None
+        raise DamagedEntry(f"{ENTRY_FILE} is missing") from None
+    except (OSError, ValueError) as e:
+        raise DamagedEntry(f"unreadable {ENTRY_FILE}: {e}") from None
+    try:
+        entry = Entry(**{**data, "library": None})
+        if data["library"] is not None:
+            entry.library = directory / data["library"]
+            if sha256_of(entry.library) != entry.sha256:
+                raise DamagedEntry("artifact does not match its recorded sha256")
+    except (OSError, TypeError, KeyError) as e:
+        raise DamagedEntry(f"incomplete entry: {type(e).__name__}: {e}") from None
+    return entry
+
+
+def set_aside(root: Path, directory: Path, reason: str) -> None:
+    """Moves a damaged entry to ``<root>/quarantine``, with a log line saying why."""
+    quarantine = root / "quarantine" / f"{directory.name}-{uuid.uuid4().hex[:8]}"
+    log.warning("aoti_eager: cache entry %s set aside: %s", directory, reason)
+    try:
+        layout.make_cache_dirs(quarantine.parent)
+        os.rename(directory, quarantine)
+    except OSError:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _flock(directory: Path, operation: int) -> Iterator[bool]:
+    """Holds an flock on ``directory``; yields whether it was taken (False: the
+    directory is gone, or LOCK_NB and someone else holds it)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        yield False
+        return
+    try:
+        try:
+            fcntl.flock(fd, operation)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+def remove_entry(directory: Path) -> bool:
+    """Removes an entry unless a process is loading it (see :meth:`KernelCache.in_use`).
+
+    The entry is first renamed to a temporary name, so that a reader never
+    sees it half removed and a process killed meanwhile leaves only what
+    :meth:`KernelCache.remove_abandoned` cleans up.
+    """
+    with _flock(directory, fcntl.LOCK_EX | fcntl.LOCK_NB) as locked:
+        if not locked:
+            return not directory.exists()
+        doomed = directory.with_name(f"{TEMPORARY_PREFIX}{uuid.uuid4().hex}")
+        os.rename(directory, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+    return True
+
+
+def op_dirname(op: str) -> str:
     return op.replace("::", ".")
+
+
+def op_of_dirname(name: str) -> str:
+    return name.replace(".", "::", 1)
 
 
 class KernelCache:
@@ -94,7 +190,7 @@ class KernelCache:
         self.directory = self.root / layout.LAYOUT_VERSION / environment
 
     def _op_dir(self, op: str) -> Path:
-        return self.directory / _op_dirname(op)
+        return self.directory / op_dirname(op)
 
     def entry_dir(self, op: str, signature_key: str) -> Path:
         return self._op_dir(op) / signature_key
@@ -102,50 +198,61 @@ class KernelCache:
     def lock(self, op: str, timeout: float = -1) -> FileLock:
         """The lock held while an entry of ``op`` is compiled.
 
-        An flock: the kernel releases it when its holder dies, so a crashed
-        compile never leaves a stale lock behind. ``timeout`` < 0 waits forever.
+        An flock: the kernel releases it when its holder dies, however it dies,
+        so a lock is never stale: the next process simply gets it. ``timeout``
+        < 0 waits forever.
         """
         op_dir = self._op_dir(op)
-        layout.make_private_dirs(op_dir)
-        return FileLock(str(op_dir / ".lock"), timeout=timeout, mode=0o600)
+        layout.make_cache_dirs(op_dir)
+        mode = 0o600 if layout.shared_group() is None else 0o660
+        return FileLock(str(op_dir / ".lock"), timeout=timeout, mode=mode)
+
+    def temporary_directory(self, op: str) -> tempfile.TemporaryDirectory:
+        """A scratch directory for a compile of ``op``, made under :meth:`lock`:
+        if the process is killed, :meth:`remove_abandoned` removes it."""
+        op_dir = self._op_dir(op)
+        layout.make_cache_dirs(op_dir)
+        return tempfile.TemporaryDirectory(prefix=TEMPORARY_PREFIX, dir=op_dir)
 
     def remove_abandoned(self, op: str) -> None:
-        """Removes entries half-assembled by processes that died while publishing.
+        """Removes what processes that died while compiling or publishing left.
 
-        Call it holding :meth:`lock`: entries are only published under it, so
-        any temporary entry then belongs to no living process.
+        Call it holding :meth:`lock`: compiles and publications happen under
+        it, so any temporary directory then belongs to no living process (or to
+        an eviction that is removing it anyway).
         """
-        for tmp in self._op_dir(op).glob(".tmp-*"):
-            log.info("aoti_eager: removing %s, left by a process that died while publishing", tmp)
+        for tmp in self._op_dir(op).glob(f"{TEMPORARY_PREFIX}*"):
+            log.info("aoti_eager: removing %s, left by a process that died while compiling or publishing", tmp)
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def lookup(self, op: str, signature_key: str) -> Entry | None:
-        """The published entry, or None; a damaged entry is moved aside.
+    @contextlib.contextmanager
+    def in_use(self, op: str, signature_key: str) -> Iterator[None]:
+        """Keeps eviction away from the entry while it is verified and loaded
+        (a shared flock on its directory; a loaded library may then go)."""
+        with _flock(self.entry_dir(op, signature_key), fcntl.LOCK_SH):
+            yield
 
-        Raises UntrustedEntry for an entry that another user could have written.
+    def lookup(self, op: str, signature_key: str) -> Entry | None:
+        """The published entry, or None; a damaged entry is set aside.
+
+        Raises UntrustedEntry for an entry that someone else could have written.
+        A found entry's last use is recorded (its directory's mtime): once per
+        process and entry, as a process remembers what it found.
         """
         directory = self.entry_dir(op, signature_key)
-        if directory.exists():
-            check_trusted(directory, self.root)
-            for path in directory.iterdir():
-                check_trusted(path, directory)
+        if self._op_dir(op).exists():
+            # Even on a miss: a kernel is never compiled into a directory others could write.
+            check_trusted(self._op_dir(op), self.root)
         try:
-            data = json.loads((directory / ENTRY_FILE).read_text())
-        except FileNotFoundError:
+            entry = read_entry(directory, self.root)
+        except DamagedEntry as e:
+            set_aside(self.root, directory, str(e))
             return None
-        except (OSError, ValueError) as e:
-            self._set_aside(directory, f"unreadable {ENTRY_FILE}: {e}")
-            return None
-        try:
-            entry = Entry(**{**data, "library": None})
-            if data["library"] is not None:
-                entry.library = directory / data["library"]
-                if sha256_of(entry.library) != entry.sha256:
-                    self._set_aside(directory, "artifact does not match its recorded sha256")
-                    return None
-        except (OSError, TypeError, KeyError) as e:
-            self._set_aside(directory, f"incomplete entry: {e}")
-            return None
+        if entry is not None:
+            try:
+                os.utime(directory)
+            except OSError:
+                pass  # another member's entry in a shared cache: its last use stays as it was
         return entry
 
     def publish(self, signature_key: str, entry: Entry, files: dict[str, Path] | None = None) -> Entry:
@@ -155,8 +262,8 @@ class KernelCache:
         signature first, its entry wins and is returned.
         """
         op_dir = self._op_dir(entry.op)
-        layout.make_private_dirs(op_dir)
-        tmp = op_dir / f".tmp-{uuid.uuid4().hex}"
+        layout.make_cache_dirs(op_dir)
+        tmp = op_dir / f"{TEMPORARY_PREFIX}{uuid.uuid4().hex}"
         tmp.mkdir(mode=0o700)
         try:
             for name, source in (files or {}).items():
@@ -165,6 +272,10 @@ class KernelCache:
                 entry.sha256 = sha256_of(tmp / LIBRARY_FILE)
                 entry.library = Path(LIBRARY_FILE)
             (tmp / ENTRY_FILE).write_text(json.dumps(entry.to_json(), indent=1))
+            if layout.shared_group() is not None:
+                for path in tmp.iterdir():
+                    os.chmod(path, 0o640)
+                os.chmod(tmp, 0o2770)  # so that any member may evict it
             final = self.entry_dir(entry.op, signature_key)
             try:
                 os.rename(tmp, final)
@@ -178,12 +289,3 @@ class KernelCache:
         if entry.library is not None:
             entry.library = final / LIBRARY_FILE
         return entry
-
-    def _set_aside(self, directory: Path, reason: str) -> None:
-        quarantine = self.directory.parent.parent / "quarantine" / f"{directory.name}-{uuid.uuid4().hex[:8]}"
-        log.warning("aoti_eager: cache entry %s set aside: %s", directory, reason)
-        try:
-            layout.make_private_dirs(quarantine.parent)
-            os.rename(directory, quarantine)
-        except OSError:
-            shutil.rmtree(directory, ignore_errors=True)

@@ -139,9 +139,15 @@ class _OpCall(torch.nn.Module):
         return [0 if aliased else (len(r) if isinstance(r, (list, tuple)) else -1) for aliased, r in zip(self.aliased, results)]
 
 
-def compile_call(signature: CallSignature, eager_result: Any, options: dict[str, Any]) -> Artifact:
+def compile_call(
+    signature: CallSignature,
+    eager_result: Any,
+    options: dict[str, Any],
+    workdir: tempfile.TemporaryDirectory | None = None,
+) -> Artifact:
     """Compiles ``signature``'s call with the Inductor ``options`` (see
-    :func:`compile_options`) into a library in a temporary directory.
+    :func:`compile_options`) into a library in ``workdir`` (default: a new
+    temporary directory), which the artifact then owns.
 
     ``eager_result`` is what the original kernel returned for the call; it fixes
     the structure of the outputs (e.g. the length of a returned Tensor[]).
@@ -152,7 +158,8 @@ def compile_call(signature: CallSignature, eager_result: Any, options: dict[str,
     from aoti_eager.kernels.validate import clone_args
 
     example = tuple(flat_tensor_inputs(signature, clone_args(signature.args)))
-    workdir = tempfile.TemporaryDirectory(prefix="aoti_eager-")
+    if workdir is None:
+        workdir = tempfile.TemporaryDirectory(prefix="aoti_eager-")
     library = Path(workdir.name) / "kernel.so"
     seconds: dict[str, float] = {}
     stage = "torch.export"

@@ -155,11 +155,13 @@ class CallSignature:
         return (self.key, str(self.device))
 
     def short(self) -> str:
-        """A one-line form for logs, e.g. ``f32[64, 64], f32[64, 64], alpha=2``."""
-        parts = []
-        for a, d in zip(self.op._schema.arguments, self.described):
-            parts.append(f"{a.name}={_short(d)}")
-        return ", ".join(parts)
+        """A one-line form for logs, e.g. ``self=float32[64, 64], other=float32[64, 64], alpha=2``."""
+        return short_form(self.to_json())
+
+
+def short_form(signature: list[dict[str, Any]]) -> str:
+    """:meth:`CallSignature.short` of a signature as kept in a cache entry."""
+    return ", ".join(f"{d['name']}={_short(d)}" for d in signature)
 
 
 def _short(d: dict[str, Any]) -> str:

@@ -93,6 +93,6 @@ def cpp_compiler(root: Path) -> str:
             break
         log.warning("aoti_eager: not building kernels with %s: %s", compiler, reason)
     chosen = chosen or (found[0] if found else "g++")
-    layout.make_private_dirs(record.parent)
+    layout.make_cache_dirs(record.parent)
     layout.atomic_write_text(record, json.dumps({"compiler": chosen, "candidates": found}))
     return chosen

@@ -1,10 +1,25 @@
-"""Comparisons against eager shared by the tests."""
+"""Comparisons against eager, and cache entries, shared by the tests."""
 
 from __future__ import annotations
 
+import uuid
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from aoti_eager.cache import Entry, KernelCache
+from aoti_eager.cache.store import LIBRARY_FILE
+
+SIGNATURE = [{"name": "self", "kind": "tensor", "dtype": "float32", "sizes": [4], "strides": [1]}]
+
+
+def publish_kernel(cache: KernelCache, tmp_path: Path, key: str = "sig", content: bytes = b"\x7fELF kernel", op: str = "aten::abs") -> Entry:
+    """Publishes a stand-in kernel (bytes, never loaded) under ``key``."""
+    library = tmp_path / f"built-{key}-{uuid.uuid4().hex}.so"
+    library.write_bytes(content)
+    entry = Entry(op=op, signature=SIGNATURE, output_counts=[-1], library=library, compile_seconds=1.5)
+    return cache.publish(key, entry, {LIBRARY_FILE: library})
 
 
 def clone_tree(value: Any, memo: dict[int, torch.Tensor] | None = None) -> Any:

@@ -1,35 +1,29 @@
-"""The persistent store: publication, lookup, integrity and keys."""
+"""The persistent store: publication, lookup, integrity, keys, trust and eviction."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import stat
 import threading
-import uuid
+import time
 
 import filelock
 import pytest
 import torch
 
-from aoti_eager.cache import Entry, KernelCache, UntrustedEntry, layout
+from aoti_eager.cache import Entry, KernelCache, UntrustedEntry, inventory, layout
 from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE
+from helpers import SIGNATURE, publish_kernel
 
 CPU = torch.device("cpu")
-SIGNATURE = [{"name": "self", "kind": "tensor", "dtype": "float32", "sizes": [4], "strides": [1]}]
 
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setattr(layout, "cpu_isa", lambda root: "avx2")
     return KernelCache(tmp_path, CPU)
-
-
-def publish_kernel(cache: KernelCache, tmp_path, key: str = "sig", content: bytes = b"\x7fELF kernel") -> Entry:
-    library = tmp_path / f"built-{key}-{uuid.uuid4().hex}.so"
-    library.write_bytes(content)
-    entry = Entry(op="aten::abs", signature=SIGNATURE, output_counts=[-1], library=library, compile_seconds=1.5)
-    return cache.publish(key, entry, {LIBRARY_FILE: library})
 
 
 def test_publish_then_lookup(cache, tmp_path):
@@ -67,23 +61,31 @@ def test_missing_entry(cache):
     assert cache.lookup("aten::abs", "nothing-here") is None
 
 
-@pytest.mark.parametrize("damage", ["corrupt-json", "altered-artifact", "truncated-artifact", "missing-artifact"])
-def test_damaged_entry_is_set_aside_alone(cache, tmp_path, damage):
+DAMAGES = {
+    "corrupt-json": (lambda d: (d / ENTRY_FILE).write_text("{not json"), "unreadable entry.json"),
+    "json-without-fields": (lambda d: (d / ENTRY_FILE).write_text('{"op": "aten::abs"}'), "incomplete entry"),
+    "missing-json": (lambda d: (d / ENTRY_FILE).unlink(), "entry.json is missing"),
+    "altered-artifact": (lambda d: (d / LIBRARY_FILE).write_bytes(b"\x7fELF anotheR kernel"), "sha256"),
+    "truncated-artifact": (lambda d: (d / LIBRARY_FILE).write_bytes(b"\x7fELF"), "sha256"),
+    "missing-artifact": (lambda d: (d / LIBRARY_FILE).unlink(), "incomplete entry: FileNotFoundError"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_damaged_entry_is_set_aside_alone(cache, tmp_path, damage, caplog):
     publish_kernel(cache, tmp_path, "good")
     publish_kernel(cache, tmp_path, "bad", content=b"\x7fELF another kernel")
     directory = cache.entry_dir("aten::abs", "bad")
-    if damage == "corrupt-json":
-        (directory / ENTRY_FILE).write_text("{not json")
-    elif damage == "altered-artifact":
-        (directory / LIBRARY_FILE).write_bytes(b"\x7fELF anotheR kernel")
-    elif damage == "truncated-artifact":
-        (directory / LIBRARY_FILE).write_bytes(b"\x7fELF")
-    else:
-        (directory / LIBRARY_FILE).unlink()
-    assert cache.lookup("aten::abs", "bad") is None
+    inflict, reason = DAMAGES[damage]
+    inflict(directory)
+    with caplog.at_level(logging.WARNING, logger="aoti_eager"):
+        assert cache.lookup("aten::abs", "bad") is None
+    assert [r.message for r in caplog.records if "set aside" in r.message and reason in r.message], caplog.text
     assert not directory.exists()
-    assert any((tmp_path / "quarantine").iterdir())
+    assert len(list((tmp_path / "quarantine").iterdir())) == 1
     assert cache.lookup("aten::abs", "good") is not None
+    # The signature can be published again.
+    assert publish_kernel(cache, tmp_path, "bad").library.read_bytes() == b"\x7fELF kernel"
 
 
 def test_first_publisher_wins(cache, tmp_path):
@@ -111,16 +113,17 @@ def test_concurrent_publishers_leave_one_complete_entry(cache, tmp_path):
     assert cache.lookup("aten::abs", "sig").library.read_bytes().startswith(b"kernel ")
 
 
-def test_environment_key_changes_with_what_shapes_a_kernel(tmp_path, monkeypatch):
-    monkeypatch.setattr(layout, "cpu_isa", lambda root: "avx2")
-    base = layout.environment_key(tmp_path, CPU)
-    assert base.startswith("cpu-avx2-torch")
+@pytest.mark.parametrize("recorded", ["torch-version", "isa"])
+def test_an_entry_of_another_torch_or_isa_is_never_found(tmp_path, monkeypatch, recorded):
     monkeypatch.setattr(layout, "cpu_isa", lambda root: "avx512")
-    assert layout.environment_key(tmp_path, CPU) != base
-    monkeypatch.setattr(layout, "cpu_isa", lambda root: "avx2")
-    monkeypatch.setattr(torch, "__version__", "9.9.9")
-    assert layout.environment_key(tmp_path, CPU) != base
-    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__version__", "2.99.0")
+    publish_kernel(KernelCache(tmp_path, CPU), tmp_path)
+    assert KernelCache(tmp_path, CPU).lookup("aten::abs", "sig") is not None
+    if recorded == "isa":
+        monkeypatch.setattr(layout, "cpu_isa", lambda root: "avx2")
+    else:
+        monkeypatch.setattr(torch, "__version__", "2.98.0")
+    assert KernelCache(tmp_path, CPU).lookup("aten::abs", "sig") is None
 
 
 def test_environment_key_names_the_compiler_and_the_inductor_options(tmp_path, monkeypatch):
@@ -131,15 +134,16 @@ def test_environment_key_names_the_compiler_and_the_inductor_options(tmp_path, m
     assert layout.environment_key(tmp_path, CPU, {"cpp.min_chunk_size": 32768}) != base
 
 
-def test_entries_abandoned_mid_publish_are_removed_under_the_lock(cache, tmp_path):
+def test_what_dead_compiles_and_publications_left_is_removed_under_the_lock(cache, tmp_path):
     publish_kernel(cache, tmp_path)
     op_dir = cache.entry_dir("aten::abs", "sig").parent
     abandoned = op_dir / ".tmp-deadbeef"
     abandoned.mkdir()
     (abandoned / LIBRARY_FILE).write_bytes(b"half")
+    compile_scratch = cache.temporary_directory("aten::abs")
     with cache.lock("aten::abs"):
         cache.remove_abandoned("aten::abs")
-    assert not abandoned.exists()
+    assert not abandoned.exists() and not os.path.exists(compile_scratch.name)
     assert cache.lookup("aten::abs", "sig") is not None
 
 
@@ -167,15 +171,24 @@ def test_default_root_is_per_user(monkeypatch):
     assert root.name == "aoti_eager" and str(root).startswith(os.path.expanduser("~"))
 
 
-@pytest.mark.parametrize("what", ["entry-dir", "artifact", "environment-dir"])
+@pytest.mark.parametrize("what", ["entry-dir", "artifact", "op-dir", "environment-dir"])
 def test_group_writable_entries_are_refused(cache, tmp_path, what):
     publish_kernel(cache, tmp_path)
     directory = cache.entry_dir("aten::abs", "sig")
-    target = {"entry-dir": directory, "artifact": directory / LIBRARY_FILE, "environment-dir": cache.directory}[what]
+    target = {
+        "entry-dir": directory,
+        "artifact": directory / LIBRARY_FILE,
+        "op-dir": directory.parent,
+        "environment-dir": cache.directory,
+    }[what]
     os.chmod(target, stat.S_IMODE(target.stat().st_mode) | stat.S_IWGRP)
     with pytest.raises(UntrustedEntry, match="writable by group or others"):
         cache.lookup("aten::abs", "sig")
     assert directory.exists()  # refused, not deleted
+    if what in ("op-dir", "environment-dir"):
+        # Not even a miss: nothing is compiled into a directory others could write.
+        with pytest.raises(UntrustedEntry):
+            cache.lookup("aten::abs", "not-compiled-yet")
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="changing a file's owner needs root")
@@ -192,3 +205,74 @@ def test_lock_file_is_private_and_times_out(cache):
         assert stat.S_IMODE((cache.entry_dir("aten::abs", "x").parent / ".lock").stat().st_mode) == 0o600
         with pytest.raises(filelock.Timeout):
             cache.lock("aten::abs", timeout=0.1).acquire()
+
+
+def test_a_shared_cache_trusts_the_group_it_names(cache, tmp_path, monkeypatch):
+    import grp
+
+    publish_kernel(cache, tmp_path)
+    directory = cache.entry_dir("aten::abs", "sig")
+    os.chmod(directory, 0o770)
+    with pytest.raises(UntrustedEntry):
+        cache.lookup("aten::abs", "sig")
+    monkeypatch.setenv("AOTI_EAGER_CACHE_GROUP", grp.getgrgid(directory.stat().st_gid).gr_name)
+    assert cache.lookup("aten::abs", "sig") is not None
+    os.chmod(directory, 0o772)
+    with pytest.raises(UntrustedEntry, match="writable by others"):
+        cache.lookup("aten::abs", "sig")
+
+
+def test_a_shared_cache_is_created_for_the_group(tmp_path, monkeypatch):
+    monkeypatch.setenv("AOTI_EAGER_CACHE_GROUP", str(os.getgid()))
+    monkeypatch.setattr(layout, "cpu_isa", lambda root: "avx2")
+    cache = KernelCache(tmp_path / "team", CPU)
+    published = publish_kernel(cache, tmp_path)
+    for path in (published.library.parent, published.library.parent.parent, tmp_path / "team"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o2770 and path.stat().st_gid == os.getgid(), path
+    assert stat.S_IMODE(published.library.stat().st_mode) == 0o640
+    assert cache.lookup("aten::abs", "sig") is not None
+
+
+def test_lookup_records_the_last_use(cache, tmp_path):
+    publish_kernel(cache, tmp_path)
+    directory = cache.entry_dir("aten::abs", "sig")
+    os.utime(directory, (1000, 1000))
+    cache.lookup("aten::abs", "sig")
+    assert directory.stat().st_mtime > time.time() - 60
+
+
+def publish_aged(cache, tmp_path, ages: dict[str, float]) -> None:
+    """Publishes an entry per key, last used ``age`` seconds ago."""
+    for key, age in ages.items():
+        publish_kernel(cache, tmp_path, key, content=b"k" * 1000)
+        os.utime(cache.entry_dir("aten::abs", key), (time.time() - age,) * 2)
+
+
+def remaining(cache) -> set[str]:
+    return {listing.directory.name for listing in inventory.entries(cache.root)}
+
+
+def test_eviction_removes_the_least_recently_used_first(cache, tmp_path):
+    publish_aged(cache, tmp_path, {"old": 300, "middle": 200, "new": 100})
+    size = inventory.entries(cache.root)[0].bytes
+    eviction = inventory.evict(cache.root, max_bytes=2 * size)
+    assert [listing.directory.name for listing in eviction.removed] == ["old"]
+    assert remaining(cache) == {"middle", "new"}
+    assert not [p for p in cache.entry_dir("aten::abs", "x").parent.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_eviction_by_age(cache, tmp_path):
+    publish_aged(cache, tmp_path, {"old": 3 * 86400, "new": 60})
+    inventory.evict(cache.root, older_than=86400)
+    assert remaining(cache) == {"new"}
+
+
+def test_eviction_never_removes_an_entry_being_loaded(cache, tmp_path):
+    publish_aged(cache, tmp_path, {"loading": 300, "idle": 200})
+    with cache.in_use("aten::abs", "loading"):
+        eviction = inventory.evict(cache.root, max_bytes=0)
+        assert cache.lookup("aten::abs", "loading").library.read_bytes() == b"k" * 1000
+    assert [listing.directory.name for listing in eviction.in_use] == ["loading"]
+    assert remaining(cache) == {"loading"}
+    inventory.evict(cache.root, max_bytes=0)
+    assert remaining(cache) == set()

@@ -2,9 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from aoti_eager.cache import KernelCache, inventory, layout
+from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE
+from aoti_eager.cli import main
+from helpers import publish_kernel
 
 
 def test_cache_path_follows_the_environment(tmp_path):
@@ -21,3 +32,107 @@ def test_unknown_command_exits_2():
     out = subprocess.run([sys.executable, "-m", "aoti_eager", "bogus"], capture_output=True, text=True)
     assert out.returncode == 2
     assert "invalid choice" in out.stderr
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """A cache with two entries of abs (the older one used a day ago) and one of add."""
+    monkeypatch.setattr(layout, "cpu_isa", lambda root: "avx2")
+    cache = KernelCache(tmp_path / "cache", torch.device("cpu"))
+    publish_kernel(cache, tmp_path, "old", content=b"old kernel")
+    os.utime(cache.entry_dir("aten::abs", "old"), (time.time() - 86400,) * 2)
+    publish_kernel(cache, tmp_path, "new", content=b"new kernel")
+    publish_kernel(cache, tmp_path, "add", content=b"add kernel", op="aten::add.Tensor")
+    return cache
+
+
+def cli(cache, capsys, *argv) -> tuple[int, str]:
+    code = main(["--cache-dir", str(cache.root), *argv])
+    return code, capsys.readouterr().out
+
+
+def cli_json(cache, capsys, *argv) -> tuple[int, Any]:
+    code, out = cli(cache, capsys, *argv, "--json")
+    return code, json.loads(out)
+
+
+def test_list(cache, capsys):
+    code, out = cli(cache, capsys, "cache", "list")
+    assert code == 0
+    assert "aten::abs: 2 entries" in out and "aten::add.Tensor: 1 entries" in out
+    assert out.count("(self=float32[4])") == 3 and "compiled in 1.5 s" in out
+    code, rows = cli_json(cache, capsys, "cache", "list", "--op", "aten::abs")
+    assert [row["key"] for row in rows] == ["old", "new"]  # least recently used first
+    assert {(row["op"], row["device"], row["signature"], row["compile_seconds"]) for row in rows} == {
+        ("aten::abs", "cpu", "self=float32[4]", 1.5)
+    }
+    assert all(row["bytes"] > len(b"old kernel") for row in rows)  # the kernel and entry.json
+
+
+def test_stats(cache, capsys):
+    code, stats = cli_json(cache, capsys, "cache", "stats")
+    assert code == 0
+    sizes = {listing.directory.name: listing.bytes for listing in inventory.entries(cache.root)}
+    assert (stats["entries"], stats["bytes"]) == (3, sum(sizes.values()))
+    assert stats["by_op"]["aten::abs"] == {"entries": 2, "bytes": sizes["old"] + sizes["new"]}
+    assert stats["by_device"] == {"cpu": {"entries": 3, "bytes": sum(sizes.values())}}
+    code, out = cli(cache, capsys, "cache", "stats")
+    assert code == 0 and "3 entries" in out and "aten::add.Tensor: 1 entries" in out
+
+
+def test_verify_reports_and_quarantines_bad_entries(cache, capsys):
+    assert cli(cache, capsys, "cache", "verify")[0] == 0
+    (cache.entry_dir("aten::abs", "old") / LIBRARY_FILE).write_bytes(b"OLD kernel")
+    code, report = cli_json(cache, capsys, "cache", "verify")
+    assert code == 1
+    assert report["checked"] == 3 and [bad["op"] for bad in report["bad"]] == ["aten::abs"]
+    assert "sha256" in report["bad"][0]["problem"]
+    code, out = cli(cache, capsys, "cache", "verify", "--quarantine")
+    assert code == 1 and "1 bad (moved to the quarantine)" in out
+    assert not cache.entry_dir("aten::abs", "old").exists() and len(inventory.quarantined(cache.root)) == 1
+    assert cli(cache, capsys, "cache", "verify")[0] == 0
+
+
+def test_prune_by_size_and_by_age(cache, capsys):
+    one_entry = max(listing.bytes for listing in inventory.entries(cache.root))
+    code, report = cli_json(cache, capsys, "cache", "prune", "--max-size", str(2 * one_entry))
+    assert code == 0 and report["removed"] == 1
+    assert not cache.entry_dir("aten::abs", "old").exists() and cache.entry_dir("aten::abs", "new").exists()
+    os.utime(cache.entry_dir("aten::abs", "new"), (time.time() - 7200,) * 2)
+    code, out = cli(cache, capsys, "cache", "prune", "--older-than", "1h")
+    assert code == 0 and "removed 1 entries" in out
+    assert [listing.op for listing in inventory.entries(cache.root)] == ["aten::add.Tensor"]
+
+
+def test_clear_one_op_then_everything(cache, capsys):
+    code, report = cli_json(cache, capsys, "cache", "clear", "--op", "add")
+    assert code == 0 and report["removed"] == 1
+    assert {listing.op for listing in inventory.entries(cache.root)} == {"aten::abs"}
+    (cache.entry_dir("aten::abs", "old") / ENTRY_FILE).write_text("{")
+    cache.lookup("aten::abs", "old")  # sets it aside
+    code, out = cli(cache, capsys, "cache", "clear")
+    assert code == 0 and "removed 1 entries" in out and "removed 1 quarantined" in out
+    assert inventory.entries(cache.root) == [] and inventory.quarantined(cache.root) == []
+
+
+def test_path_json(cache, capsys):
+    assert cli_json(cache, capsys, "cache", "path") == (0, str(cache.root))
+
+
+def test_doctor(cache, capsys):
+    code, report = cli_json(cache, capsys, "doctor")
+    assert code == 0, report["problems"]
+    assert report["torch"] == torch.__version__ and report["cpu_isa"] == "avx2"
+    assert report["extension"]["loads"] and report["cache"]["mode"] == "700"
+    assert report["cuda"]["available"] == torch.cuda.is_available()
+    assert len(report["cuda"]["devices"]) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    os.chmod(cache.root, 0o770)
+    code, out = cli(cache, capsys, "doctor")
+    assert code == 1 and "PROBLEM: cache directory" in out and "writable by group or others" in out
+
+
+@pytest.mark.parametrize("argv", [["cache"], ["cache", "prune", "--max-size", "lots"], ["cache", "prune", "--older-than", "soon"]])
+def test_usage_errors_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as raised:
+        main(argv)
+    assert raised.value.code == 2

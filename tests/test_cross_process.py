@@ -1,10 +1,21 @@
-"""A kernel compiled by one process is loaded, not compiled, by the next."""
+"""Many processes, one cache: a kernel compiled by one process is loaded by
+the others; dead lock holders and killed compiles leave nothing wrong behind."""
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
+
+import filelock
+import pytest
+import torch
+
+import aoti_eager
+from aoti_eager.cache import KernelCache, inventory, layout
+from helpers import assert_same_as_eager
 
 
 SCRIPT = r"""
@@ -33,3 +44,97 @@ def test_second_process_makes_no_compile(tmp_path):
     second = run_process(tmp_path)
     assert (second["compiles"], second["cache_loads"], second["hits"]) == (0, 1, 2), second
     assert second["fallbacks"] == 0
+
+
+def test_a_lock_whose_holder_died_is_taken_over(tmp_path, monkeypatch):
+    # The lock is an flock(2): the kernel drops it with its holder's last file
+    # descriptor, however the holder dies. That is how a dead holder is detected.
+    monkeypatch.setattr(layout, "cpu_isa", lambda root: "avx2")
+    cache = KernelCache(tmp_path, torch.device("cpu"))
+    lock_path = cache.lock("aten::abs").lock_file
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_LOCK, lock_path], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(filelock.Timeout):
+            cache.lock("aten::abs", timeout=0.2).acquire()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    start = time.monotonic()
+    with cache.lock("aten::abs", timeout=5):
+        assert time.monotonic() - start < 1
+
+
+HOLD_LOCK = r"""
+import sys, time, filelock
+held = filelock.FileLock(sys.argv[1])
+held.acquire()
+print("locked", flush=True)
+time.sleep(600)
+"""
+
+COMPILE = r"""
+import sys, torch, aoti_eager
+aoti_eager.enable(["aten::abs.default"], devices=["cpu"], cache_dir=sys.argv[1])
+torch.abs(torch.linspace(-3, 3, 24))
+"""
+
+
+def test_kill_9_in_the_middle_of_a_compile_leaves_no_entry(tmp_path):
+    compiling = subprocess.Popen([sys.executable, "-c", COMPILE, str(tmp_path)])
+    try:
+        # The compile's scratch directory exists only while it runs, under the lock.
+        deadline = time.monotonic() + 300
+        while not list(tmp_path.glob("v1/*/aten.abs/.tmp-*")):
+            assert compiling.poll() is None and time.monotonic() < deadline, "the compile never started"
+            time.sleep(0.05)
+        time.sleep(1)
+    finally:
+        compiling.send_signal(signal.SIGKILL)
+        compiling.wait()
+    assert compiling.returncode == -signal.SIGKILL
+    assert inventory.entries(tmp_path) == [], "a killed compile published an entry"
+    assert list(tmp_path.glob("v1/*/aten.abs/.tmp-*"))
+
+    # The next process compiles it and cleans up what the killed one left.
+    x = torch.linspace(-3, 3, 24)
+    with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
+        result = torch.abs(x)
+        stats = aoti_eager.stats()["aten::abs"]
+    assert_same_as_eager(result, x.abs())
+    assert stats["compiles"] == 1, stats
+    assert not list(tmp_path.glob("v1/*/aten.abs/.tmp-*"))
+    assert len(inventory.entries(tmp_path)) == 1
+
+
+STRESS = r"""
+import json, pathlib, sys, time, torch, aoti_eager
+cache_dir, index, processes = pathlib.Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+x = torch.linspace(-5, 5, 40).reshape(4, 10)
+aoti_eager.enable(["aten::abs.default"], devices=["cpu"], cache_dir=cache_dir)
+# Everyone misses at once: wait until every process is ready.
+(cache_dir / f"ready-{index}").touch()
+while len(list(cache_dir.glob("ready-*"))) < processes:
+    time.sleep(0.01)
+result = torch.abs(x)
+torch.testing.assert_close(result, x.abs(), rtol=0, atol=0)
+print(json.dumps(aoti_eager.stats()["aten::abs"]))
+"""
+
+
+def test_processes_that_miss_together_compile_once(tmp_path):
+    processes = 8
+    started = [
+        subprocess.Popen([sys.executable, "-c", STRESS, str(tmp_path), str(i), str(processes)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(processes)
+    ]
+    stats = []
+    for process in started:
+        out, err = process.communicate(timeout=600)
+        assert process.returncode == 0, err
+        stats.append(json.loads(out.strip().splitlines()[-1]))
+    assert sum(s["compiles"] for s in stats) == 1, stats
+    assert sum(s["cache_loads"] for s in stats) == processes - 1, stats
+    assert sum(s["fallbacks"] for s in stats) == 0, stats
