@@ -93,6 +93,13 @@ class Override:
             signature = CallSignature.of(self.op, self.device, args)
         except Unsupported as e:
             return self._eager(f"unsupported input: {e}")
+        decision = self._decide(signature)
+        if decision is False and signature.runtime_arguments:
+            # No kernel takes these numbers as inputs: compile their values in.
+            decision = self._decide(signature.with_constant_numbers())
+        return decision
+
+    def _decide(self, signature: CallSignature) -> Any:
         known = self.decisions.get(signature.decision_key)
         if known is not None:
             return known
@@ -149,17 +156,25 @@ class Override:
         try:
             expected = call_op(self.op, reference_args)
         except Exception:  # noqa: BLE001 - eager raises it again for the caller
-            return self._remember(signature, False)
+            # An error of these values, not of the signature, when numbers are inputs.
+            return None if signature.runtime_arguments else self._remember(signature, False)
         start = time.perf_counter()
         try:
             artifact = compile_call(signature, expected, cache.compile_options, cache.temporary_directory(self.name))
         except CompileError as e:
             log.debug("aoti_eager: compiling %s failed", self.name, exc_info=e.__cause__)
+            if not e.lasting:
+                return self._eager(f"{e} (not recorded in the cache: a later process tries again)", signature)
             return self._publish_eager(signature, str(e))
         try:
             try:
-                kernel = self._load(artifact.library, artifact.output_counts, signature.device)
+                kernel = self._load(artifact.library, artifact.output_counts, signature)
                 check_matches_eager(kernel, signature, self.op, reference_args, expected)
+                if signature.runtime_arguments:
+                    # It must follow its runtime numbers, not hold the values it was traced with.
+                    other = signature.with_other_numbers()
+                    other_reference = clone_args(other.args)
+                    check_matches_eager(kernel, other, self.op, other_reference, call_op(self.op, other_reference))
             except Mismatch as e:
                 return self._publish_eager(signature, f"compiled kernel disagrees with eager: {e}")
             except Exception as e:  # noqa: BLE001
@@ -196,7 +211,7 @@ class Override:
         if entry.library is None:
             return self._eager(entry.reason or "decided eager", signature)
         try:
-            kernel = self._load(entry.library, entry.output_counts, signature.device)
+            kernel = self._load(entry.library, entry.output_counts, signature)
         except Exception as e:  # noqa: BLE001
             return self._eager(f"cached kernel failed to load: {e}", signature)
         if loaded:
@@ -207,9 +222,10 @@ class Override:
         self.decisions[signature.decision_key] = decision
         return decision
 
-    def _load(self, library: Path, output_counts: list[int], device: torch.device) -> Any:
+    def _load(self, library: Path, output_counts: list[int], signature: CallSignature) -> Any:
+        device = signature.device
         check_loads(self.cache(device).directory, library, str(device))
-        return _extension.load().CompiledKernel(str(library), str(device), output_counts)
+        return _extension.load().CompiledKernel(str(library), str(device), output_counts, signature.runtime_arguments)
 
     def _publish_eager(self, signature: CallSignature, reason: str) -> bool:
         entry = Entry(op=self.name, signature=signature.to_json(), reason=reason)
@@ -219,6 +235,10 @@ class Override:
     def _eager(self, reason: str, signature: CallSignature | None = None) -> bool:
         if signature is not None:
             self._remember(signature, False)
+            if signature.runtime_arguments:
+                # Not final: decide() tries the call next with its numbers compiled in.
+                log.debug("aoti_eager: %s on %s takes no runtime numbers: %s", self.name, self.device, reason)
+                return False
         self.stats.last_fallback_reason = reason
         self._log(reason)
         return False

@@ -196,7 +196,7 @@ def doctor(root: Path, args: argparse.Namespace) -> int:
         "platform": platform.platform(),
         "torch": torch.__version__,
         "torch_git": str(torch.version.git_version),
-        "compiler": layout.cpp_compiler(cpp_compiler(root)),
+        "compiler": layout.cpp_compiler(root, cpp_compiler(root)),
         "cpu_isa": layout.cpu_isa(root),
         "cuda": {"available": torch.cuda.is_available(), "version": torch.version.cuda, "devices": []},
     }

@@ -19,6 +19,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 from functools import lru_cache
@@ -141,17 +142,33 @@ def _cpu_isa(root: Path, torch_version: str) -> str:
 
 
 @lru_cache(maxsize=None)
-def cpp_compiler(compiler: str | None = None) -> str:
+def cpp_compiler(root: Path, compiler: str | None = None) -> str:
     """``compiler`` (by default Inductor's: ``$CXX``, else g++) and its version.
 
-    Found without importing Inductor: a warm process must not pay seconds for that import.
+    Asking the compiler takes milliseconds, which a warm process's first call
+    must not pay: the answer is kept on disk per compiler binary (path, size,
+    modification time), so an upgrade asks again.
     """
     compiler = compiler or os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+    try:
+        binary = os.path.realpath(shutil.which(compiler) or compiler)
+        stat = os.stat(binary)
+        fingerprint = f"{binary}:{stat.st_size}:{stat.st_mtime_ns}"
+    except OSError:
+        fingerprint = compiler
+    record = root / "machine" / f"compiler-version-{hashlib.sha256(fingerprint.encode()).hexdigest()[:16]}.json"
+    try:
+        return json.loads(record.read_text())["identity"]
+    except (OSError, ValueError, KeyError):
+        pass
     try:
         out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError):
         out = ""
-    return f"{compiler}: {(out.splitlines() or ['unknown version'])[0]}"
+    identity = f"{compiler}: {(out.splitlines() or ['unknown version'])[0]}"
+    make_cache_dirs(record.parent)
+    atomic_write_text(record, json.dumps({"identity": identity}))
+    return identity
 
 
 def environment_fields(
@@ -169,7 +186,7 @@ def environment_fields(
         "torch_git": str(torch.version.git_version),
         "aoti_eager": PACKAGE_VERSION,
         "machine": platform.machine(),
-        "compiler": cpp_compiler((compile_options or {}).get("cpp.cxx", (None, None))[1]),
+        "compiler": cpp_compiler(root, (compile_options or {}).get("cpp.cxx", (None, None))[1]),
         "inductor_options": json.dumps(compile_options or {}, sort_keys=True),
     }
     if device.type == "cpu":

@@ -9,8 +9,11 @@ namespace aoti_eager {
 CompiledKernel::CompiledKernel(
     const std::string& library_path,
     const std::string& device,
-    std::vector<int64_t> output_counts)
-    : device_(device), output_counts_(std::move(output_counts)) {
+    std::vector<int64_t> output_counts,
+    std::vector<int64_t> runtime_arguments)
+    : device_(device),
+      output_counts_(std::move(output_counts)),
+      runtime_arguments_(std::move(runtime_arguments)) {
   // Runners are created through AOTInductor's registry so that CUDA support
   // comes from libtorch_cuda at run time and this extension needs no CUDA
   // toolkit to build.

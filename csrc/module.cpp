@@ -25,10 +25,11 @@ struct Installed {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<CompiledKernel, std::shared_ptr<CompiledKernel>>(m, "CompiledKernel")
       .def(
-          py::init<const std::string&, const std::string&, std::vector<int64_t>>(),
+          py::init<const std::string&, const std::string&, std::vector<int64_t>, std::vector<int64_t>>(),
           py::arg("library_path"),
           py::arg("device"),
-          py::arg("output_counts"))
+          py::arg("output_counts"),
+          py::arg("runtime_arguments") = std::vector<int64_t>{})
       .def(
           "run",
           [](const CompiledKernel& kernel, std::vector<at::Tensor> inputs) {
@@ -36,7 +37,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             return kernel.run(inputs);
           },
           py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("output_counts", &CompiledKernel::output_counts);
+      .def_property_readonly("output_counts", &CompiledKernel::output_counts)
+      .def_property_readonly("runtime_arguments", &CompiledKernel::runtime_arguments);
 
   py::class_<Installed>(m, "Override")
       .def(

@@ -1,6 +1,7 @@
 #include "op_override.h"
 
 #include <ATen/core/stack.h>
+#include <ATen/ops/scalar_tensor.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
@@ -60,6 +61,17 @@ py::object to_python(const c10::IValue& value, const c10::TypePtr& declared) {
     }
   }
   return torch::jit::toPyObject(value);
+}
+
+// A number the kernel reads at run time, as kernels/compile.py's
+// runtime_number_input makes it: a Python float, or the wrapped number a
+// Tensor argument received for one.
+at::Tensor runtime_number(const c10::IValue& arg) {
+  if (arg.isTensor()) {
+    const at::Tensor& t = arg.toTensor();
+    return t.scalar_type() == at::kDouble ? t : t.to(at::kDouble);
+  }
+  return at::scalar_tensor(arg.toDouble(), at::TensorOptions().dtype(at::kDouble));
 }
 
 } // namespace
@@ -169,8 +181,14 @@ void OpOverride::run_kernel(
       inputs.push_back(t);
     }
   };
-  for (const c10::IValue& arg : args) {
-    if (arg.isTensor()) {
+  auto runtime = kernel.runtime_arguments().begin();
+  const auto runtime_end = kernel.runtime_arguments().end();
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::IValue& arg = args[i];
+    if (runtime != runtime_end && *runtime == static_cast<int64_t>(i)) {
+      ++runtime;
+      inputs.push_back(runtime_number(arg));
+    } else if (arg.isTensor()) {
       add_input(arg.toTensor());
     } else if (arg.isTensorList()) {
       for (const at::Tensor& t : arg.toTensorList()) {

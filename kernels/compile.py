@@ -9,6 +9,7 @@ ops stay mutating: the library writes into the given tensors.
 from __future__ import annotations
 
 import shutil
+import subprocess
 import tempfile
 import time
 import warnings
@@ -39,7 +40,24 @@ def compile_options(device_type: str, root: Path) -> dict[str, Any]:
 
 
 class CompileError(Exception):
-    """torch.export or AOTInductor failed on a call; the call runs eagerly."""
+    """torch.export or AOTInductor failed on a call; the call runs eagerly.
+
+    ``lasting`` is False when the C++ compiler itself failed: that can be the
+    machine (a full disk, a killed compiler, a precompiled header another
+    process was writing), so the failure is not recorded in the cache.
+    """
+
+    def __init__(self, message: str, lasting: bool = True):
+        super().__init__(message)
+        self.lasting = lasting
+
+
+def _compiler_failed(error: BaseException) -> bool:
+    while error is not None:
+        if type(error).__name__ == "CppCompileError":
+            return True
+        error = getattr(error, "inner_exception", None) or error.__cause__
+    return False
 
 
 @dataclass
@@ -86,11 +104,20 @@ def flat_tensor_inputs(signature: CallSignature, args: tuple[Any, ...] | list[An
     """The tensors of ``args`` (default: the call's) in schema order: the kernel's inputs."""
     flat: list[torch.Tensor] = []
     for value, described in zip(signature.args if args is None else args, signature.described):
-        if described["kind"] == "tensor":
+        if described.get("runtime"):
+            flat.append(runtime_number_input(value))
+        elif described["kind"] == "tensor":
             flat.append(value)
         elif described["kind"] == "list":
             flat.extend(v for v, d in zip(value, described["items"]) if d["kind"] == "tensor")
     return flat
+
+
+def runtime_number_input(value: float | torch.Tensor) -> torch.Tensor:
+    """A runtime number as the kernel takes it: a 0-d float64 CPU tensor (the
+    kernel reads it on the host, as eager reads a Python number), matching
+    what csrc/op_override.cpp passes."""
+    return torch.tensor(float(value), dtype=torch.float64)
 
 
 class _OpCall(torch.nn.Module):
@@ -107,6 +134,8 @@ class _OpCall(torch.nn.Module):
         it = iter(tensors)
 
         def rebuild(value: Any, described: dict[str, Any]) -> Any:
+            if described.get("runtime"):
+                return next(it).item()  # traced as a number read at run time
             if described["kind"] == "tensor":
                 return next(it)
             if described["kind"] == "number":
@@ -176,6 +205,7 @@ def compile_call(
                 exported.module(), example, options={**options, "aot_inductor.output_path": str(library)}
             )
             seconds["AOTInductor"] = time.perf_counter() - start
+            _strip(library)
             # Ops that AOTInductor leaves to the dispatcher are described in a
             # JSON file, which the runner looks for beside the library.
             for path in library.parent.glob("*.json"):
@@ -184,8 +214,17 @@ def compile_call(
     except Exception as e:  # noqa: BLE001 - any failure means "run eagerly"
         workdir.cleanup()
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CompileError(f"{stage} failed: {type(e).__name__}: {message[:300]}") from e
+        raise CompileError(f"{stage} failed: {type(e).__name__}: {message[:300]}", lasting=not _compiler_failed(e)) from e
     return Artifact(library, module.output_counts(eager_result), seconds, workdir)
+
+
+def _strip(library: Path) -> None:
+    """Drops what only a debugger reads: symbol tables and debug sections are
+    about 80% of an op-sized library. The loader's dynamic symbols stay; without
+    a ``strip`` tool the library is kept as it is."""
+    strip = shutil.which("strip")
+    if strip is not None:
+        subprocess.run([strip, "--strip-unneeded", str(library)], capture_output=True, timeout=120)
 
 
 def sidecar_files(artifact: Artifact) -> dict[str, Path]:

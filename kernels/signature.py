@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -71,6 +72,34 @@ def _describe(value: Any, device: torch.device) -> dict[str, Any]:
     raise Unsupported(f"arguments of type {type(value).__name__}")
 
 
+# A CUDA kernel reads its runtime numbers from device memory, where a host
+# scalar is not (an H100 gave wrong values, which the check against eager
+# caught): CUDA kernels compile their values in.
+_RUNTIME_NUMBER_DEVICES = ("cpu",)
+
+
+def _takes_runtime_number(argument: torch._C.Argument) -> bool:
+    """Whether a float given for ``argument`` can be a kernel input instead of a
+    constant: a number that scales values (``alpha``, ``min``, ``negative_slope``)
+    and never shapes the output. Tensor arguments receive Python numbers as
+    wrapped numbers."""
+    declared = argument.type
+    if isinstance(declared, torch._C.OptionalType):
+        declared = declared.getElementType()
+    return isinstance(declared, (torch._C.FloatType, torch._C.NumberType, torch._C.TensorType))
+
+
+def _runtime_number(value: Any) -> float | None:
+    """``value`` as a kernel's runtime number, or None if it stays a constant."""
+    if isinstance(value, torch.Tensor):
+        if not (_is_wrapped_number(value) and value.is_floating_point()):
+            return None
+        value = value.item()
+    if type(value) is not float or not math.isfinite(value):
+        return None  # ints and bools pick kernels (integer math, masks); inf and nan stay constants
+    return value
+
+
 def _call_device(device_type: str, args: list[Any]) -> torch.device:
     """The device the call runs on: its first tensor's, or its device argument's."""
 
@@ -119,21 +148,58 @@ class CallSignature:
     described: tuple[dict[str, Any], ...]
 
     @classmethod
-    def of(cls, op: torch._ops.OpOverload, device_type: str, args: list[Any]) -> "CallSignature":
-        """The signature of a call that the dispatcher sent to ``device_type``'s kernel."""
+    def of(
+        cls, op: torch._ops.OpOverload, device_type: str, args: list[Any], runtime_numbers: bool = True
+    ) -> "CallSignature":
+        """The signature of a call that the dispatcher sent to ``device_type``'s kernel.
+
+        With ``runtime_numbers``, finite floats given for numeric arguments are
+        kernel inputs (marked ``"runtime"``; their values are left out of the
+        key), so that one kernel serves every value; otherwise, and for other
+        numbers, values are compiled in.
+        """
         device = _call_device(device_type, args)
         described = tuple(_describe(a, device) for a in args)
+        if runtime_numbers and device.type in _RUNTIME_NUMBER_DEVICES:
+            described = tuple(
+                {**d, "runtime": True} if _takes_runtime_number(arg) and _runtime_number(value) is not None else d
+                for arg, value, d in zip(op._schema.arguments, args, described)
+            )
         if op._schema.is_mutable and _share_memory(args, described):
             raise Unsupported("an op that writes into an argument, given arguments that share memory")
         return cls(op, device, tuple(args), described)
+
+    @property
+    def runtime_arguments(self) -> list[int]:
+        """Indices of the arguments that the kernel takes as runtime numbers."""
+        return [i for i, d in enumerate(self.described) if d.get("runtime")]
+
+    def with_constant_numbers(self) -> "CallSignature":
+        """The same call with every number compiled into the kernel."""
+        return replace(self, described=tuple({k: v for k, v in d.items() if k != "runtime"} for d in self.described))
+
+    def with_other_numbers(self) -> "CallSignature":
+        """The same call with other values for its runtime numbers: a kernel that
+        takes them as inputs must match eager on these too."""
+        args = list(self.args)
+        for i in self.runtime_arguments:
+            value = _runtime_number(args[i])
+            # A Python float: where the op takes a Tensor, it wraps it as a number again.
+            args[i] = value * 0.75 if value else 0.5
+        return replace(self, args=tuple(args))
 
     def to_json(self) -> list[dict[str, Any]]:
         return [{"name": a.name, **d} for a, d in zip(self.op._schema.arguments, self.described)]
 
     @property
     def key(self) -> str:
-        """The digest that names this signature's cache entry."""
-        text = json.dumps([str(self.op._schema), self.to_json()], sort_keys=True)
+        """The digest that names this signature's cache entry: runtime numbers
+        count by kind, not value."""
+
+        def strip(d: dict[str, Any]) -> dict[str, Any]:
+            return {k: v for k, v in d.items() if k != "value"} if d.get("runtime") else d
+
+        text = json.dumps([str(self.op._schema), [strip(d) for d in self.to_json()]], sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
     @property

@@ -80,7 +80,7 @@ def cpp_compiler(root: Path) -> str:
     """
     found = candidates()
     digest = hashlib.sha256(json.dumps([found, torch.__version__]).encode()).hexdigest()[:16]
-    record = root / "machine" / f"compiler-{digest}.json"
+    record = root / "machine" / f"compiler-choice-{digest}.json"
     try:
         return json.loads(record.read_text())["compiler"]
     except (OSError, ValueError, KeyError):

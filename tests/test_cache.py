@@ -130,7 +130,7 @@ def test_environment_key_names_the_compiler_and_the_inductor_options(tmp_path, m
     monkeypatch.setattr(layout, "cpu_isa", lambda root: "avx2")
     base = layout.environment_key(tmp_path, CPU, {"cpp.min_chunk_size": 32768})
     assert layout.environment_key(tmp_path, CPU, {"cpp.min_chunk_size": 1}) != base
-    monkeypatch.setattr(layout, "cpp_compiler", lambda compiler=None: "g++: g++ 99.0")
+    monkeypatch.setattr(layout, "cpp_compiler", lambda root, compiler=None: "g++: g++ 99.0")
     assert layout.environment_key(tmp_path, CPU, {"cpp.min_chunk_size": 32768}) != base
 
 

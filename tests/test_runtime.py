@@ -47,6 +47,24 @@ def test_failed_compile_falls_back_once_and_is_remembered(tmp_path, monkeypatch,
     assert len(attempts) == 1
 
 
+def test_a_failed_cpp_compiler_is_not_recorded_in_the_cache(tmp_path, monkeypatch):
+    attempts = []
+
+    def compiler_fails(signature, *args):
+        attempts.append(signature.short())
+        raise CompileError("AOTInductor failed: CppCompileError: C++ compile error", lasting=False)
+
+    monkeypatch.setattr(_runtime, "compile_call", compiler_fails)
+    x = torch.randn(16)
+    for _ in range(2):  # two processes, as far as the cache can tell
+        aoti_eager.enable(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path)
+        results = [torch.abs(x) for _ in range(2)]
+        aoti_eager.disable()
+        for r in results:
+            assert_same_as_eager(r, x.abs())
+    assert len(attempts) == 2  # once per process: the failure may have been the machine's
+
+
 def test_a_runtime_that_crashes_on_load_leaves_kernels_eager(tmp_path, monkeypatch):
     monkeypatch.setattr(load_probe, "_CHILD", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
     load_probe._verdicts.clear()
@@ -105,15 +123,38 @@ def test_new_scalar_values_stop_compiling_past_the_limit(tmp_path, monkeypatch, 
     x = torch.randn(8)
     aoti_eager.enable(["aten::mul.Tensor"], devices=["cpu"], cache_dir=tmp_path)
     with caplog.at_level(logging.WARNING, logger="aoti_eager"):
-        results = [torch.mul(x, s) for s in (0.5, 1.5, 2.5, 3.5, 0.5)]
+        # Integers: a kernel's integer math depends on them, so values are compiled in.
+        results = [torch.mul(x, s) for s in (2, 3, 4, 5, 2)]
         torch.mul(x, x)  # another shape of signature: not limited by the numbers' variants
     stats = aoti_eager.stats()["aten::mul.Tensor"]
     aoti_eager.disable()
-    for r, s in zip(results, (0.5, 1.5, 2.5, 3.5, 0.5)):
+    for r, s in zip(results, (2, 3, 4, 5, 2)):
         assert_same_as_eager(r, x * s)
-    assert len(attempts) == 3, attempts  # 0.5, 1.5, then x * x; 2.5 and 3.5 hit the limit
+    assert len(attempts) == 3, attempts  # 2, 3, then x * x; 4 and 5 hit the limit
     assert stats["fallbacks"] == 6 and stats["hits"] == 0
     assert sum("AOTI_EAGER_MAX_VALUE_VARIANTS" in r.message for r in caplog.records) == 1
+
+
+def test_float_arguments_are_kernel_inputs_not_recompiles(shared_cache):
+    x, g = torch.randn(32, 32), torch.randn(32, 32)
+    scales = [0.5, -1.25, 3.0, 1e-3, 7.5]
+    rates = [0.1, 0.05, 0.025, 0.0125]
+    p = x.clone()
+    with aoti_eager.enabled(["aten::mul.Tensor", "aten::add_.Tensor"], devices=["cpu"], cache_dir=shared_cache):
+        products = [torch.mul(x, s) for s in scales]
+        for lr in rates:
+            p.add_(g, alpha=-lr)  # an optimizer step with a decaying learning rate
+        stats = aoti_eager.stats()
+    for product, s in zip(products, scales):
+        assert_same_as_eager(product, x * s)
+    expected = x.clone()
+    for lr in rates:
+        expected.add_(g, alpha=-lr)
+    assert_same_as_eager(p, expected)
+    for op, calls in (("aten::mul.Tensor", len(scales)), ("aten::add_.Tensor", len(rates))):
+        assert stats[op]["compiles"] + stats[op]["cache_loads"] == 1, stats[op]
+        assert stats[op]["fallbacks"] == 0 and stats[op]["fallback_reason"] is None, stats[op]
+        assert stats[op]["calls"] == calls
 
 
 def test_eagers_own_error_reaches_the_caller(tmp_path, monkeypatch):

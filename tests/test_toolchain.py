@@ -33,7 +33,7 @@ def test_a_compiler_whose_libraries_crash_beside_torch_is_passed_over(tmp_path, 
     assert chosen != bad and toolchain.why_unusable(chosen) is None
     assert any(bad in r.getMessage() for r in caplog.records)
     # The verdict is kept: the next process reads it instead of probing.
-    (record,) = (tmp_path / "cache" / "machine").glob("compiler-*.json")
+    (record,) = (tmp_path / "cache" / "machine").glob("compiler-choice-*.json")
     assert json.loads(record.read_text())["compiler"] == chosen
 
 
