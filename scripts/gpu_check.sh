@@ -41,5 +41,8 @@ set -e
     echo; echo "## Dispatch latency (scripts/bench_dispatch.py --device cuda)"; echo '```'
     "$PY" scripts/bench_dispatch.py --device cuda --calls 20000
     echo '```'
+    echo; echo "## Composite ops (scripts/bench_composite.py --device cuda)"; echo '```'
+    "$PY" scripts/bench_composite.py --device cuda
+    echo '```'
 } 2>&1 | tee -a "$OUT_DIR/summary.md"
 exit "$TESTS"

@@ -5,10 +5,9 @@ import torch
 
 import aoti_eager
 
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
-]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ arguments for a device, so the same table runs on CPU and CUDA.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -131,3 +132,56 @@ CASES: list[Case] = [
 ]
 
 OPS = sorted({c.op for c in CASES}, key=str)
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, dict):
+        return _tensors(list(value.values()))
+    return []
+
+
+def _converted(value: Any, dtype: torch.dtype, memo: dict[int, torch.Tensor]) -> Any:
+    """``value`` with every float32 tensor in ``dtype``, keeping its sizes,
+    strides, storage offset (so its misalignment) and aliasing."""
+    if isinstance(value, torch.Tensor):
+        if value.dtype != torch.float32:
+            return value
+        if id(value) not in memo:
+            storage = torch.empty(0, dtype=value.dtype, device=value.device)
+            storage.set_(value.untyped_storage(), 0, (value.untyped_storage().nbytes() // value.element_size(),))
+            converted = torch.empty(0, dtype=dtype, device=value.device)
+            converted.set_(storage.to(dtype).untyped_storage(), value.storage_offset(), value.size(), value.stride())
+            memo[id(value)] = converted
+        return memo[id(value)]
+    if isinstance(value, (list, tuple)):
+        return type(value)(_converted(v, dtype, memo) for v in value)
+    if isinstance(value, dict):
+        return {k: _converted(v, dtype, memo) for k, v in value.items()}
+    return value
+
+
+def in_dtype(case: Case, dtype: torch.dtype) -> Case:
+    """``case`` with its float32 tensors in ``dtype``."""
+    return dataclasses.replace(
+        case,
+        id=f"{case.id}-{str(dtype).removeprefix('torch.')}",
+        make=lambda device: _converted(case.make(device), dtype, {}),
+    )
+
+
+def _float32_only(case: Case) -> bool:
+    """Whether every floating tensor of the case is float32 (a case about
+    another dtype, or about no floating tensor, keeps its dtypes)."""
+    floating = [t.dtype for t in _tensors(case.make("cpu")) if t.is_floating_point() or t.is_complex()]
+    return bool(floating) and set(floating) == {torch.float32}
+
+
+# The float32 cases in half precision, for CUDA, where eager supports both
+# dtypes for every op of the table.
+HALF_PRECISION_CASES: list[Case] = [
+    in_dtype(case, dtype) for dtype in (torch.float16, torch.bfloat16) for case in CASES if _float32_only(case)
+]

@@ -8,49 +8,84 @@ import pytest
 import torch
 
 import aoti_eager
+from conftest import needs_cuda
 from helpers import assert_same_as_eager, xfail_if_kernels_cannot_load
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = needs_cuda
 
 
 def test_cuda_runs_on_the_current_stream(shared_cache):
     x = torch.randn(1 << 20, device="cuda")
-    expected = torch.abs(x)
+    new_values = torch.randn(1 << 20, device="cuda")
     side = torch.cuda.Stream()
     with aoti_eager.enabled(["aten::abs.default"], devices=["cuda"], cache_dir=shared_cache):
         torch.abs(x)  # decide the signature
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
+            # The copy waits behind the sleep: a kernel launched on any other
+            # stream than this one would read x before it.
+            torch.cuda._sleep(50_000_000)
+            x.copy_(new_values)
             y = torch.abs(x)
-            z = y * 1  # ordered after y on the side stream only
         torch.cuda.current_stream().wait_stream(side)
         stats = aoti_eager.stats()["aten::abs"]
-    assert_same_as_eager(z, expected)
+    assert_same_as_eager(y, new_values.abs())
     xfail_if_kernels_cannot_load(stats)
     assert stats["hits"] == 1
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_cuda_input_on_another_device_than_the_current_one(shared_cache):
+@pytest.mark.skipif(
+    torch.cuda.device_count() >= 2 and torch.cuda.get_device_capability(0) != torch.cuda.get_device_capability(1),
+    reason="needs two GPUs of one architecture",
+)
+def test_cuda_kernel_compiled_for_one_device_serves_another(tmp_path):
     x0 = torch.randn(4096, device="cuda:0")
     x1 = x0.to("cuda:1")
-    with aoti_eager.enabled(["aten::abs.default"], devices=["cuda"], cache_dir=shared_cache):
-        with torch.cuda.device(0):
+    with aoti_eager.enabled(["aten::abs.default"], devices=["cuda"], cache_dir=tmp_path):
+        with torch.cuda.device(0):  # cuda:1's input is not on the current device
             y0 = torch.abs(x0)
             y1 = torch.abs(x1)
             y1 = torch.abs(x1)
         stats = aoti_eager.stats()["aten::abs"]
-    assert y1.device == torch.device("cuda:1")
-    assert_same_as_eager(y1.cpu(), y0.cpu())
-    assert stats["compiles"] + stats["cache_loads"] <= 2 and stats["hits"] >= 1
+    assert_same_as_eager(y0, x0.abs())
+    assert_same_as_eager(y1, x1.abs())
+    xfail_if_kernels_cannot_load(stats)
+    # The cache is keyed by architecture, not device index: cuda:1 loads the
+    # kernel compiled for cuda:0.
+    assert (stats["compiles"], stats["cache_loads"], stats["hits"]) == (1, 1, 1), stats
 
 
-def test_cuda_pinned_memory_input(shared_cache):
-    x = torch.randn(128).pin_memory()
-    with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=shared_cache):
-        y = torch.abs(x)
-        y = torch.abs(x)
-    assert_same_as_eager(y, x.abs())
+def test_cuda_copies_from_pinned_memory(shared_cache):
+    pinned = torch.randn(4096).pin_memory()
+    expected = pinned.to("cuda").abs()
+    with aoti_eager.enabled(["aten::copy_.default", "aten::abs.default"], devices=["cuda"], cache_dir=shared_cache):
+        for _ in range(2):
+            # _to_copy's CUDA copy_, and a direct one, from a CPU source.
+            x = pinned.to("cuda", non_blocking=True)
+            y = torch.abs(x)
+            z = torch.empty_like(x).copy_(pinned, non_blocking=True).abs()
+        stats = aoti_eager.stats()
+    assert_same_as_eager(y, expected)
+    assert_same_as_eager(z, expected)
+    assert "cpu tensor" in stats["aten::copy_"]["fallback_reason"], stats
+    xfail_if_kernels_cannot_load(stats["aten::abs"])
+    assert (stats["aten::abs"]["misses"], stats["aten::abs"]["hits"]) == (1, 3), stats
+
+
+@pytest.mark.parametrize("cpu_first", [False, True])
+def test_cuda_with_a_cpu_tensor_raises_eagers_error(cpu_first, shared_cache):
+    args = (torch.randn(8, device="cuda"), torch.randn(8))
+    args = args[::-1] if cpu_first else args
+    with pytest.raises(Exception) as eager:
+        torch.add(*args)
+    with aoti_eager.enabled(["aten::add.Tensor"], devices=["cpu", "cuda"], cache_dir=shared_cache):
+        with pytest.raises(type(eager.value)) as overridden:
+            torch.add(*args)
+        stats = aoti_eager.stats()["aten::add.Tensor"]
+    assert type(overridden.value) is type(eager.value)
+    assert str(overridden.value).splitlines()[0] == str(eager.value).splitlines()[0]
+    assert (stats["calls"], stats["hits"]) == (1, 0), stats
 
 
 def test_cuda_with_a_cpu_scalar_tensor_runs_eagerly(shared_cache):

@@ -6,9 +6,9 @@ import pytest
 
 import aoti_eager
 from aoti_eager._ops import qualified_name
-from conftest import DEVICES
+from conftest import DEVICES, needs_cuda
 from helpers import assert_same_as_eager, clone_tree, xfail_if_kernels_cannot_load
-from op_cases import CASES, Case
+from op_cases import CASES, HALF_PRECISION_CASES, Case
 
 
 def call(case: Case, args, kwargs):
@@ -18,12 +18,22 @@ def call(case: Case, args, kwargs):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_matches_eager(case: Case, device: str, shared_cache):
+    check_matches_eager(case, device, shared_cache)
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", HALF_PRECISION_CASES, ids=[c.id for c in HALF_PRECISION_CASES])
+def test_matches_eager_cuda_half_precision(case: Case, shared_cache):
+    check_matches_eager(case, "cuda", shared_cache)
+
+
+def check_matches_eager(case: Case, device: str, cache_dir) -> None:
     args, kwargs = case.make(device)
     expected_args, expected_kwargs = clone_tree((args, kwargs))
     expected = call(case, expected_args, expected_kwargs)
 
     runs = [clone_tree((args, kwargs)) for _ in range(2)]
-    with aoti_eager.enabled([case.op], devices=[device], cache_dir=shared_cache):
+    with aoti_eager.enabled([case.op], devices=[device], cache_dir=cache_dir):
         # The first call decides the signature (compile or cache), the second
         # must be served by that decision.
         results = [(call(case, a, k), a, k) for a, k in runs]
