@@ -26,10 +26,11 @@ from aoti_eager.kernels.toolchain import cpp_compiler
 # Inductor's defaults, changed where an op-sized kernel differs from a model.
 # CPU: a loop is split across threads only above ATen's grain size (as eager
 # does), so that a small op does not pay for an OpenMP fork and join.
-# CUDA: the library carries its kernels' binaries, as it is moved into the cache.
+# CUDA: the library carries its kernels' binaries, as it is moved into the cache,
+# and its outputs have eager's strides (no padding for alignment).
 _INDUCTOR_OPTIONS: dict[str, dict[str, Any]] = {
     "cpu": {"cpp.min_chunk_size": 32768},
-    "cuda": {"aot_inductor.embed_kernel_binary": True},
+    "cuda": {"aot_inductor.embed_kernel_binary": True, "shape_padding": False, "comprehensive_padding": False},
 }
 
 

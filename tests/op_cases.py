@@ -164,12 +164,21 @@ def _converted(value: Any, dtype: torch.dtype, memo: dict[int, torch.Tensor]) ->
     return value
 
 
+# Half-precision cases that run eagerly, by case id, with the reason.
+# group_norm in bfloat16: Inductor rounds its statistics differently from eager,
+# beyond bfloat16's tolerance (measured on an H100); the check against eager
+# keeps it eager.
+HALF_PRECISION_EAGER = {"native_group_norm-bfloat16": "compiled kernel disagrees with eager"}
+
+
 def in_dtype(case: Case, dtype: torch.dtype) -> Case:
     """``case`` with its float32 tensors in ``dtype``."""
+    id = f"{case.id}-{str(dtype).removeprefix('torch.')}"
     return dataclasses.replace(
         case,
-        id=f"{case.id}-{str(dtype).removeprefix('torch.')}",
+        id=id,
         make=lambda device: _converted(case.make(device), dtype, {}),
+        eager_reason=HALF_PRECISION_EAGER.get(id, case.eager_reason),
     )
 
 
