@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import faulthandler
 import fnmatch
 import itertools
 import json
@@ -200,6 +201,7 @@ def _worker(unit: Unit, samples: int, cache_dir: str | None, result_path: str, l
     log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    faulthandler.enable()  # a crash leaves the Python stack in the log
     try:
         row = run_unit(unit, samples)
     except Exception as e:  # noqa: BLE001 - a harness error is reported, not a crash
@@ -219,12 +221,16 @@ def _context() -> multiprocessing.context.BaseContext:
     return context
 
 
-def _tail(path: Path, lines: int = 5) -> str:
+def _tail(path: Path, lines: int = 8) -> str:
+    """The log's last lines; after a fault, the innermost frames of its stack."""
     try:
         text = path.read_text(errors="replace").strip().splitlines()
     except OSError:
         return ""
-    return " | ".join(text[-lines:])[-800:]
+    fault = next((i for i, line in enumerate(text) if line.startswith("Fatal Python error")), None)
+    if fault is not None:
+        text = text[fault : fault + lines]
+    return " | ".join(line.strip() for line in text[-lines:])[-1000:]
 
 
 def run_isolated(unit: Unit, samples: int, timeout: float, cache_dir: str | None, context: Any) -> dict[str, Any]:
