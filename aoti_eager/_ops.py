@@ -73,10 +73,23 @@ def dispatcher_overloads(packet: OpOverloadPacket) -> tuple[OpOverload, ...]:
     return tuple(op for op in overloads if _in_dispatcher(op))
 
 
+# Ops that return views of their input although their schemas carry no alias
+# annotation (autograd and functionalization know them by name too).
+_UNANNOTATED_VIEWS = {"aten::_unsafe_view", "aten::unsafe_split", "aten::unsafe_split_with_sizes", "aten::unsafe_chunk"}
+
+
+# The compiler itself runs copy_ (functionalization's write-backs, saving the
+# RNG state): after a copy_ kernel has been compiled and the override removed,
+# the process's next compile crashes in a copy_ (seen with torch 2.13).
+_BREAKS_COMPILER = {"aten::copy_"}
+
+
 def refusal(op: OpOverload) -> str | None:
     """Why ``op`` cannot be overridden safely, or None if it can."""
     schema = op._schema
-    if any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
+    if schema.name in _BREAKS_COMPILER:
+        return "the compiler uses it itself, and overriding it crashes later compiles in the process"
+    if any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns) or schema.name in _UNANNOTATED_VIEWS:
         return "it is a view or aliasing op (its output shares storage with an input)"
     if torch.Tag.nondeterministic_seeded in op.tags:
         return "it is a random op (tagged nondeterministic_seeded)"

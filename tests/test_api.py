@@ -51,6 +51,8 @@ def test_unknown_op_and_overload():
     [
         ("aten::view", "view or aliasing"),
         ("aten::transpose.int", "view or aliasing"),
+        ("aten::_unsafe_view", "view or aliasing"),  # a view without an alias annotation
+        ("aten::unsafe_split.Tensor", "view or aliasing"),
         ("aten::bernoulli.p", "random op"),
         ("aten::randn_like", "random op"),
         ("aten::nonzero", "depends on the input data"),
@@ -58,6 +60,7 @@ def test_unknown_op_and_overload():
         ("aten::_unique2", "depends on the input data"),
         ("aten::item", "depends on the input data"),
         ("aten::softmax.int", "composite op"),
+        ("aten::copy_", "crashes later compiles"),
     ],
 )
 def test_refusals_name_the_op_and_the_reason(spec, reason):
