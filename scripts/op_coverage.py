@@ -44,7 +44,8 @@ from typing import Any, Iterable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-OUTCOMES = ("compiled", "eager", "wrong", "crash", "timeout", "ineligible")
+# "harness error": the harness itself failed on the unit (not aoti_eager); not eligible.
+OUTCOMES = ("compiled", "eager", "wrong", "crash", "timeout", "harness error", "ineligible")
 # Worse outcomes win when a unit's samples disagree.
 _SEVERITY = {o: i for i, o in enumerate(("ineligible", "compiled", "eager", "wrong"))}
 # Ops whose result is uninitialized memory: only dtype, shape and strides are comparable.
@@ -206,16 +207,19 @@ def _worker(unit: Unit, samples: int, cache_dir: str | None, result_path: str, l
         row = run_unit(unit, samples)
     except Exception as e:  # noqa: BLE001 - a harness error is reported, not a crash
         traceback.print_exc()
-        row = {"outcome": "crash", "reason": f"harness error: {type(e).__name__}: {e}"[:500]}
+        row = {"outcome": "harness error", "reason": f"{type(e).__name__}: {e}"[:500]}
     Path(result_path).write_text(json.dumps(row))
 
 
 # ---------------------------------------------------------------- the driver
 
 
-def _context() -> multiprocessing.context.BaseContext:
+def _context(units: list[Unit]) -> multiprocessing.context.BaseContext:
     """Workers fork from a server that has imported torch and op_db once
-    (seconds per unit saved), not from this multithreaded process."""
+    (seconds per unit saved), not from this multithreaded process. Importing
+    op_db initializes CUDA, which a forked process cannot use: CUDA units spawn."""
+    if any(u.device == "cuda" for u in units):
+        return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["torch", "torch.testing._internal.common_methods_invocations", "aoti_eager", "helpers"])
     return context
@@ -261,7 +265,7 @@ def run_units(
 ) -> list[dict[str, Any]]:
     """Runs ``units`` ``jobs`` at a time, each in its own process, sharing one
     kernel cache (default ``$AOTI_EAGER_CACHE_DIR``)."""
-    context = _context()
+    context = _context(units)
     rows = []
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         futures = [pool.submit(run_isolated, u, samples, timeout, cache_dir, context) for u in units]
@@ -346,7 +350,7 @@ def write_report(rows: Iterable[dict[str, Any]], path: Path) -> None:
     lines += ["", "| device | dtype | eligible | " + " | ".join(OUTCOMES) + " | compiled / eligible |", "|" + " --- |" * (len(OUTCOMES) + 4)]
     for device, dtype in configs:
         n = {o: counts[(device, dtype, o)] for o in OUTCOMES}
-        eligible = sum(n.values()) - n["ineligible"]
+        eligible = sum(n.values()) - n["ineligible"] - n["harness error"]
         share = f"{100 * n['compiled'] / eligible:.1f}%" if eligible else "-"
         lines.append(f"| {device} | {dtype} | {eligible} | " + " | ".join(str(n[o]) for o in OUTCOMES) + f" | {share} |")
     reasons = Counter()
