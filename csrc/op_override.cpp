@@ -279,6 +279,13 @@ std::optional<OpOverride::Entry> OpOverride::on_miss(
     return std::nullopt;
   }
   std::unique_lock<std::shared_mutex> lock(mutex_);
+  if (entries_.size() >= kMaxEntries) {
+    // Keys carry the values of runtime numbers (one kernel serves them all),
+    // so a changing learning rate adds an entry per value. Starting over
+    // bounds the table; Python still holds every decision, so the next misses
+    // are answered without compiling.
+    entries_.clear();
+  }
   return entries_.emplace(key, std::move(entry)).first->second;
 }
 

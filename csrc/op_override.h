@@ -87,6 +87,7 @@ class OpOverride : public std::enable_shared_from_this<OpOverride> {
   // ops return their mutated argument), or -1.
   std::vector<int64_t> return_aliases_;
 
+  static constexpr size_t kMaxEntries = 4096;
   mutable std::shared_mutex mutex_;
   std::unordered_map<CallKey, Entry, CallKeyHash> entries_;
   Counters counters_;

@@ -157,6 +157,20 @@ def test_float_arguments_are_kernel_inputs_not_recompiles(shared_cache):
         assert stats[op]["calls"] == calls
 
 
+def test_many_values_of_a_runtime_number_keep_the_call_table_bounded(shared_cache):
+    x = torch.randn(32, 32)  # the signature of the test above: its kernel serves here
+    scales = [1.0 + i / 5000 for i in range(5000)]
+    with aoti_eager.enabled(["aten::mul.Tensor"], devices=["cpu"], cache_dir=shared_cache):
+        products = [torch.mul(x, s) for s in scales]
+        (override,) = [o for o in _runtime.installed() if o.op == A.mul.Tensor]
+        entries = override.handle.num_entries
+        stats = aoti_eager.stats()["aten::mul.Tensor"]
+    for i in (0, 4095, 4096, 4999):
+        assert_same_as_eager(products[i], x * scales[i])
+    assert 0 < entries <= 4096
+    assert stats["compiles"] + stats["cache_loads"] == 1 and stats["fallbacks"] == 0, stats
+
+
 def test_eagers_own_error_reaches_the_caller(tmp_path, monkeypatch):
     monkeypatch.setattr(_runtime, "compile_call", lambda *a, **k: pytest.fail("must not compile a failing call"))
     a, b = torch.randn(3), torch.randn(4)
