@@ -45,9 +45,9 @@ def _serve() -> None:
             outcome = _worker.run(entry, root)
         except Exception as e:  # noqa: BLE001 - e.g. no process could be started
             outcome = _worker.Outcome("failed", f"{type(e).__name__}: {e}")
-        if outcome.status == "failed":
+        if outcome.status == "failed" and not _worker.stopped:
             log.warning("aoti_eager: background compile of %s on %s failed: %s", entry.op, entry.device, outcome.reason)
         future.set_result(outcome)
 
 
-atexit.register(_worker.stop_all)
+atexit.register(_worker.shutdown)

@@ -127,7 +127,7 @@ class Override:
                     if self.compile == "never":
                         return self._remember(signature, False)
                     if self.compile == "background":
-                        return self._queue(cache, signature)
+                        return self._queue(signature)
                     with _compile_lock, cache.lock(self.name, timeout=lock_timeout()):
                         cache.remove_abandoned(self.name)
                         # Another process may have compiled it while we waited.
@@ -176,7 +176,7 @@ class Override:
         self._value_variants[signature.shape_key] = variants + 1
         return False
 
-    def _queue(self, cache: KernelCache, signature: CallSignature) -> Any:
+    def _queue(self, signature: CallSignature) -> Any:
         """Starts a background compile; this call and those until it ends run eagerly."""
         if self._too_many_variants(signature):
             return False

@@ -69,17 +69,21 @@ def warm(entry: ManifestEntry, root: Path) -> Outcome:
 # Workers running now, so that an interrupted parent can stop them.
 _running: set[subprocess.Popen] = set()
 _running_lock = threading.Lock()
+# Set at exit (see shutdown()): no worker starts any more.
+stopped = False
 
 
 def run(entry: ManifestEntry, root: Path, timeout: float | None = None) -> Outcome:
     """Runs :func:`warm` for ``entry`` in a child process; never raises for
     what happens in the child (a crash or timeout is a ``failed`` outcome)."""
     env = {k: v for k, v in os.environ.items() if k != "AOTI_EAGER_RECORD"}
-    process = subprocess.Popen(
-        [*COMMAND, str(root)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, env=env,
-    )
     with _running_lock:
+        if stopped:
+            return Outcome("failed", "the process is exiting")
+        process = subprocess.Popen(
+            [*COMMAND, str(root)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=env,
+        )
         _running.add(process)
     try:
         out, err = process.communicate(json.dumps(asdict(entry)), timeout=timeout)
@@ -106,6 +110,14 @@ def stop_all() -> None:
     with _running_lock:
         for process in _running:
             process.kill()
+
+
+def shutdown() -> None:
+    """Kills every running worker and starts no more (at exit)."""
+    global stopped
+    with _running_lock:
+        stopped = True
+    stop_all()
 
 
 def main() -> int:
