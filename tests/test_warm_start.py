@@ -66,11 +66,11 @@ for n in map(int, sys.argv[2:]):
 """
 
 
-def test_two_processes_record_into_one_manifest(tmp_path):
+def test_two_processes_record_into_one_manifest(tmp_path, shared_cache):
     manifest = tmp_path / "misses.jsonl"
     env = {**os.environ, "AOTI_EAGER_RECORD": str(manifest)}
     processes = [
-        subprocess.Popen([sys.executable, "-c", RECORD, str(tmp_path / "cache"), *sizes], env=env,
+        subprocess.Popen([sys.executable, "-c", RECORD, str(shared_cache), *sizes], env=env,
                          stderr=subprocess.PIPE, text=True)
         for sizes in (["3", "5"], ["5", "7"])
     ]
@@ -84,7 +84,7 @@ def test_two_processes_record_into_one_manifest(tmp_path):
     assert len([e for e in entries if e.op == "aten::add.Tensor"]) == 3  # sizes 3, 5 and 7
 
 
-def test_example_arguments_rebuild_the_recorded_signature(tmp_path):
+def test_example_arguments_rebuild_the_recorded_signature(tmp_path, shared_cache):
     base = torch.randn(9, 7)
     calls = [
         (A.abs.default, [base.t()]),  # not contiguous
@@ -94,13 +94,14 @@ def test_example_arguments_rebuild_the_recorded_signature(tmp_path):
     ]
     recorded, rebuilt = tmp_path / "recorded.jsonl", tmp_path / "rebuilt.jsonl"
     ops = ["aten::abs.default", "aten::add.Tensor"]
-    aoti_eager.enable(ops, devices=["cpu"], cache_dir=tmp_path, record=recorded, compile="never")
+    # compile="never": nothing is published, so the rebuilt calls miss too.
+    aoti_eager.enable(ops, devices=["cpu"], cache_dir=shared_cache, record=recorded, compile="never")
     for op, args, *kwargs in calls:
         op(*args, **(kwargs[0] if kwargs else {}))
     aoti_eager.disable()
     entries = read_manifest(recorded)
     assert len(entries) == len(calls)
-    aoti_eager.enable(ops, devices=["cpu"], cache_dir=tmp_path / "other", record=rebuilt, compile="never")
+    aoti_eager.enable(ops, devices=["cpu"], cache_dir=shared_cache, record=rebuilt, compile="never")
     for entry in entries:
         args = example_arguments(entry.signature, torch.device("cpu"))
         call_op(overload_named(entry.op), args)
@@ -145,27 +146,28 @@ def test_prewarm_with_two_jobs_then_a_new_process_compiles_nothing(shared_cache,
 
 def test_interrupted_prewarm_leaves_the_cache_consistent_and_resumes(shared_cache, tmp_path):
     manifest = tmp_path / "misses.jsonl"
-    (entry,) = manifest_of(manifest, [(A.abs.default, [torch.randn(6, 3)])])
+    first, second = manifest_of(manifest, [(A.abs.default, [torch.randn(6, n)]) for n in (3, 2)])
     cache = KernelCache(shared_cache, torch.device("cpu"), compile_options("cpu", shared_cache))
-    op_dir = cache.entry_dir(entry.op, entry.key).parent
     prewarm = subprocess.Popen(
         [sys.executable, "-m", "aoti_eager", "--cache-dir", str(shared_cache), "prewarm", str(manifest), "--jobs", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # A shell without job control starts background jobs with SIGINT ignored.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    deadline = time.monotonic() + 1200
-    while not list(op_dir.glob(".tmp-*")) and prewarm.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)  # until the compile has started
-    prewarm.send_signal(signal.SIGINT)
+    assert prewarm.stdout.readline().startswith("[1/2 done"), prewarm.communicate()
+    prewarm.send_signal(signal.SIGINT)  # while the second entry compiles
     out, err = prewarm.communicate(timeout=60)
     assert prewarm.returncode == 130, out + err
     assert "run the same command again" in err
     assert inventory.verify(shared_cache) == []
-    assert cache.lookup(entry.op, entry.key) is None
+    assert cache.lookup(first.op, first.key).library is not None
+    assert cache.lookup(second.op, second.key) is None
 
     resumed = aoti_eager_cli("--cache-dir", str(shared_cache), "prewarm", str(manifest), "--json")
     assert resumed.returncode == 0, resumed.stderr
-    assert [r["status"] for r in json.loads(resumed.stdout)["results"]] == ["compiled"]
-    assert cache.lookup(entry.op, entry.key).library is not None
+    assert [r["status"] for r in json.loads(resumed.stdout)["results"]] == ["cached", "compiled"]
+    assert cache.lookup(second.op, second.key).library is not None
+    op_dir = cache.entry_dir(second.op, second.key).parent
     assert not list(op_dir.glob(".tmp-*")), "the interrupted compile left its scratch directory"
 
 
