@@ -18,7 +18,6 @@ import sys
 import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from aoti_eager.manifest import ManifestEntry
 
