@@ -33,8 +33,10 @@ import torch
 from aoti_eager import _ops, _runtime
 from aoti_eager._ops import OpSpec
 from aoti_eager.cache import default_root
+from aoti_eager.manifest import Recorder
+from aoti_eager._prewarm import prewarm
 
-__all__ = ["cache_dir", "disable", "enable", "enabled", "stats"]
+__all__ = ["cache_dir", "disable", "enable", "enabled", "prewarm", "stats"]
 __version__ = "0.1.0"
 
 log = logging.getLogger("aoti_eager")
@@ -80,6 +82,8 @@ def enable(
     *,
     devices: Iterable[str] | None = None,
     cache_dir: str | os.PathLike | None = None,
+    record: str | os.PathLike | None = None,
+    compile: str = "now",
 ) -> None:
     """Overrides ``ops`` with compiled kernels; calling it again adds ops.
 
@@ -89,6 +93,15 @@ def enable(
             or ``torch.ops.aten.add``.
         devices: ``"cpu"`` and/or ``"cuda"``; default: cpu, and cuda when available.
         cache_dir: where kernels are kept; default :func:`cache_dir`.
+        record: a manifest (JSON Lines) to append every (op, device, input
+            signature) that misses the cache to, once each, for
+            :func:`prewarm`; default ``$AOTI_EAGER_RECORD``, else none.
+            Several processes may record into one manifest.
+        compile: ``"now"``: a miss compiles before the call returns;
+            ``"background"``: a miss runs the original kernel and compiles in a
+            worker process, and calls use the kernel once it is in the cache;
+            ``"never"``: a miss runs the original kernel (to record a run
+            without compiling; kernels already in the cache are used).
 
     Raises:
         ValueError: an op does not exist, or is a view, random or data-dependent
@@ -98,8 +111,14 @@ def enable(
 
         >>> aoti_eager.enable(ops=["aten::gelu", torch.ops.aten._softmax.default])
         >>> aoti_eager.enable(ops=["aten::mul"], devices=["cpu"])   # adds mul
+        >>> aoti_eager.enable(ops=["aten::gelu"], record="misses.jsonl", compile="background")
     """
     global _root
+    if compile not in ("now", "background", "never"):
+        raise ValueError(f'aoti_eager: compile is "now", "background" or "never", not {compile!r}')
+    if record is None:
+        record = os.environ.get("AOTI_EAGER_RECORD") or None
+    recorder = Recorder(record) if record is not None else None
     devices = list(devices) if devices is not None else _default_devices()
     for device in devices:
         if device not in _runtime.DISPATCH_KEYS:
@@ -114,7 +133,7 @@ def enable(
         warnings.filterwarnings("ignore", message="(?s).*previously registered kernel")
         for op in selected:
             for device in devices:
-                _runtime.install(op, device, root)
+                _runtime.install(op, device, root, recorder=recorder, compile=compile)
 
 
 def disable(ops: Iterable[OpSpec] | OpSpec | None = None) -> None:
@@ -156,14 +175,14 @@ def stats() -> dict[str, dict[str, Any]]:
     Keys: ``calls``, ``hits`` (compiled kernel ran), ``misses`` (new signature),
     ``compiles``, ``cache_loads`` (kernels found on disk), ``fallbacks`` (calls
     that ran the original kernel), ``fallback_reason`` (the last one),
-    ``compile_seconds``.
+    ``compile_seconds``, ``queued`` (compiles started in the background).
     """
     result: dict[str, dict[str, Any]] = {}
     for override in _runtime.installed():
         counters = override.handle.counters()
         row = result.setdefault(
             override.name,
-            dict(calls=0, hits=0, misses=0, compiles=0, cache_loads=0, fallbacks=0, fallback_reason=None, compile_seconds=0.0),
+            dict(calls=0, hits=0, misses=0, compiles=0, cache_loads=0, fallbacks=0, fallback_reason=None, compile_seconds=0.0, queued=0),
         )
         row["calls"] += counters["calls"]
         row["hits"] += counters["hits"]
@@ -171,6 +190,7 @@ def stats() -> dict[str, dict[str, Any]]:
         row["fallbacks"] += counters["eager_calls"]
         row["compiles"] += override.stats.compiles
         row["cache_loads"] += override.stats.cache_loads
+        row["queued"] += override.stats.queued
         row["compile_seconds"] = round(row["compile_seconds"] + override.stats.compile_seconds, 3)
         row["fallback_reason"] = override.stats.last_fallback_reason or row["fallback_reason"]
     return result

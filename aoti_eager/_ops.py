@@ -58,6 +58,13 @@ def resolve(spec: OpSpec) -> Resolved:
     return Resolved(spec, dispatcher_overloads(packet), packet=True)
 
 
+def overload_named(name: str) -> OpOverload:
+    """The overload :func:`qualified_name` named: ``aten::abs`` is ``abs.default``."""
+    if "." not in name.rpartition("::")[2]:
+        name += ".default"
+    return resolve(name).overloads[0]
+
+
 def _in_dispatcher(op: OpOverload) -> bool:
     try:
         torch._C._dispatch_find_schema_or_throw(op._schema.name, op._schema.overload_name)

@@ -20,13 +20,14 @@ import filelock
 import torch
 from torch._ops import OpOverload
 
-from aoti_eager import _extension
+from aoti_eager import _background, _extension
 from aoti_eager._ops import qualified_name
 from aoti_eager.cache import Entry, KernelCache, UntrustedEntry, inventory, layout
 from aoti_eager.kernels import CallSignature, CompileError, Unsupported, compile_call
 from aoti_eager.kernels.compile import call_op, compile_options, sidecar_files
 from aoti_eager.kernels.load_probe import check_loads
 from aoti_eager.kernels.validate import Mismatch, check_matches_eager, clone_args
+from aoti_eager.manifest import ManifestEntry, Recorder
 
 log = logging.getLogger("aoti_eager")
 
@@ -57,6 +58,7 @@ class OpStats:
     compiles: int = 0
     cache_loads: int = 0
     compile_seconds: float = 0.0
+    queued: int = 0  # background compiles
     last_fallback_reason: str | None = None
 
 
@@ -69,6 +71,11 @@ class Override:
     root: Path
     token: int
     handle: Any = None
+    # Where misses are recorded (see aoti_eager.manifest), if anywhere.
+    recorder: Recorder | None = None
+    # "now": a miss compiles before the call returns; "background": in a
+    # worker process, while calls run eagerly; "never": misses run eagerly.
+    compile: str = "now"
     stats: OpStats = field(default_factory=OpStats)
     # CallSignature.decision_key -> loaded kernel, or False for "eager".
     decisions: dict[tuple[str, str], Any] = field(default_factory=dict)
@@ -76,6 +83,8 @@ class Override:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     # CallSignature.shape_key -> compiles attempted for it in this process.
     _value_variants: dict[str, int] = field(default_factory=dict)
+    # CallSignature.decision_key -> the background compile of that signature.
+    _queued: dict[tuple[str, str], Any] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -111,8 +120,21 @@ class Override:
                 return known
             cache = self.cache(signature.device)
             try:
+                queued = self._queued.get(signature.decision_key)
+                if queued is not None:
+                    if not queued.done():
+                        return None
+                    del self._queued[signature.decision_key]
+                    outcome = queued.result()
+                    if outcome.status == "failed":
+                        return self._eager(f"background compile failed: {outcome.reason}", signature)
                 decision = self._from_cache(cache, signature)
                 if decision is None:
+                    self._record(signature)
+                    if self.compile == "never":
+                        return self._remember(signature, False)
+                    if self.compile == "background":
+                        return self._queue(signature)
                     with _compile_lock, cache.lock(self.name, timeout=lock_timeout()):
                         cache.remove_abandoned(self.name)
                         # Another process may have compiled it while we waited.
@@ -141,15 +163,38 @@ class Override:
             reason = str(e)
         self._eager(f"unsupported input: {reason}")
 
-    def _compile(self, cache: KernelCache, signature: CallSignature) -> Any:
+    def _record(self, signature: CallSignature) -> None:
+        if self.recorder is not None:
+            self.recorder.record(self._manifest_entry(signature))
+
+    def _manifest_entry(self, signature: CallSignature) -> ManifestEntry:
+        return ManifestEntry(self.name, self.device, signature.key, signature.to_json())
+
+    def _too_many_variants(self, signature: CallSignature) -> bool:
+        """Counts a compile of ``signature``; True (and eager) past the limit."""
         variants = self._value_variants.get(signature.shape_key, 0)
         if variants >= max_value_variants():
-            return self._eager(
+            self._eager(
                 f"{variants} kernels already compiled for new values of its numeric arguments "
                 f"(AOTI_EAGER_MAX_VALUE_VARIANTS={max_value_variants()}); further values run eagerly",
                 signature,
             )
+            return True
         self._value_variants[signature.shape_key] = variants + 1
+        return False
+
+    def _queue(self, signature: CallSignature) -> Any:
+        """Starts a background compile; this call and those until it ends run eagerly."""
+        if self._too_many_variants(signature):
+            return False
+        self._queued[signature.decision_key] = _background.submit(self._manifest_entry(signature), self.root)
+        self.stats.queued += 1
+        log.info("aoti_eager: compiling %s for (%s) in the background", self.name, signature.short())
+        return None
+
+    def _compile(self, cache: KernelCache, signature: CallSignature) -> Any:
+        if self._too_many_variants(signature):
+            return False
         # The original kernel runs first, on copies: it gives the result the
         # compiled kernel must match, and eager's own error for a bad call.
         reference_args = clone_args(signature.args)
@@ -270,11 +315,15 @@ def _on_miss(token: int, args: list[Any], decide: bool) -> Any:
         return None
 
 
-def install(op: OpOverload, device: str, root: Path) -> Override | None:
-    """Overrides ``op`` at ``device``'s dispatch key (idempotent)."""
+def install(
+    op: OpOverload, device: str, root: Path, recorder: Recorder | None = None, compile: str = "now"
+) -> Override | None:
+    """Overrides ``op`` at ``device``'s dispatch key; for an op already
+    overridden, only the recorder and the compile mode change."""
     global _handler_set
     key = (op, device)
     if key in _installed:
+        _installed[key].recorder, _installed[key].compile = recorder, compile
         return _installed[key]
     if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), DISPATCH_KEYS[device]):
         return None
@@ -282,7 +331,7 @@ def install(op: OpOverload, device: str, root: Path) -> Override | None:
     if not _handler_set:
         C.set_miss_handler(_on_miss)
         _handler_set = True
-    override = Override(op, device, root, next(_tokens))
+    override = Override(op, device, root, next(_tokens), recorder=recorder, compile=compile)
     override.handle = C.Override(op._schema.name, op._schema.overload_name, DISPATCH_KEYS[device], override.token)
     _by_token[override.token] = override
     _installed[key] = override

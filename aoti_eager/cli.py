@@ -1,6 +1,7 @@
 """The ``aoti-eager`` command line (also ``python -m aoti_eager``).
 
-Exit codes: 0 success, 1 problems found (``cache verify``, ``doctor``) or a
+Exit codes: 0 success, 1 problems found (``cache verify``, ``doctor``, an entry
+``prewarm`` could not compile) or a
 failure, 2 a usage error.
 """
 
@@ -169,6 +170,64 @@ def cache_clear(root: Path, args: argparse.Namespace) -> int:
     return _report_eviction(eviction, args, quarantined_removed=quarantined)
 
 
+def _report_transfer(transfer: Any, verb: str, args: argparse.Namespace) -> None:
+    if args.json:
+        print(json.dumps({
+            verb: transfer.done,
+            "already_present": transfer.already_present,
+            "skipped": [{"entry": name, "reason": reason} for name, reason in transfer.skipped],
+        }, indent=1))
+        return
+    for name, reason in transfer.skipped:
+        print(f"skipped {name}: {reason}")
+    present = f", {len(transfer.already_present)} already present" if transfer.already_present else ""
+    print(f"{verb} {len(transfer.done)} entries{present}, skipped {len(transfer.skipped)}")
+
+
+def cache_export(root: Path, args: argparse.Namespace) -> int:
+    from aoti_eager.cache.bundle import export_bundle
+
+    _report_transfer(export_bundle(root, args.file), "exported", args)
+    return 0
+
+
+def cache_import(root: Path, args: argparse.Namespace) -> int:
+    from aoti_eager.cache.bundle import BadBundle, import_bundle
+
+    try:
+        transfer = import_bundle(root, args.file)
+    except (BadBundle, OSError) as e:
+        print(f"aoti-eager: cannot import {args.file}: {e}", file=sys.stderr)
+        return 1
+    _report_transfer(transfer, "imported", args)
+    return 0
+
+
+def prewarm(root: Path, args: argparse.Namespace) -> int:
+    from aoti_eager._prewarm import prewarm, summary
+
+    try:
+        report = prewarm(args.manifest, jobs=args.jobs, devices=args.devices, cache_dir=root,
+                         output=None if args.json else sys.stdout)
+    except (OSError, ValueError) as e:
+        print(f"aoti-eager: cannot prewarm from {args.manifest}: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted: compiled entries are in the cache; run the same command again to compile the rest",
+              file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps({
+            "seconds": round(report.seconds, 3),
+            "results": [{"op": r.entry.op, "device": r.entry.device, "key": r.entry.key, **vars(r.outcome)}
+                        for r in report.results],
+            "skipped": len(report.skipped),
+        }, indent=1))
+    else:
+        print(summary(report))
+    return 1 if report.failed else 0
+
+
 def _cache_directory_report(root: Path) -> tuple[dict[str, Any], list[str]]:
     from aoti_eager.cache.store import UntrustedEntry, check_trusted
 
@@ -263,6 +322,16 @@ def _parser() -> argparse.ArgumentParser:
     prune.add_argument("--older-than", type=_duration, help="also evict entries unused for this long, e.g. 30d")
     clear = command(cache, "clear", cache_clear, "remove every entry (and the quarantine)")
     clear.add_argument("--op", type=_op, help="only this op's entries (aten::add or add: all its overloads)")
+    export = command(cache, "export", cache_export, "write every entry, with its key and checksum, into a bundle (tar)")
+    export.add_argument("file", type=Path)
+    imports = command(cache, "import", cache_import,
+                      "install a bundle's entries that fit this machine (checksums verified); report the rest")
+    imports.add_argument("file", type=Path)
+    warm = command(commands, "prewarm", prewarm,
+                   "compile every entry of a manifest (recorded with AOTI_EAGER_RECORD) that the cache lacks")
+    warm.add_argument("manifest", type=Path, help="recorded with enable(record=...) or $AOTI_EAGER_RECORD")
+    warm.add_argument("--jobs", "-j", type=int, help="compiles at once (default: from cores and memory)")
+    warm.add_argument("--devices", nargs="+", choices=["cpu", "cuda"], help="only these devices' entries")
     command(commands, "doctor", doctor, "check the environment: torch, compiler, ISA, CUDA, cache, C++ extension")
     return parser
 

@@ -1,0 +1,214 @@
+"""Prewarming: compile every entry of a manifest that the cache lacks, in
+parallel worker processes, before any process needs it.
+
+Each entry is compiled by a worker process (:mod:`aoti_eager._worker`) that
+publishes it like a miss would, so an interrupted prewarm leaves only complete
+entries behind and running it again compiles what is left.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, TextIO
+
+from aoti_eager import _worker
+from aoti_eager.manifest import ManifestEntry, read_manifest
+
+# Memory one compile may take, to size the default number of jobs.
+_BYTES_PER_JOB = 2 << 30
+
+
+def default_jobs() -> int:
+    """One job per core, as many as memory allows at about 2 GiB a compile."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return cores
+    return max(1, min(cores, available // _BYTES_PER_JOB))
+
+
+@dataclass
+class Result:
+    entry: ManifestEntry
+    outcome: _worker.Outcome
+
+
+@dataclass
+class PrewarmReport:
+    """What a prewarm did: one result per manifest entry for the devices asked for."""
+
+    results: list[Result] = field(default_factory=list)
+    # Entries for devices that were not asked for or are not here.
+    skipped: list[ManifestEntry] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def count(self, status: str) -> int:
+        return sum(r.outcome.status == status for r in self.results)
+
+    @property
+    def failed(self) -> list[Result]:
+        return [r for r in self.results if r.outcome.status == "failed"]
+
+
+def _available_devices() -> list[str]:
+    import torch
+
+    return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+
+
+def _in_cache(entry: ManifestEntry, root: Path) -> _worker.Outcome | None:
+    """The outcome for an entry the cache already holds, else None."""
+    import torch
+
+    from aoti_eager.cache import KernelCache, UntrustedEntry
+    from aoti_eager.kernels.compile import compile_options
+
+    cache = KernelCache(root, torch.device(entry.device), compile_options(entry.device, root))
+    try:
+        published = cache.lookup(entry.op, entry.key)
+    except UntrustedEntry as e:
+        return _worker.Outcome("failed", f"refused an untrusted cache entry: {e}")
+    if published is None:
+        return None
+    return _worker.Outcome("cached" if published.library else "eager", published.reason)
+
+
+def _clock(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    return f"{minutes}:{seconds:02d}"
+
+
+class _Progress:
+    """``done/total, failed, elapsed, ETA``: one line rewritten in place on a
+    terminal, a line per finished entry otherwise."""
+
+    def __init__(self, total: int, output: TextIO | None):
+        self.total, self.output = total, output
+        self.done = self.failed = 0
+        self.start = time.monotonic()
+        self.tty = output is not None and output.isatty()
+
+    def finished(self, result: Result) -> None:
+        self.done += 1
+        self.failed += result.outcome.status == "failed"
+        if self.output is None:
+            return
+        elapsed = time.monotonic() - self.start
+        eta = elapsed / self.done * (self.total - self.done)
+        status = f"{self.done}/{self.total} done, {self.failed} failed, elapsed {_clock(elapsed)}, ETA {_clock(eta)}"
+        if self.tty:
+            self.output.write(f"\r{status}" + ("\n" if self.done == self.total else ""))
+        else:
+            from aoti_eager.kernels.signature import short_form
+
+            entry = result.entry
+            self.output.write(f"[{status}] {result.outcome.status} {entry.op} on {entry.device} ({short_form(entry.signature)})\n")
+        self.output.flush()
+
+
+def prewarm(
+    manifest: str | os.PathLike,
+    *,
+    jobs: int | None = None,
+    devices: Iterable[str] | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    output: TextIO | None = None,
+) -> PrewarmReport:
+    """Compiles every entry of ``manifest`` that the cache lacks.
+
+    Args:
+        manifest: a manifest recorded with ``enable(record=...)`` or
+            ``$AOTI_EAGER_RECORD``.
+        jobs: worker processes compiling at once; default :func:`default_jobs`.
+            Entries of one op compile one at a time (they share the op's lock).
+        devices: only entries for these device types; default cpu, and cuda
+            when available.
+        cache_dir: the cache to fill; default :func:`aoti_eager.cache_dir`.
+        output: where progress goes (e.g. ``sys.stdout``); default none.
+
+    Returns a :class:`PrewarmReport`; entries that failed are in ``.failed``
+    with the reason, and are compiled again by the next prewarm.
+
+    Example::
+
+        >>> aoti_eager.enable(["aten::gelu"], record="misses.jsonl")
+        >>> ...                                        # a run that misses
+        >>> report = aoti_eager.prewarm("misses.jsonl", jobs=4)
+        >>> report.count("compiled"), report.failed
+        (12, [])
+    """
+    import aoti_eager
+
+    root = Path(cache_dir).expanduser() if cache_dir is not None else aoti_eager.cache_dir()
+    wanted = set(devices) if devices is not None else set(_available_devices())
+    start = time.monotonic()
+    report = PrewarmReport()
+    pending = []
+    for entry in read_manifest(manifest):
+        if entry.device not in wanted or entry.device not in _available_devices():
+            report.skipped.append(entry)
+            continue
+        known = _in_cache(entry, root)
+        if known is None:
+            pending.append(entry)
+        else:
+            report.results.append(Result(entry, known))
+    progress = _Progress(len(pending), output)
+    interrupted = threading.Event()
+
+    def compile_entry(entry: ManifestEntry) -> _worker.Outcome:
+        if interrupted.is_set():
+            return _worker.Outcome("failed", "interrupted")
+        return _worker.run(entry, root)
+
+    if pending:
+        with ThreadPoolExecutor(max_workers=jobs or default_jobs()) as pool:
+            futures = {pool.submit(compile_entry, entry): entry for entry in pending}
+            try:
+                for future in as_completed(futures):
+                    result = Result(futures[future], future.result())
+                    report.results.append(result)
+                    progress.finished(result)
+            except BaseException:
+                # Ctrl-C: stop the workers; each published entry is complete, and
+                # what a killed compile left is removed by the op's next compile.
+                interrupted.set()
+                pool.shutdown(wait=False, cancel_futures=True)
+                _worker.stop_all()
+                raise
+    report.seconds = time.monotonic() - start
+    return report
+
+
+def summary(report: PrewarmReport) -> str:
+    """A table per op and device, then the reason of every failed or eager entry."""
+    from aoti_eager.kernels.signature import short_form
+
+    statuses = ["compiled", "cached", "eager", "failed"]
+    rows: dict[tuple[str, str], Counter] = {}
+    seconds: Counter = Counter()
+    for r in report.results:
+        rows.setdefault((r.entry.op, r.entry.device), Counter())[r.outcome.status] += 1
+        seconds[(r.entry.op, r.entry.device)] += r.outcome.seconds
+    width = max([len(op) for op, _ in rows] + [len("op"), len("total")])
+    lines = [f"{'op':<{width}}  device  " + "  ".join(f"{s:>8}" for s in statuses) + "  compile s"]
+    for (op, device), counts in sorted(rows.items()):
+        lines.append(f"{op:<{width}}  {device:<6}  " + "  ".join(f"{counts[s]:>8}" for s in statuses)
+                     + f"  {seconds[(op, device)]:>9.1f}")
+    lines.append(f"{'total':<{width}}  {'':<6}  " + "  ".join(f"{report.count(s):>8}" for s in statuses)
+                 + f"  {sum(seconds.values()):>9.1f}")
+    lines.append(f"{len(report.results)} entries in {report.seconds:.1f} s"
+                 + (f"; {len(report.skipped)} skipped (devices not asked for or not here)" if report.skipped else ""))
+    for r in report.results:
+        if r.outcome.status in ("failed", "eager"):
+            lines.append(f"{r.outcome.status.upper()} {r.entry.op} on {r.entry.device} "
+                         f"({short_form(r.entry.signature)}): {r.outcome.reason}")
+    return "\n".join(lines)

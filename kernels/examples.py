@@ -1,0 +1,83 @@
+"""Example arguments for a recorded signature.
+
+A signature (:meth:`CallSignature.to_json`) says everything a kernel depends
+on, so a call with the same signature can be rebuilt from it alone: tensors of
+the recorded dtype, sizes and strides filled with random values, and every
+other argument by its recorded value. Calling the op with these arguments
+misses exactly the cache entry the recorded call missed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from aoti_eager.kernels.signature import ALIGNMENT, Unsupported
+
+_NAMED_VALUES = {
+    "dtype": lambda text: getattr(torch, text.removeprefix("torch.")),
+    "layout": lambda text: getattr(torch, text.removeprefix("torch.")),
+    "memory_format": lambda text: getattr(torch, text.removeprefix("torch.")),
+    "device": torch.device,
+}
+
+
+def example_tensor(described: dict[str, Any], device: torch.device) -> torch.Tensor:
+    """A tensor with ``described``'s dtype, sizes, strides and alignment.
+
+    Example::
+
+        >>> t = example_tensor({"kind": "tensor", "dtype": "float32", "sizes": [2, 3],
+        ...                     "strides": [1, 2], "aligned": True}, torch.device("cpu"))
+        >>> t.shape, t.stride()
+        (torch.Size([2, 3]), (1, 2))
+    """
+    dtype = getattr(torch, described["dtype"])
+    sizes, strides = described["sizes"], described["strides"]
+    # A storage offset of one element is the simplest way to be misaligned;
+    # the signature records alignment, not the offset.
+    offset = 0 if described.get("aligned", True) else 1
+    if offset and dtype.itemsize % ALIGNMENT == 0:
+        raise Unsupported(f"a misaligned {dtype} tensor cannot be rebuilt")
+    extent = 1 + sum((n - 1) * s for n, s in zip(sizes, strides)) if all(sizes) else 0
+    storage = torch.empty(offset + extent, dtype=dtype, device=device)
+    if dtype.is_floating_point or dtype.is_complex:
+        storage.normal_()
+    elif dtype == torch.bool:
+        storage.random_(0, 2)
+    else:
+        storage.random_(0, 8)  # small values: valid indices, shifts and divisors for most ops
+    return storage.as_strided(sizes, strides, offset)
+
+
+def example_value(described: dict[str, Any], device: torch.device) -> Any:
+    """One argument as the user passes it: a Python number where the dispatcher
+    received a wrapped number, so that the call is keyed like the recorded one."""
+    kind = described["kind"]
+    if kind == "tensor":
+        return example_tensor(described, device)
+    if kind == "number":
+        text = described["value"]
+        if described["dtype"] == "bool":
+            return text == "True"
+        return int(text) if described["dtype"].startswith(("int", "uint")) else float(text)
+    if kind == "none":
+        return None
+    if kind == "float":
+        return float(described["value"])
+    if kind in ("bool", "int", "str"):
+        return described["value"]
+    if kind in _NAMED_VALUES:
+        return _NAMED_VALUES[kind](described["value"])
+    if kind == "list":
+        return [example_value(item, device) for item in described["items"]]
+    raise Unsupported(f"no example for an argument of kind {kind!r}")
+
+
+def example_arguments(signature: list[dict[str, Any]], device: torch.device) -> list[Any]:
+    """The arguments, in schema order, of a call with the recorded ``signature``.
+
+    Raises Unsupported for an argument that cannot be rebuilt.
+    """
+    return [example_value(described, device) for described in signature]

@@ -1,0 +1,330 @@
+"""Starting warm: recording misses, prewarming a manifest, background
+compiles, and shipping a cache as a bundle."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import aoti_eager
+from aoti_eager import _worker
+from aoti_eager._ops import overload_named, qualified_name
+from aoti_eager.cache import KernelCache, inventory, layout
+from aoti_eager.cache.store import LIBRARY_FILE
+from aoti_eager.cli import main
+from aoti_eager.kernels import compile as compile_module
+from aoti_eager.kernels import toolchain
+from aoti_eager.kernels.compile import call_op, compile_options
+from aoti_eager.kernels.examples import example_arguments
+from aoti_eager.kernels.signature import CallSignature
+from aoti_eager.manifest import ManifestEntry, read_manifest
+from helpers import assert_same_as_eager, publish_kernel
+
+A = torch.ops.aten
+
+
+def manifest_of(path: Path, calls: list[tuple[torch._ops.OpOverload, list]]) -> list[ManifestEntry]:
+    """Writes a manifest of ``calls`` (op, arguments as the dispatcher sees them)."""
+    entries = []
+    for op, args in calls:
+        signature = CallSignature.of(op, "cpu", args)
+        entries.append(ManifestEntry(qualified_name(op), "cpu", signature.key, signature.to_json()))
+    path.write_text("".join(json.dumps(vars(e)) + "\n" for e in entries))
+    return entries
+
+
+def run_python(code: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, **(env or {})})
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def aoti_eager_cli(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "aoti_eager", *argv], capture_output=True, text=True, timeout=1800)
+
+
+RECORD = r"""
+import sys, torch, aoti_eager
+aoti_eager.enable(["aten::abs", "aten::add.Tensor"], devices=["cpu"], cache_dir=sys.argv[1], compile="never")
+for n in map(int, sys.argv[2:]):
+    x = torch.randn(n)
+    for _ in range(2):
+        torch.abs(x)
+        torch.add(x, 2.0, alpha=3)
+"""
+
+
+def test_two_processes_record_into_one_manifest(tmp_path, shared_cache):
+    manifest = tmp_path / "misses.jsonl"
+    env = {**os.environ, "AOTI_EAGER_RECORD": str(manifest)}
+    processes = [
+        subprocess.Popen([sys.executable, "-c", RECORD, str(shared_cache), *sizes], env=env,
+                         stderr=subprocess.PIPE, text=True)
+        for sizes in (["3", "5"], ["5", "7"])
+    ]
+    for p in processes:
+        assert p.wait(timeout=1800) == 0, p.stderr.read()
+    lines = manifest.read_text().splitlines()
+    entries = [ManifestEntry(**json.loads(line)) for line in lines]
+    assert len({e.id for e in entries}) == len(entries), "a signature was recorded twice"
+    abs_keys = {CallSignature.of(A.abs.default, "cpu", [torch.randn(n)]).key for n in (3, 5, 7)}
+    assert {e.key for e in entries if e.op == "aten::abs"} == abs_keys
+    assert len([e for e in entries if e.op == "aten::add.Tensor"]) == 3  # sizes 3, 5 and 7
+
+
+def test_example_arguments_rebuild_the_recorded_signature(tmp_path, shared_cache):
+    base = torch.randn(9, 7)
+    calls = [
+        (A.abs.default, [base.t()]),  # not contiguous
+        (A.abs.default, [base.flatten()[1:]]),  # not aligned
+        (torch.add, [base, 2.5]),  # reaches add.Tensor as a wrapped number
+        (A.add.Tensor, [base.to(torch.int32), base.to(torch.int32)], {"alpha": 3}),
+    ]
+    recorded, rebuilt = tmp_path / "recorded.jsonl", tmp_path / "rebuilt.jsonl"
+    ops = ["aten::abs.default", "aten::add.Tensor"]
+    # compile="never": nothing is published, so the rebuilt calls miss too.
+    aoti_eager.enable(ops, devices=["cpu"], cache_dir=shared_cache, record=recorded, compile="never")
+    for op, args, *kwargs in calls:
+        op(*args, **(kwargs[0] if kwargs else {}))
+    aoti_eager.disable()
+    entries = read_manifest(recorded)
+    assert len(entries) == len(calls)
+    aoti_eager.enable(ops, devices=["cpu"], cache_dir=shared_cache, record=rebuilt, compile="never")
+    for entry in entries:
+        args = example_arguments(entry.signature, torch.device("cpu"))
+        call_op(overload_named(entry.op), args)
+    aoti_eager.disable()
+    assert [e.id for e in read_manifest(rebuilt)] == [e.id for e in entries]
+
+
+@pytest.fixture(scope="module")
+def warm_manifest(shared_cache, tmp_path_factory):
+    """A manifest of two calls of different ops (they compile in parallel)."""
+    path = tmp_path_factory.mktemp("manifest") / "model.jsonl"
+    x = torch.randn(4, 4)
+    manifest_of(path, [(A.abs.default, [x]), (A.add.Tensor, [x, x, 1])])
+    return path
+
+
+WARM_RUN = r"""
+import json, sys, torch, aoti_eager
+x = torch.randn(4, 4)
+aoti_eager.enable(["aten::abs", "aten::add.Tensor"], devices=["cpu"], cache_dir=sys.argv[1])
+results = [torch.abs(x), torch.add(x, x)]
+stats = aoti_eager.stats()
+aoti_eager.disable()
+torch.testing.assert_close(results[0], x.abs())
+torch.testing.assert_close(results[1], x + x)
+print(json.dumps(stats))
+"""
+
+
+def test_prewarm_with_two_jobs_then_a_new_process_compiles_nothing(shared_cache, warm_manifest):
+    out = aoti_eager_cli("--cache-dir", str(shared_cache), "prewarm", str(warm_manifest), "--jobs", "2")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "total" in out.stdout and "2 entries in" in out.stdout
+    stats = json.loads(run_python(WARM_RUN, str(shared_cache)).stdout.splitlines()[-1])
+    for op in ("aten::abs", "aten::add.Tensor"):
+        assert (stats[op]["compiles"], stats[op]["cache_loads"], stats[op]["hits"]) == (0, 1, 0), stats
+        assert stats[op]["fallbacks"] == 0
+    again = aoti_eager_cli("--cache-dir", str(shared_cache), "prewarm", str(warm_manifest), "--json")
+    assert again.returncode == 0, again.stderr
+    assert {r["status"] for r in json.loads(again.stdout)["results"]} == {"cached"}
+
+
+def test_interrupted_prewarm_leaves_the_cache_consistent_and_resumes(shared_cache, tmp_path):
+    manifest = tmp_path / "misses.jsonl"
+    first, second = manifest_of(manifest, [(A.abs.default, [torch.randn(6, n)]) for n in (3, 2)])
+    cache = KernelCache(shared_cache, torch.device("cpu"), compile_options("cpu", shared_cache))
+    prewarm = subprocess.Popen(
+        [sys.executable, "-m", "aoti_eager", "--cache-dir", str(shared_cache), "prewarm", str(manifest), "--jobs", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # A shell without job control starts background jobs with SIGINT ignored.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert prewarm.stdout.readline().startswith("[1/2 done"), prewarm.communicate()
+    prewarm.send_signal(signal.SIGINT)  # while the second entry compiles
+    out, err = prewarm.communicate(timeout=60)
+    assert prewarm.returncode == 130, out + err
+    assert "run the same command again" in err
+    assert inventory.verify(shared_cache) == []
+    assert cache.lookup(first.op, first.key).library is not None
+    assert cache.lookup(second.op, second.key) is None
+
+    resumed = aoti_eager_cli("--cache-dir", str(shared_cache), "prewarm", str(manifest), "--json")
+    assert resumed.returncode == 0, resumed.stderr
+    assert [r["status"] for r in json.loads(resumed.stdout)["results"]] == ["cached", "compiled"]
+    assert cache.lookup(second.op, second.key).library is not None
+    op_dir = cache.entry_dir(second.op, second.key).parent
+    assert not list(op_dir.glob(".tmp-*")), "the interrupted compile left its scratch directory"
+
+
+def test_prewarm_reports_entries_it_cannot_compile(shared_cache, tmp_path):
+    manifest = tmp_path / "misses.jsonl"
+    (entry,) = manifest_of(manifest, [(A.abs.default, [torch.randn(4, 4)])])
+    # A key that the rebuilt call does not produce: its entry never appears.
+    manifest.write_text(json.dumps({**vars(entry), "key": "0" * 24}) + "\n")
+    out = aoti_eager_cli("--cache-dir", str(shared_cache), "prewarm", str(manifest))
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "FAILED aten::abs on cpu (self=float32[4, 4])" in out.stdout
+    missing = aoti_eager_cli("--cache-dir", str(shared_cache), "prewarm", str(tmp_path / "none.jsonl"))
+    assert missing.returncode == 1 and "cannot prewarm" in missing.stderr
+
+
+def _calls_until(predicate, call, timeout: float = 1200):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = call()
+        if predicate():
+            return result
+        time.sleep(0.2)
+    raise AssertionError("timed out")
+
+
+def test_background_compile_answers_eagerly_at_once_then_hits(shared_cache):
+    x = torch.randn(5, 3)
+    aoti_eager.enable(["aten::abs"], devices=["cpu"], cache_dir=shared_cache, compile="background")
+    start = time.perf_counter()
+    first = torch.abs(x)
+    seconds = time.perf_counter() - start
+    stats = aoti_eager.stats()["aten::abs"]
+    assert_same_as_eager(first, x.abs())
+    assert (stats["queued"], stats["compiles"], stats["fallbacks"]) == (1, 0, 1), stats
+    assert seconds < 5, f"the first call waited {seconds:.1f} s"
+    hits = lambda: aoti_eager.stats()["aten::abs"]["hits"] > 0  # noqa: E731
+    later = _calls_until(hits, lambda: torch.abs(x))
+    assert_same_as_eager(later, x.abs())
+    assert aoti_eager.stats()["aten::abs"]["cache_loads"] == 1
+
+
+def test_a_crashing_background_compile_falls_back_to_eager(shared_cache, monkeypatch, caplog):
+    monkeypatch.setattr(_worker, "COMMAND", [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
+    x = torch.randn(2, 9)
+    aoti_eager.enable(["aten::abs"], devices=["cpu"], cache_dir=shared_cache, compile="background")
+    with caplog.at_level(logging.WARNING, logger="aoti_eager"):
+        failed = lambda: "background compile failed" in (aoti_eager.stats()["aten::abs"]["fallback_reason"] or "")  # noqa: E731
+        result = _calls_until(failed, lambda: torch.abs(x), timeout=60)
+    assert_same_as_eager(result, x.abs())
+    assert "SIGKILL" in aoti_eager.stats()["aten::abs"]["fallback_reason"]
+    assert any("SIGKILL" in r.message for r in caplog.records)
+    assert_same_as_eager(torch.abs(x), x.abs())
+
+
+def test_export_then_import_into_an_empty_cache_compiles_nothing(shared_cache, tmp_path, capsys):
+    x = torch.randn(4, 4)
+    with aoti_eager.enabled(["aten::abs"], devices=["cpu"], cache_dir=shared_cache):
+        torch.abs(x)  # compiled here unless another test did
+    bundle, imported = tmp_path / "kernels.tar.gz", tmp_path / "imported"
+    assert main(["--cache-dir", str(shared_cache), "cache", "export", str(bundle)]) == 0
+    capsys.readouterr()
+    assert main(["--cache-dir", str(imported), "cache", "import", str(bundle), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["imported"] and report["imported"] == sorted(
+        "/".join(listing.directory.parts[-3:]) for listing in inventory.entries(imported)
+    )
+    assert inventory.verify(imported) == []
+    aoti_eager.enable(["aten::abs"], devices=["cpu"], cache_dir=imported)
+    result = torch.abs(x)
+    stats = aoti_eager.stats()["aten::abs"]
+    assert_same_as_eager(result, x.abs())
+    assert (stats["compiles"], stats["cache_loads"]) == (0, 1), stats
+
+
+@pytest.fixture(autouse=True)
+def _one_compiler_check(request, monkeypatch):
+    """New cache directories reuse the session cache's verdict on the C++
+    compiler (the check builds and loads a library: seconds, per directory)."""
+    if "shared_cache" not in request.fixturenames and "stand_in_cache" not in request.fixturenames:
+        return
+    shared = request.getfixturevalue("shared_cache")
+    monkeypatch.setattr(compile_module, "cpp_compiler", lambda root: toolchain.cpp_compiler(shared))
+
+
+@pytest.fixture
+def stand_in_cache(tmp_path, shared_cache):
+    """A cache of this machine's environment holding one stand-in kernel (bytes, never loaded)."""
+    root = tmp_path / "source"
+    cache = KernelCache(root, torch.device("cpu"), compile_options("cpu", root))
+    publish_kernel(cache, tmp_path, "0123abcd", content=b"kernel bytes")
+    return cache
+
+
+def test_import_skips_entries_of_another_environment(tmp_path, shared_cache, monkeypatch, capsys):
+    with monkeypatch.context() as another_machine:
+        another_machine.setattr(layout, "cpu_isa", lambda root: "another-isa")
+        foreign = KernelCache(tmp_path / "foreign", torch.device("cpu"), compile_options("cpu", tmp_path / "foreign"))
+    publish_kernel(foreign, tmp_path, "0123abcd")
+    bundle = tmp_path / "foreign.tar.gz"
+    assert main(["--cache-dir", str(foreign.root), "cache", "export", str(bundle)]) == 0
+    capsys.readouterr()
+    assert main(["--cache-dir", str(tmp_path / "here"), "cache", "import", str(bundle)]) == 0
+    out = capsys.readouterr().out
+    assert "imported 0 entries, skipped 1" in out
+    assert f"skipped {foreign.directory.name}/aten.abs/0123abcd: built for another environment" in out
+    assert inventory.entries(tmp_path / "here") == []
+
+
+def test_import_publishes_verified_entries_once(stand_in_cache, tmp_path, capsys):
+    bundle = tmp_path / "kernels.tar.gz"
+    assert main(["--cache-dir", str(stand_in_cache.root), "cache", "export", str(bundle)]) == 0
+    target = tmp_path / "target"
+    for _ in range(2):
+        assert main(["--cache-dir", str(target), "cache", "import", str(bundle)]) == 0
+    out = capsys.readouterr().out
+    assert "imported 1 entries, skipped 0" in out and "imported 0 entries, 1 already present, skipped 0" in out
+    cache = KernelCache(target, torch.device("cpu"), compile_options("cpu", target))
+    entry = cache.lookup("aten::abs", "0123abcd")
+    assert entry.library.read_bytes() == b"kernel bytes"
+
+
+def _rewrite(bundle: Path, change) -> Path:
+    """A copy of ``bundle`` whose members went through ``change(info, data)``."""
+    copy = bundle.with_name("changed.tar")
+    with tarfile.open(bundle) as source, tarfile.open(copy, "w") as target:
+        for info in source.getmembers():
+            info, data = change(info, source.extractfile(info).read())
+            info.size = len(data)
+            target.addfile(info, io.BytesIO(data))
+    return copy
+
+
+def test_import_refuses_a_kernel_that_does_not_match_its_checksum(stand_in_cache, tmp_path, capsys):
+    bundle = tmp_path / "kernels.tar.gz"
+    main(["--cache-dir", str(stand_in_cache.root), "cache", "export", str(bundle)])
+    tampered = _rewrite(bundle, lambda info, data: (info, b"evil bytes" if info.name.endswith(LIBRARY_FILE) else data))
+    capsys.readouterr()
+    assert main(["--cache-dir", str(tmp_path / "target"), "cache", "import", str(tampered)]) == 0
+    assert "sha256" in capsys.readouterr().out
+    assert inventory.entries(tmp_path / "target") == []
+
+
+@pytest.mark.parametrize("name", ["../../escaped/kernel.so", "/tmp/escaped/a/b/kernel.so", "env/aten.abs/../kernel.so"])
+def test_import_refuses_paths_out_of_the_cache(stand_in_cache, tmp_path, capsys, name):
+    bundle = tmp_path / "kernels.tar.gz"
+    main(["--cache-dir", str(stand_in_cache.root), "cache", "export", str(bundle)])
+    hostile = _rewrite(bundle, lambda info, data: (tarfile.TarInfo(name), data) if info.name.endswith(LIBRARY_FILE) else (info, data))
+    capsys.readouterr()
+    target = tmp_path / "target" / "cache"
+    assert main(["--cache-dir", str(target), "cache", "import", str(hostile)]) == 1
+    assert "nothing imported" in capsys.readouterr().err
+    assert inventory.entries(target) == []
+    assert not (tmp_path / "escaped").exists() and not Path("/tmp/escaped").exists()
+
+
+def test_prewarm_names_a_malformed_manifest_line(tmp_path, capsys):
+    manifest = tmp_path / "bad.jsonl"
+    manifest.write_text('{"op": "aten::abs"}\n')
+    assert main(["--cache-dir", str(tmp_path / "cache"), "prewarm", str(manifest)]) == 1
+    assert f"{manifest}:1: not a manifest entry" in capsys.readouterr().err
