@@ -206,7 +206,9 @@ class Override:
             return None if signature.runtime_arguments else self._remember(signature, False)
         start = time.perf_counter()
         try:
-            artifact = compile_call(signature, expected, cache.compile_options, cache.temporary_directory(self.name))
+            artifact = compile_call(
+                signature, expected, cache.compile_options, cache.temporary_directory(self.name), cache.shared_directory()
+            )
         except CompileError as e:
             log.debug("aoti_eager: compiling %s failed", self.name, exc_info=e.__cause__)
             if not e.lasting:
@@ -214,7 +216,9 @@ class Override:
             return self._publish_eager(signature, str(e))
         try:
             try:
+                loading = time.perf_counter()
                 kernel = self._load(artifact.library, artifact.output_counts, signature)
+                artifact.seconds["load"] = time.perf_counter() - loading
                 check_matches_eager(kernel, signature, self.op, reference_args, expected)
                 if signature.runtime_arguments:
                     # It must follow its runtime numbers, not hold the values it was traced with.

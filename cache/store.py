@@ -214,6 +214,12 @@ class KernelCache:
         layout.make_cache_dirs(op_dir)
         return tempfile.TemporaryDirectory(prefix=TEMPORARY_PREFIX, dir=op_dir)
 
+    def shared_directory(self) -> Path:
+        """Build products that every compile of this environment shares."""
+        shared = self.directory / ".shared"
+        layout.make_cache_dirs(shared)
+        return shared
+
     def remove_abandoned(self, op: str) -> None:
         """Removes what processes that died while compiling or publishing left.
 

@@ -21,6 +21,7 @@ import torch
 
 from aoti_eager.kernels.signature import CallSignature
 from aoti_eager.kernels.toolchain import cpp_compiler
+from aoti_eager.kernels.wrapper_split import split_wrapper_builds
 
 
 # Inductor's defaults, changed where an op-sized kernel differs from a model.
@@ -174,10 +175,13 @@ def compile_call(
     eager_result: Any,
     options: dict[str, Any],
     workdir: tempfile.TemporaryDirectory | None = None,
+    shared_dir: Path | None = None,
 ) -> Artifact:
     """Compiles ``signature``'s call with the Inductor ``options`` (see
     :func:`compile_options`) into a library in ``workdir`` (default: a new
-    temporary directory), which the artifact then owns.
+    temporary directory), which the artifact then owns. ``shared_dir`` keeps
+    what compiles with the same options share (see
+    :mod:`aoti_eager.kernels.wrapper_split`); without it, nothing is shared.
 
     ``eager_result`` is what the original kernel returned for the call; it fixes
     the structure of the outputs (e.g. the length of a returned Tensor[]).
@@ -202,10 +206,11 @@ def compile_call(
             seconds["export"] = time.perf_counter() - start
             stage = "AOTInductor"
             start = time.perf_counter()
-            torch._inductor.aot_compile(
-                exported.module(), example, options={**options, "aot_inductor.output_path": str(library)}
-            )
-            seconds["AOTInductor"] = time.perf_counter() - start
+            with split_wrapper_builds(shared_dir, seconds):
+                torch._inductor.aot_compile(
+                    exported.module(), example, options={**options, "aot_inductor.output_path": str(library)}
+                )
+            seconds["lowering"] = time.perf_counter() - start - sum(t for s, t in seconds.items() if s != "export")
             _strip(library)
             # Ops that AOTInductor leaves to the dispatcher are described in a
             # JSON file, which the runner looks for beside the library.

@@ -1,0 +1,168 @@
+"""Builds AOTInductor's wrapper in two parts, and the part every op shares once.
+
+Of the ~10 s a CPU signature takes to compile on two cores, ~8 s go to the
+generated ``*.wrapper.cpp``, and little of that is the op: the file opens with
+the C interface of the model container (``extern "C" { ... }``), whose code
+and the ``AOTInductorModelBase<AOTInductorModel>`` it instantiates are the same
+text for every signature. So while a compile runs, Inductor's build of that
+file is replaced by:
+
+- the shared part, compiled with the base explicitly instantiated, once per
+  cache environment and text (kept in the cache's ``.shared/`` folder);
+- the op's part, compiled with ``extern template`` for the base, so that it
+  only generates its own code. It runs while Inductor compiles the kernel file;
+- a relocatable link of the two into the object Inductor expects, before
+  Inductor links the library as usual.
+
+Both parts are compiled with Inductor's own command line. A wrapper that does
+not have the expected shape, or a part that fails to compile, gets Inductor's
+own build instead: the split can change how long a compile takes, not what it
+produces. ``AOTI_EAGER_SPLIT_WRAPPER=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import shlex
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+from torch._inductor import cpp_builder
+
+from aoti_eager.cache import layout
+
+log = logging.getLogger("aoti_eager")
+
+_INTERFACE_END = '\n} // extern "C"\n'
+_BASE = "torch::aot_inductor::AOTInductorModelBase<torch::aot_inductor::AOTInductorModel>"
+
+
+def enabled() -> bool:
+    return os.environ.get("AOTI_EAGER_SPLIT_WRAPPER", "1") != "0"
+
+
+class _Unsplittable(Exception):
+    pass
+
+
+def _stage(tokens: list[str]) -> str:
+    """What a compiler run builds, for the breakdown of a compile's time."""
+    if "-shared" in tokens:
+        return "link"
+    for suffix, name in ((".wrapper.cpp", "wrapper"), (".kernel.cpp", "kernel"), (".S", "constants"), (".hpp", "header")):
+        if any(t.endswith(suffix) for t in tokens):
+            return name
+    return "other"
+
+
+@contextlib.contextmanager
+def split_wrapper_builds(shared_dir: Path | None, seconds: dict[str, float]) -> Iterator[None]:
+    """Within the block, Inductor's compiler runs are timed into ``seconds`` (by
+    stage) and, with a ``shared_dir``, wrappers are built in two parts. Not
+    thread-safe: a process compiles one call at a time (Inductor is not
+    thread-safe either)."""
+    original = cpp_builder.CppBuilder.build
+    pending: list[Callable[[], None]] = []
+
+    def finish_pending() -> None:
+        while pending:
+            pending.pop()()
+
+    def build(builder: cpp_builder.CppBuilder) -> None:
+        tokens = shlex.split(builder.get_command_line())
+        stage = _stage(tokens)
+        if stage == "link":
+            finish_pending()
+        if stage == "wrapper" and shared_dir is not None and enabled():
+            try:
+                pending.append(_start_split(tokens, shared_dir, builder, original, seconds))
+                return
+            except _Unsplittable as e:
+                log.debug("aoti_eager: building the wrapper whole: %s", e)
+        start = time.perf_counter()
+        original(builder)
+        seconds[stage] = seconds.get(stage, 0.0) + time.perf_counter() - start
+
+    cpp_builder.CppBuilder.build = build
+    try:
+        yield
+    finally:
+        cpp_builder.CppBuilder.build = original
+        # Reached early only by an error: the parts' compilers are not left running.
+        with contextlib.suppress(Exception):
+            finish_pending()
+
+
+def _start_split(
+    tokens: list[str],
+    shared_dir: Path,
+    builder: cpp_builder.CppBuilder,
+    original: Callable[[cpp_builder.CppBuilder], None],
+    seconds: dict[str, float],
+) -> Callable[[], None]:
+    """Starts the compiles of a wrapper's parts; the returned function waits for
+    them and links them (or falls back to ``original(builder)``)."""
+    start = time.perf_counter()
+    source_index = next(i for i, t in enumerate(tokens) if t.endswith(".wrapper.cpp"))
+    if "-c" not in tokens or "-o" not in tokens:
+        raise _Unsplittable("not the compile of one wrapper")
+    source, output = Path(tokens[source_index]), Path(tokens[tokens.index("-o") + 1])
+    text = source.read_text()
+    end = text.find(_INTERFACE_END)
+    if end < 0 or "AOTInductorModel::run_impl" not in text[end:]:
+        raise _Unsplittable("the wrapper has no model container interface to split off")
+    end += len(_INTERFACE_END)
+    includes = "".join(line + "\n" for line in text[:end].splitlines() if line.startswith("#include"))
+    shared_text = text[:end] + f"\ntemplate class {_BASE};\n"
+    own_text = includes + f"extern template class {_BASE};\n" + text[end:]
+
+    def command(part: Path, obj: Path) -> list[str]:
+        return [str(part) if i == source_index else str(obj) if tokens[i - 1] == "-o" else t for i, t in enumerate(tokens)]
+
+    # The key names everything that shapes the shared object: its text and the
+    # command line without this compile's own file names.
+    key = hashlib.sha256((shared_text + shlex.join(command(Path("_"), Path("_")))).encode()).hexdigest()[:24]
+    shared_obj = shared_dir / f"wrapper-interface-{key}.o"
+    parts = {"own": (source.with_name(source.stem + ".own.cpp"), source.with_name(source.stem + ".own.o"))}
+    parts["own"][0].write_text(own_text)
+    if not shared_obj.exists():
+        parts["shared"] = (source.with_name(source.stem + ".shared.cpp"), shared_obj.with_name(f".{shared_obj.name}.{os.getpid()}.tmp"))
+        parts["shared"][0].write_text(shared_text)
+    running = {
+        name: subprocess.Popen(command(src, obj), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for name, (src, obj) in parts.items()
+    }
+
+    started = time.perf_counter() - start
+
+    def finish() -> None:
+        start = time.perf_counter()
+        failed = None
+        for name, process in running.items():
+            out = process.communicate()[0].decode(errors="replace")
+            if process.returncode != 0:
+                failed = failed or f"the {name} part failed to compile: {out[-2000:]}"
+        shared = parts["shared"][1] if "shared" in running else shared_obj
+        link = [tokens[0], "-r", "-nostdlib", str(shared), str(parts["own"][1]), "-o", str(output)]
+        if failed is None and subprocess.run(link, capture_output=True).returncode != 0:
+            failed = "the relocatable link failed"
+            if "shared" not in running:
+                shared_obj.unlink(missing_ok=True)  # damaged: the next compile builds it again
+        if "shared" in running:
+            with contextlib.suppress(OSError):  # e.g. the cache was cleared meanwhile
+                if running["shared"].returncode == 0:
+                    os.chmod(shared, 0o600 if layout.shared_group() is None else 0o640)
+                    os.replace(shared, shared_obj)
+                shared.unlink(missing_ok=True)
+        if failed is not None:
+            log.debug("aoti_eager: building the wrapper whole: %s", failed)
+            original(builder)
+        # What the wrapper cost beyond the kernel's compile, which it ran beside.
+        seconds["wrapper"] = seconds.get("wrapper", 0.0) + started + time.perf_counter() - start
+
+    return finish

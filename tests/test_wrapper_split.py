@@ -1,0 +1,70 @@
+"""The wrapper built in two parts: same kernels, the shared part built once,
+and Inductor's own build whenever the split cannot be made."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import aoti_eager
+from aoti_eager.kernels import wrapper_split
+from helpers import assert_same_as_eager
+
+
+def shared_objects(root):
+    return sorted(root.glob("v1/*/.shared/wrapper-interface-*.o"))
+
+
+def compile_abs(root, *sizes):
+    """Compiles ``abs`` for each size; returns results, expected and stats."""
+    xs = [torch.randn(n) for n in sizes]
+    aoti_eager.enable(["aten::abs.default"], devices=["cpu"], cache_dir=root)
+    results = [torch.abs(x) for x in xs]
+    stats = aoti_eager.stats()["aten::abs"]
+    aoti_eager.disable()
+    return results, [x.abs() for x in xs], stats
+
+
+def test_split_kernels_match_eager_and_share_one_interface(tmp_path):
+    results, expected, stats = compile_abs(tmp_path, 33, 34)
+    assert (stats["compiles"], stats["fallbacks"]) == (2, 0)
+    for r, e in zip(results, expected):
+        assert_same_as_eager(r, e)
+    [shared] = shared_objects(tmp_path)
+    built = shared.stat().st_mtime_ns
+    results, expected, stats = compile_abs(tmp_path, 35)
+    assert stats["compiles"] == 1
+    assert_same_as_eager(results[0], expected[0])
+    assert shared_objects(tmp_path) == [shared] and shared.stat().st_mtime_ns == built
+
+
+def test_a_broken_shared_part_falls_back_to_inductors_build(tmp_path):
+    compile_abs(tmp_path, 36)
+    [shared] = shared_objects(tmp_path)
+    shared.write_bytes(b"not an object file")
+    results, expected, stats = compile_abs(tmp_path, 37)
+    assert (stats["compiles"], stats["fallbacks"], stats["hits"]) == (1, 0, 0)
+    assert_same_as_eager(results[0], expected[0])
+    assert not shared.exists()  # removed, so that the next compile builds it again
+    compile_abs(tmp_path, 38)
+    assert shared_objects(tmp_path) == [shared]
+
+
+@pytest.mark.parametrize("how", ["unexpected wrapper", "switched off"])
+def test_without_the_split_inductor_builds_the_wrapper(tmp_path, monkeypatch, how):
+    if how == "switched off":
+        monkeypatch.setenv("AOTI_EAGER_SPLIT_WRAPPER", "0")
+    else:
+        monkeypatch.setattr(wrapper_split, "_INTERFACE_END", "\n// a marker no wrapper has\n")
+    results, expected, stats = compile_abs(tmp_path, 40)
+    assert (stats["compiles"], stats["fallbacks"]) == (1, 0)
+    assert_same_as_eager(results[0], expected[0])
+    assert shared_objects(tmp_path) == []
+
+
+def test_compile_stages_are_timed(tmp_path, caplog):
+    with caplog.at_level("INFO", logger="aoti_eager"):
+        compile_abs(tmp_path, 39)
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("aoti_eager: compiled")]
+    for stage in ("export", "wrapper", "kernel", "link", "lowering", "load"):
+        assert f"{stage} " in line, line
