@@ -27,6 +27,7 @@ import hashlib
 import logging
 import os
 import shlex
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -82,7 +83,7 @@ def split_wrapper_builds(shared_dir: Path | None, seconds: dict[str, float]) -> 
             try:
                 pending.append(_start_split(tokens, shared_dir, builder, original, seconds))
                 return
-            except _Unsplittable as e:
+            except Exception as e:  # noqa: BLE001 - any surprise: Inductor's own build
                 log.debug("aoti_eager: building the wrapper whole: %s", e)
         start = time.perf_counter()
         original(builder)
@@ -111,7 +112,10 @@ def _start_split(
     source_index = next(i for i, t in enumerate(tokens) if t.endswith(".wrapper.cpp"))
     if "-c" not in tokens or "-o" not in tokens:
         raise _Unsplittable("not the compile of one wrapper")
-    source, output = Path(tokens[source_index]), Path(tokens[tokens.index("-o") + 1])
+    # The command's paths may be relative to where Inductor would run it.
+    cwd = Path(builder._output_dir) / f"{builder._name}_{cpp_builder._BUILD_TEMP_DIR}"
+    cwd.mkdir(parents=True, exist_ok=True)
+    source, output = cwd / tokens[source_index], cwd / tokens[tokens.index("-o") + 1]
     text = source.read_text()
     end = text.find(_INTERFACE_END)
     if end < 0 or "AOTInductorModel::run_impl" not in text[end:]:
@@ -134,7 +138,7 @@ def _start_split(
         parts["shared"] = (source.with_name(source.stem + ".shared.cpp"), shared_obj.with_name(f".{shared_obj.name}.{os.getpid()}.tmp"))
         parts["shared"][0].write_text(shared_text)
     running = {
-        name: subprocess.Popen(command(src, obj), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        name: subprocess.Popen(command(src, obj), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         for name, (src, obj) in parts.items()
     }
 
@@ -143,22 +147,26 @@ def _start_split(
     def finish() -> None:
         start = time.perf_counter()
         failed = None
-        for name, process in running.items():
-            out = process.communicate()[0].decode(errors="replace")
-            if process.returncode != 0:
-                failed = failed or f"the {name} part failed to compile: {out[-2000:]}"
-        shared = parts["shared"][1] if "shared" in running else shared_obj
-        link = [tokens[0], "-r", "-nostdlib", str(shared), str(parts["own"][1]), "-o", str(output)]
-        if failed is None and subprocess.run(link, capture_output=True).returncode != 0:
-            failed = "the relocatable link failed"
-            if "shared" not in running:
-                shared_obj.unlink(missing_ok=True)  # damaged: the next compile builds it again
-        if "shared" in running:
-            with contextlib.suppress(OSError):  # e.g. the cache was cleared meanwhile
-                if running["shared"].returncode == 0:
-                    os.chmod(shared, 0o600 if layout.shared_group() is None else 0o640)
-                    os.replace(shared, shared_obj)
-                shared.unlink(missing_ok=True)
+        try:
+            for name, process in running.items():
+                out = process.communicate()[0].decode(errors="replace")
+                if process.returncode != 0:
+                    failed = failed or f"the {name} part failed to compile: {out[-2000:]}"
+            shared = parts["shared"][1] if "shared" in running else shared_obj
+            link = [tokens[0], "-r", "-nostdlib", str(shared), str(parts["own"][1]), "-o", str(output)]
+            if failed is None and subprocess.run(link, cwd=cwd, capture_output=True).returncode != 0:
+                failed = "the relocatable link failed"
+                if "shared" not in running:
+                    shared_obj.unlink(missing_ok=True)  # damaged: the next compile builds it again
+            if "shared" in running:
+                with contextlib.suppress(OSError):  # e.g. the cache was cleared meanwhile
+                    if running["shared"].returncode == 0:
+                        os.chmod(shared, 0o600 if layout.shared_group() is None else 0o640)
+                        os.replace(shared, shared_obj)
+                    shared.unlink(missing_ok=True)
+        except Exception as e:  # noqa: BLE001
+            failed = f"{type(e).__name__}: {e}"
+        shutil.rmtree(cwd, ignore_errors=True)
         if failed is not None:
             log.debug("aoti_eager: building the wrapper whole: %s", failed)
             original(builder)
