@@ -74,7 +74,7 @@ def test_stats(cache, capsys):
     assert code == 0
     sizes = {listing.directory.name: listing.bytes for listing in inventory.entries(cache.root)}
     assert (stats["entries"], stats["bytes"]) == (3, sum(sizes.values()))
-    assert stats["by_op"]["aten::abs"] == {"entries": 2, "bytes": sizes["old"] + sizes["new"]}
+    assert stats["by_op"]["aten::abs"] == {"entries": 2, "bytes": sizes["old"] + sizes["new"], "kept_eager_as_faster": 0}
     assert stats["by_device"] == {"cpu": {"entries": 3, "bytes": sum(sizes.values())}}
     code, out = cli(cache, capsys, "cache", "stats")
     assert code == 0 and "3 entries" in out and "aten::add.Tensor: 1 entries" in out
