@@ -6,7 +6,11 @@ measured once per machine, not once per process).
 Both are called from Python, the kernel through its runner and the original
 through the dispatcher, in interleaved rounds within a small time budget: a
 comparison of kernel time on this machine, not of the C++ dispatch overhead
-(``scripts/bench_dispatch.py`` measures that).
+(``scripts/bench_dispatch.py`` measures that). The eager side goes through
+``torch.ops``, whose binding costs a few microseconds more per call than
+torch's own functions, so for calls of a few microseconds the comparison
+leans toward the kernel; what it is for is a kernel that does real work more
+slowly than ATen (a reduction or normalization Inductor schedules worse).
 """
 
 from __future__ import annotations
