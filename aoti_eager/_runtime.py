@@ -26,6 +26,7 @@ from aoti_eager.cache import Entry, KernelCache, UntrustedEntry, inventory, layo
 from aoti_eager.kernels import CallSignature, CompileError, Unsupported, compile_call
 from aoti_eager.kernels.compile import call_op, compile_options, sidecar_files
 from aoti_eager.kernels.load_probe import check_loads
+from aoti_eager.kernels.speed import Timing, time_against_eager
 from aoti_eager.kernels.validate import Mismatch, check_matches_eager, clone_args
 from aoti_eager.manifest import ManifestEntry, Recorder
 
@@ -38,6 +39,18 @@ def max_value_variants() -> int:
     numbers (``$AOTI_EAGER_MAX_VALUE_VARIANTS``, default 8, like dynamo's cache
     size limit); further values run eagerly instead of compiling forever."""
     return int(os.environ.get("AOTI_EAGER_MAX_VALUE_VARIANTS", "8"))
+
+
+def keep_faster() -> bool:
+    """Whether a new kernel is timed against eager and the signature kept
+    eager where eager is clearly faster (``$AOTI_EAGER_KEEP_FASTER``, default
+    "1"; "0" turns the timing off, and every validated kernel is used)."""
+    return os.environ.get("AOTI_EAGER_KEEP_FASTER", "1") != "0"
+
+
+# A kernel is set aside for eager only when it is this much slower, twice:
+# a single noisy measurement must not flip a signature to eager for good.
+SLOWER_THAN_EAGER = 1.05
 
 
 def lock_timeout() -> float:
@@ -85,6 +98,8 @@ class Override:
     _value_variants: dict[str, int] = field(default_factory=dict)
     # CallSignature.decision_key -> the background compile of that signature.
     _queued: dict[tuple[str, str], Any] = field(default_factory=dict)
+    # CallSignature.decision_key of signatures kept eager because eager is faster.
+    _eager_faster: set[tuple[str, str]] = field(default_factory=set)
 
     @property
     def name(self) -> str:
@@ -103,6 +118,8 @@ class Override:
         except Unsupported as e:
             return self._eager(f"unsupported input: {e}")
         decision = self._decide(signature)
+        if signature.decision_key in self._eager_faster:
+            return False  # a kernel with the numbers compiled in would be no faster
         if decision is False and signature.runtime_arguments and self.compile != "never":
             # No kernel takes these numbers as inputs: compile their values in.
             # (A recording run records the first form only: compiling it tries both.)
@@ -230,14 +247,25 @@ class Override:
             except Exception as e:  # noqa: BLE001
                 return self._publish_eager(signature, f"compiled kernel failed to run: {type(e).__name__}: {e}")
             seconds = time.perf_counter() - start
-            entry = Entry(
-                op=self.name,
-                signature=signature.to_json(),
-                output_counts=artifact.output_counts,
-                library=artifact.library,
-                compile_seconds=round(seconds, 3),
-            )
-            entry = cache.publish(signature.key, entry, sidecar_files(artifact))
+            timing = self._time(kernel, signature)
+            if timing is not None and timing.ratio > SLOWER_THAN_EAGER:
+                entry = Entry(
+                    op=self.name,
+                    signature=signature.to_json(),
+                    reason=f"eager is faster: kernel {timing.ratio:.2f}x eager's time (measured at compile)",
+                    compile_seconds=round(seconds, 3),
+                    timing=timing.to_json(),
+                )
+            else:
+                entry = Entry(
+                    op=self.name,
+                    signature=signature.to_json(),
+                    output_counts=artifact.output_counts,
+                    library=artifact.library,
+                    compile_seconds=round(seconds, 3),
+                    timing=timing.to_json() if timing is not None else None,
+                )
+            entry = cache.publish(signature.key, entry, sidecar_files(artifact) if entry.library else None)
         finally:
             artifact.workdir.cleanup()
         self.stats.compiles += 1
@@ -249,6 +277,23 @@ class Override:
         self._keep_size_limit()
         return decision
 
+    def _time(self, kernel: Any, signature: CallSignature) -> Timing | None:
+        """The kernel's time against eager's, measured a second time when the
+        first says eager is faster; None where timing is off or failed."""
+        if not keep_faster():
+            return None
+        try:
+            timing = time_against_eager(kernel, signature, self.op)
+            if timing.ratio > SLOWER_THAN_EAGER:
+                again = time_against_eager(kernel, signature, self.op)
+                timing = min(timing, again, key=lambda t: t.ratio)  # the kernel's better showing
+        except Exception as e:  # noqa: BLE001 - the kernel passed validation: keep it
+            log.debug("aoti_eager: timing %s against eager failed; keeping the kernel", self.name, exc_info=e)
+            return None
+        log.debug("aoti_eager: %s for (%s): kernel %.1f us, eager %.1f us", self.name, signature.short(),
+                  timing.kernel_seconds * 1e6, timing.eager_seconds * 1e6)
+        return timing
+
     def _keep_size_limit(self) -> None:
         eviction = inventory.evict(self.root, max_bytes=layout.size_limit())
         if eviction.removed:
@@ -258,6 +303,8 @@ class Override:
             )
 
     def _adopt(self, signature: CallSignature, entry: Entry, loaded: bool) -> Any:
+        if entry.library is None and entry.timing is not None:
+            return self._keep_eager(signature, entry.reason or "eager is faster")
         if entry.library is None:
             return self._eager(entry.reason or "decided eager", signature)
         try:
@@ -281,6 +328,15 @@ class Override:
         entry = Entry(op=self.name, signature=signature.to_json(), reason=reason)
         self.cache(signature.device).publish(signature.key, entry)
         return self._eager(reason, signature)
+
+    def _keep_eager(self, signature: CallSignature, reason: str) -> bool:
+        """Eager for good, where it was measured faster than the kernel: for
+        every value of the signature's runtime numbers too."""
+        self._remember(signature, False)
+        self._eager_faster.add(signature.decision_key)
+        self.stats.last_fallback_reason = reason
+        log.info("aoti_eager: %s on %s keeps eager for (%s): %s", self.name, self.device, signature.short(), reason)
+        return False
 
     def _eager(self, reason: str, signature: CallSignature | None = None) -> bool:
         if signature is not None:

@@ -74,6 +74,9 @@ def _listing_json(listing: inventory.Listing) -> dict[str, Any]:
         "compile_seconds": meta.get("compile_seconds"),
         "last_use": listing.last_use,
         "eager_reason": meta.get("reason") if meta.get("library") is None else None,
+        # The kernel's time against eager's, measured when it was compiled (see AOTI_EAGER_KEEP_FASTER).
+        "timing": meta.get("timing"),
+        "kept_eager_as_faster": meta.get("library") is None and meta.get("timing") is not None,
     }
 
 
@@ -90,6 +93,8 @@ def cache_list(root: Path, args: argparse.Namespace) -> int:
         print(f"{op}: {len(by_op[op])} entries, {_human(total)}")
         for row in by_op[op]:
             what = f"eager: {row['eager_reason']}" if row["eager_reason"] else f"compiled in {row['compile_seconds']} s"
+            if row["timing"]:
+                what += f" (kernel {row['timing']['kernel_us']:.1f} us, eager {row['timing']['eager_us']:.1f} us)"
             print(f"  {row['device']:<4} ({row['signature']})  {_human(row['bytes'])}  {what}  last used {_when(row['last_use'])}")
     if not rows:
         print(f"no entries in {root}")
@@ -98,18 +103,23 @@ def cache_list(root: Path, args: argparse.Namespace) -> int:
 
 def cache_stats(root: Path, args: argparse.Namespace) -> int:
     listed = inventory.entries(root)
-    by_op: dict[str, dict[str, int]] = defaultdict(lambda: {"entries": 0, "bytes": 0})
-    by_device: dict[str, dict[str, int]] = defaultdict(lambda: {"entries": 0, "bytes": 0})
+    by_op: dict[str, dict[str, int]] = defaultdict(lambda: {"entries": 0, "bytes": 0, "kept_eager_as_faster": 0})
+    by_device: dict[str, dict[str, int]] = defaultdict(lambda: {"entries": 0, "bytes": 0, "kept_eager_as_faster": 0})
     for listing in listed:
+        meta = listing.metadata()
+        faster = meta.get("library") is None and meta.get("timing") is not None
         for row in (by_op[listing.op], by_device[listing.device]):
             row["entries"] += 1
             row["bytes"] += listing.bytes
+            row["kept_eager_as_faster"] += faster
     stats = {
         "path": str(root),
         "entries": len(listed),
         "bytes": sum(listing.bytes for listing in listed),
         "size_limit": layout.size_limit(),
         "quarantined": len(inventory.quarantined(root)),
+        # Signatures where eager was measured faster than their kernel.
+        "kept_eager_as_faster": sum(row["kept_eager_as_faster"] for row in by_device.values()),
         "by_op": dict(sorted(by_op.items())),
         "by_device": dict(sorted(by_device.items())),
     }
@@ -117,12 +127,13 @@ def cache_stats(root: Path, args: argparse.Namespace) -> int:
         print(json.dumps(stats, indent=1))
         return 0
     print(f"{root}: {stats['entries']} entries, {_human(stats['bytes'])} of {_human(stats['size_limit'])}, "
-          f"{stats['quarantined']} quarantined")
+          f"{stats['quarantined']} quarantined, {stats['kept_eager_as_faster']} kept eager as faster than their kernel")
     for title, rows in (("by op", stats["by_op"]), ("by device", stats["by_device"])):
         if rows:
             print(title + ":")
             for name, row in rows.items():
-                print(f"  {name}: {row['entries']} entries, {_human(row['bytes'])}")
+                faster = f", {row['kept_eager_as_faster']} kept eager as faster" if row["kept_eager_as_faster"] else ""
+                print(f"  {name}: {row['entries']} entries, {_human(row['bytes'])}{faster}")
     return 0
 
 

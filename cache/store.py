@@ -41,6 +41,9 @@ class Entry:
     """What the cache knows about one (op, device, signature).
 
     ``library`` is None for a signature decided "eager" (``reason`` says why).
+    ``timing`` is the kernel's time against eager's, measured once when it was
+    compiled (``kernel_us``, ``eager_us``, ``ratio``); an eager entry with a
+    timing is one where eager was measured faster.
     """
 
     op: str
@@ -50,6 +53,7 @@ class Entry:
     reason: str | None = None
     compile_seconds: float = 0.0
     sha256: str | None = None
+    timing: dict[str, float] | None = None
     created: float = dataclasses.field(default_factory=time.time)
 
     def to_json(self) -> dict[str, Any]:

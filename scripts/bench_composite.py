@@ -6,6 +6,11 @@ TorchDispatchMode; those that aoti_eager can override are enabled, compiled by
 a first call, then the call is timed with aoti_eager enabled and disabled in
 alternating rounds (median of --repeat rounds). ratio = aoti_eager / eager.
 
+Each kernel is timed against eager when it is compiled, and its signature
+kept eager where eager is clearly faster (AOTI_EAGER_KEEP_FASTER, on by
+default); the report names those signatures, and the ops that still end up
+slower than eager by more than 5% (the target: none).
+
     python scripts/bench_composite.py [--device cpu|cuda] [--dtype float32]
         [--ops softmax,layer_norm] [--repeat 7] [--json]
 """
@@ -82,12 +87,24 @@ def calls_per_round(fn: Callable[[], object], seconds: float = 0.05) -> int:
     return max(3, int(seconds / per_call_seconds(fn, 3)))
 
 
+# Slower than eager by more than this is a miss of the target.
+TOLERANCE = 1.05
+# How the runtime words a signature kept eager because eager was faster.
+KEPT_EAGER = "eager is faster: "
+
+
+def kept_eager(stats: dict | None) -> bool:
+    return bool(stats) and (stats["fallback_reason"] or "").startswith(KEPT_EAGER)
+
+
 def outcome(stats: dict | None) -> str:
     """What the calls of one aten op did: compiled kernel, eager, or both."""
     if stats is None:
         return "not overridden at this device"
     if not stats["fallbacks"]:
         return "compiled"
+    if kept_eager(stats) and not stats["hits"]:
+        return f"kept eager ({stats['fallback_reason'].removeprefix(KEPT_EAGER)})"
     eager = f"eager ({stats['fallback_reason']})"
     return eager if not stats["hits"] else f"compiled for {stats['hits']} of {stats['calls']} calls, else {eager}"
 
@@ -105,7 +122,9 @@ def bench(name: str, shape: str, fn: Callable[[], object], device: str, repeat: 
     aten_ops = {
         qualified_name(op): outcome(stats.get(qualified_name(op))) if op in eligible else "not overridable" for op in reached
     }
-    return dict(op=name, shape=shape, eager_us=eager * 1e6, aoti_us=compiled * 1e6, ratio=compiled / eager, aten_ops=aten_ops)
+    faster = [qualified_name(op) for op in eligible if kept_eager(stats.get(qualified_name(op)))]
+    return dict(op=name, shape=shape, eager_us=eager * 1e6, aoti_us=compiled * 1e6, ratio=compiled / eager,
+                aten_ops=aten_ops, kept_eager=faster)
 
 
 def main() -> None:
@@ -132,8 +151,12 @@ def main() -> None:
                 print(f"  {name}: {time.perf_counter() - start:.0f} s (compiles included)", flush=True)
     ratios = [r["ratio"] for r in rows if "ratio" in r]
     geomean = math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
+    slower = [r for r in rows if r.get("ratio", 0) > TOLERANCE]
+    faster = [(r["op"], op) for r in rows for op in r.get("kept_eager", [])]
     if args.json:
-        print(json.dumps(dict(device=args.device, dtype=args.dtype, torch=torch.__version__, rows=rows, geomean_ratio=geomean)))
+        print(json.dumps(dict(device=args.device, dtype=args.dtype, torch=torch.__version__, rows=rows, geomean_ratio=geomean,
+                              max_ratio=max(ratios, default=None), slower_than_eager=[r["op"] for r in slower],
+                              tolerance=TOLERANCE)))
         return
 
     print(f"torch {torch.__version__}, device {args.device}"
@@ -144,7 +167,15 @@ def main() -> None:
         reached = "; ".join(f"{op}: {what}" for op, what in r["aten_ops"].items())
         print(f"{r['op']:<17}{r['shape']:>14}{times}  {reached}")
     if geomean is not None:
-        print(f"geometric mean of ratios: {geomean:.2f} over {len(ratios)} ops")
+        print(f"geometric mean of ratios: {geomean:.2f} over {len(ratios)} ops; highest {max(ratios):.2f}")
+    print("kept eager, measured faster than their kernel at compile: "
+          + (", ".join(f"{op} ({name})" for name, op in faster) if faster else "none"))
+    within = f"{(TOLERANCE - 1) * 100:.0f}%"
+    if slower:
+        print(f"slower than eager by more than {within}: {len(slower)} of {len(ratios)} ops: "
+              + ", ".join(f"{r['op']} {r['ratio']:.2f}" for r in slower))
+    else:
+        print(f"no op slower than eager by more than {within} ({len(ratios)} ops)")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,16 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import aoti_eager
+
+# The tests check that compiled kernels run (hits, compiles); timing them
+# against eager could keep tiny test calls eager. Off for the session, and
+# for the child processes it starts; tests/test_speed.py turns it on.
+os.environ["AOTI_EAGER_KEEP_FASTER"] = "0"
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

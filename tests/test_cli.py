@@ -69,13 +69,32 @@ def test_list(cache, capsys):
     assert all(row["bytes"] > len(b"old kernel") for row in rows)  # the kernel and entry.json
 
 
+def test_list_and_stats_show_signatures_kept_eager_as_faster(cache, capsys):
+    from aoti_eager.cache import Entry
+    from helpers import SIGNATURE
+
+    timing = {"kernel_us": 13.2, "eager_us": 10.0, "ratio": 1.32}
+    reason = "eager is faster: kernel 1.32x eager's time (measured at compile)"
+    cache.publish("slow", Entry(op="aten::abs", signature=SIGNATURE, reason=reason, compile_seconds=2.0, timing=timing))
+    code, rows = cli_json(cache, capsys, "cache", "list", "--op", "aten::abs")
+    (row,) = [row for row in rows if row["key"] == "slow"]
+    assert row["kept_eager_as_faster"] and row["timing"] == timing and row["eager_reason"] == reason
+    assert not any(row["kept_eager_as_faster"] for row in rows if row["key"] != "slow")
+    code, out = cli(cache, capsys, "cache", "list")
+    assert f"eager: {reason} (kernel 13.2 us, eager 10.0 us)" in out
+    code, stats = cli_json(cache, capsys, "cache", "stats")
+    assert stats["kept_eager_as_faster"] == 1 and stats["by_op"]["aten::abs"]["kept_eager_as_faster"] == 1
+    code, out = cli(cache, capsys, "cache", "stats")
+    assert "1 kept eager as faster than their kernel" in out
+
+
 def test_stats(cache, capsys):
     code, stats = cli_json(cache, capsys, "cache", "stats")
     assert code == 0
     sizes = {listing.directory.name: listing.bytes for listing in inventory.entries(cache.root)}
     assert (stats["entries"], stats["bytes"]) == (3, sum(sizes.values()))
-    assert stats["by_op"]["aten::abs"] == {"entries": 2, "bytes": sizes["old"] + sizes["new"]}
-    assert stats["by_device"] == {"cpu": {"entries": 3, "bytes": sum(sizes.values())}}
+    assert stats["by_op"]["aten::abs"] == {"entries": 2, "bytes": sizes["old"] + sizes["new"], "kept_eager_as_faster": 0}
+    assert stats["by_device"] == {"cpu": {"entries": 3, "bytes": sum(sizes.values()), "kept_eager_as_faster": 0}}
     code, out = cli(cache, capsys, "cache", "stats")
     assert code == 0 and "3 entries" in out and "aten::add.Tensor: 1 entries" in out
 

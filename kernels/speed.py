@@ -1,0 +1,111 @@
+"""A freshly validated kernel is timed once against the original kernel, on
+copies of the call that compiled it, so that a signature where eager is
+faster can stay eager (the runtime records the verdict in the cache: it is
+measured once per machine, not once per process).
+
+Both are called from Python, the kernel through its runner and the original
+through the dispatcher, in interleaved rounds within a small time budget: a
+comparison of kernel time on this machine, not of the C++ dispatch overhead
+(``scripts/bench_dispatch.py`` measures that). The eager side goes through
+``torch.ops``, whose binding costs a few microseconds more per call than
+torch's own functions, so for calls of a few microseconds the comparison
+leans toward the kernel; what it is for is a kernel that does real work more
+slowly than ATen (a reduction or normalization Inductor schedules worse).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from aoti_eager.kernels.compile import flat_tensor_inputs
+from aoti_eager.kernels.signature import CallSignature
+from aoti_eager.kernels.validate import clone_args
+
+# Seconds one measurement may take (both sides, warm-up excluded) for calls
+# that are cheap; a call that takes longer than the budget allows still gets
+# MIN_ROUNDS rounds of one call each.
+BUDGET_SECONDS = 0.1
+WARMUP_CALLS = 3
+MIN_ROUNDS, MAX_ROUNDS = 3, 7
+MAX_CALLS_PER_ROUND = 2000
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median seconds per call of the compiled kernel and of eager."""
+
+    kernel_seconds: float
+    eager_seconds: float
+
+    @property
+    def ratio(self) -> float:
+        """Kernel time over eager's: above 1, eager is faster."""
+        return self.kernel_seconds / self.eager_seconds if self.eager_seconds > 0 else float("inf")
+
+    def to_json(self) -> dict[str, float]:
+        return {
+            "kernel_us": round(self.kernel_seconds * 1e6, 3),
+            "eager_us": round(self.eager_seconds * 1e6, 3),
+            "ratio": round(self.ratio, 3),
+        }
+
+
+def _split_arguments(op: torch._ops.OpOverload, args: list[Any]) -> tuple[list[Any], dict[str, Any]]:
+    """Positional and keyword-only arguments, built once so that the timed
+    eager call is only the op's call (see :func:`compile.call_op`)."""
+    positional, keywords = [], {}
+    for schema_arg, value in zip(op._schema.arguments, args):
+        if schema_arg.kwarg_only:
+            keywords[schema_arg.name] = value
+        else:
+            positional.append(value)
+    return positional, keywords
+
+
+def _seconds_per_call(fn: Callable[[], Any], calls: int, sync: Callable[[], None]) -> float:
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / calls
+
+
+def time_against_eager(
+    kernel: Any, signature: CallSignature, op: torch._ops.OpOverload, budget: float = BUDGET_SECONDS
+) -> Timing:
+    """Times ``kernel`` against ``op``'s original kernel on copies of ``signature``'s call.
+
+    Each side runs on its own copies (an in-place or ``out=`` call writes into
+    them, never into the caller's tensors), the same number of times. After a
+    few warm-up calls, rounds of each alternate, so that both see the same
+    machine load; the median of each side's rounds is returned. On CUDA each
+    round ends with a synchronize, so the kernels' time on the device counts.
+    """
+    kernel_inputs = flat_tensor_inputs(signature, clone_args(signature.args))
+    positional, keywords = _split_arguments(op, clone_args(signature.args))
+
+    def run_kernel() -> None:
+        kernel.run(kernel_inputs)
+
+    def run_eager() -> None:
+        op(*positional, **keywords)
+
+    device = signature.device
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    with torch.no_grad():
+        per_call = max(_seconds_per_call(run_kernel, WARMUP_CALLS, sync), _seconds_per_call(run_eager, WARMUP_CALLS, sync))
+        rounds = min(MAX_ROUNDS, max(MIN_ROUNDS, int(budget / (2 * max(per_call, 1e-9)))))
+        calls = min(MAX_CALLS_PER_ROUND, max(1, int(budget / (2 * rounds * max(per_call, 1e-9)))))
+        kernel_times, eager_times = [], []
+        for i in range(rounds):
+            # Which side goes first alternates too: neither always follows the other.
+            order = ((run_kernel, kernel_times), (run_eager, eager_times))
+            for fn, times in order if i % 2 == 0 else reversed(order):
+                times.append(_seconds_per_call(fn, calls, sync))
+    return Timing(statistics.median(kernel_times), statistics.median(eager_times))

@@ -1,0 +1,195 @@
+"""Keeping eager where it is faster: a new kernel is timed against eager once,
+when it is compiled, and the verdict is kept in the cache."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import aoti_eager
+from aoti_eager import _runtime
+from aoti_eager.cache import KernelCache
+from aoti_eager.kernels import speed
+from aoti_eager.kernels.compile import compile_options
+from aoti_eager.kernels.signature import CallSignature
+from aoti_eager.kernels.speed import Timing
+from helpers import assert_same_as_eager
+
+A = torch.ops.aten
+
+
+@pytest.fixture(autouse=True)
+def _keep_faster_on(monkeypatch):
+    monkeypatch.setenv("AOTI_EAGER_KEEP_FASTER", "1")  # tests/conftest.py turns it off for the others
+
+
+class FixedTimings:
+    """Stands in for time_against_eager: returns the given (kernel, eager)
+    seconds in turn, the last one from then on, and counts its calls."""
+
+    def __init__(self, *timings: tuple[float, float]):
+        self.timings = list(timings)
+        self.calls = 0
+
+    def __call__(self, kernel, signature, op, budget=speed.BUDGET_SECONDS) -> Timing:
+        timing = self.timings[min(self.calls, len(self.timings) - 1)]
+        self.calls += 1
+        return Timing(*timing)
+
+
+def published(tmp_path, op, device: str, args) -> dict:
+    """The cache entry of ``op``'s call with ``args``, as entry.json holds it."""
+    signature = CallSignature.of(op, device, list(args))
+    cache = KernelCache(tmp_path, torch.device(device), compile_options(device, tmp_path))
+    return json.loads((cache.entry_dir(_runtime.qualified_name(op), signature.key) / "entry.json").read_text())
+
+
+def test_a_kernel_slower_than_eager_keeps_eager_once_per_machine(tmp_path, monkeypatch, caplog):
+    timings = FixedTimings((1.3e-6, 1.0e-6))
+    monkeypatch.setattr(_runtime, "time_against_eager", timings)
+    x = torch.randn(64)
+    with caplog.at_level(logging.INFO, logger="aoti_eager"):
+        with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
+            results = [torch.abs(x) for _ in range(3)]
+            stats = aoti_eager.stats()["aten::abs"]
+    for r in results:
+        assert_same_as_eager(r, x.abs(), atol=0, rtol=0)  # eager ran: its exact result
+    assert timings.calls == 2  # measured, then again before deciding
+    assert (stats["compiles"], stats["hits"], stats["fallbacks"]) == (1, 0, 3), stats
+    assert stats["fallback_reason"] == "eager is faster: kernel 1.30x eager's time (measured at compile)"
+    assert sum("keeps eager" in r.message for r in caplog.records) == 1
+
+    entry = published(tmp_path, A.abs.default, "cpu", [x])
+    assert entry["library"] is None and entry["reason"] == stats["fallback_reason"]
+    assert entry["timing"] == {"kernel_us": 1.3, "eager_us": 1.0, "ratio": 1.3}
+    assert list(tmp_path.rglob("kernel.so")) == []  # an eager entry keeps no library
+
+    # A fresh enable, as a new process would, finds the verdict: no compile, no timing.
+    monkeypatch.setattr(_runtime, "compile_call", lambda *a, **k: pytest.fail("must not compile again"))
+    with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
+        y = torch.abs(x)
+        stats = aoti_eager.stats()["aten::abs"]
+    assert_same_as_eager(y, x.abs(), atol=0, rtol=0)
+    assert timings.calls == 2
+    assert (stats["compiles"], stats["hits"], stats["fallbacks"]) == (0, 0, 1), stats
+    assert stats["fallback_reason"].startswith("eager is faster")
+
+    # A new process, with the timing on: it reads the verdict, compiles nothing.
+    child = subprocess.run([sys.executable, "-c", """
+import sys, json, torch, aoti_eager
+x = torch.randn(64)
+expected = x.abs()
+aoti_eager.enable(["aten::abs.default"], devices=["cpu"], cache_dir=sys.argv[1])
+y = torch.abs(x)
+stats = aoti_eager.stats()["aten::abs"]
+aoti_eager.disable()
+torch.testing.assert_close(y, expected, atol=0, rtol=0)
+assert y.dtype == expected.dtype and y.shape == expected.shape
+print(json.dumps(stats))
+""", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr
+    stats = json.loads(child.stdout.strip().splitlines()[-1])
+    assert (stats["compiles"], stats["hits"], stats["fallbacks"]) == (0, 0, 1), stats
+    assert stats["fallback_reason"].startswith("eager is faster")
+
+
+def test_a_kernel_measured_slower_once_only_is_kept(tmp_path, monkeypatch):
+    # Noise: slower on the first measurement, not on the repeat.
+    timings = FixedTimings((1.3e-6, 1.0e-6), (1.02e-6, 1.0e-6))
+    monkeypatch.setattr(_runtime, "time_against_eager", timings)
+    x = torch.randn(48)
+    with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
+        results = [torch.abs(x) for _ in range(3)]
+        stats = aoti_eager.stats()["aten::abs"]
+    for r in results:
+        assert_same_as_eager(r, x.abs())
+    assert timings.calls == 2
+    assert (stats["compiles"], stats["hits"], stats["fallbacks"]) == (1, 2, 0), stats
+    entry = published(tmp_path, A.abs.default, "cpu", [x])
+    assert entry["library"] == "kernel.so" and entry["reason"] is None
+    assert entry["timing"]["ratio"] == 1.02  # the kernel's better showing is recorded
+
+
+def test_an_in_place_call_with_runtime_numbers_kept_eager_never_compiles_again(tmp_path, monkeypatch):
+    timings = FixedTimings((2.0e-6, 1.0e-6))
+    monkeypatch.setattr(_runtime, "time_against_eager", timings)
+    compiles = []
+    compile_call = _runtime.compile_call
+    monkeypatch.setattr(_runtime, "compile_call", lambda signature, *a: compiles.append(signature) or compile_call(signature, *a))
+    p, g = torch.randn(16, 16), torch.randn(16, 16)
+    expected = p.clone()
+    rates = [0.1, 0.05, 0.025]
+    with aoti_eager.enabled(["aten::add_.Tensor"], devices=["cpu"], cache_dir=tmp_path):
+        for lr in rates:
+            p.add_(g, alpha=-lr)
+        stats = aoti_eager.stats()["aten::add_.Tensor"]
+    for lr in rates:
+        expected.add_(g, alpha=-lr)
+    # Each step wrote into the caller's tensor once (the timing ran on copies).
+    assert_same_as_eager(p, expected, atol=0, rtol=0)
+    # One compile, with the learning rate an input: kept eager for every rate,
+    # not compiled again with a rate compiled in.
+    assert len(compiles) == 1 and compiles[0].runtime_arguments, compiles
+    assert (stats["compiles"], stats["hits"], stats["fallbacks"]) == (1, 0, len(rates)), stats
+    assert stats["fallback_reason"].startswith("eager is faster: kernel 2.00x")
+
+
+def test_timing_is_on_by_default_and_runs_a_real_op_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.delenv("AOTI_EAGER_KEEP_FASTER")
+    measured = []
+    real = _runtime.time_against_eager
+
+    def timed(*args, **kwargs):
+        measured.append(real(*args, **kwargs))
+        return measured[-1]
+
+    monkeypatch.setattr(_runtime, "time_against_eager", timed)
+    p, g = torch.randn(128, 128), torch.randn(128, 128)
+    before = p.clone()
+    with aoti_eager.enabled(["aten::add_.Tensor"], devices=["cpu"], cache_dir=tmp_path):
+        results = [p.add_(g, alpha=-lr) for lr in (0.5, 0.5, 0.25)]
+        stats = aoti_eager.stats()["aten::add_.Tensor"]
+    expected = before.add_(g, alpha=-0.5).add_(g, alpha=-0.5).add_(g, alpha=-0.25)
+    assert all(r is p for r in results)
+    assert_same_as_eager(p, expected)
+    assert measured and all(t.kernel_seconds > 0 and t.eager_seconds > 0 for t in measured)
+    entry = published(tmp_path, A.add_.Tensor, "cpu", [before, g, -0.5])
+    assert entry["timing"]["kernel_us"] > 0 and entry["timing"]["eager_us"] > 0
+    assert stats["compiles"] == 1
+    if entry["library"] is None:  # eager was faster on this machine
+        assert entry["timing"]["ratio"] > _runtime.SLOWER_THAN_EAGER
+        assert stats["hits"] == 0 and stats["fallback_reason"].startswith("eager is faster")
+    else:
+        assert stats["hits"] >= 1 and stats["fallback_reason"] is None, stats
+
+
+def test_off_switch_times_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("AOTI_EAGER_KEEP_FASTER", "0")
+    monkeypatch.setattr(_runtime, "time_against_eager", lambda *a, **k: pytest.fail("must not time"))
+    x = torch.randn(64)  # the signature of the first test: compiled into this new cache
+    with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
+        results = [torch.abs(x) for _ in range(2)]
+        stats = aoti_eager.stats()["aten::abs"]
+    for r in results:
+        assert_same_as_eager(r, x.abs())
+    assert (stats["compiles"], stats["hits"]) == (1, 1), stats
+    assert published(tmp_path, A.abs.default, "cpu", [x])["timing"] is None
+
+
+def test_time_against_eager_leaves_the_callers_tensors_alone():
+    p, g = torch.randn(32), torch.randn(32)
+    before = p.clone()
+    signature = CallSignature.of(A.add_.Tensor, "cpu", [p, g, 2])
+
+    class Kernel:  # runs eager's op as the "kernel", on the inputs it is given
+        def run(self, inputs):
+            return [inputs[0].add_(inputs[1], alpha=2)]
+
+    timing = speed.time_against_eager(Kernel(), signature, A.add_.Tensor, budget=0.01)
+    assert timing.kernel_seconds > 0 and timing.eager_seconds > 0
+    assert_same_as_eager(p, before, atol=0, rtol=0)
