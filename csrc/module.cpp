@@ -34,7 +34,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "run",
           [](const CompiledKernel& kernel, std::vector<at::Tensor> inputs) {
             ReentryGuard guard;
-            return kernel.run(inputs);
+            CompiledKernel::Outputs outputs;
+            kernel.run(inputs, outputs);
+            return std::vector<at::Tensor>(outputs.begin(), outputs.end());
           },
           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("output_counts", &CompiledKernel::output_counts)
