@@ -178,6 +178,9 @@ void OpOverride::run_original(
     c10::DispatchKeySet keys,
     torch::jit::Stack* stack) {
   counters_.eager_calls.fetch_add(1, std::memory_order_relaxed);
+  // The original kernel may call another overridden overload (abs's CPU
+  // kernel calls abs.out): part of this call, not a new one to key and compile.
+  ReentryGuard guard;
   original_.callBoxed(op, keys, stack);
 }
 
