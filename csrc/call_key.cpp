@@ -60,7 +60,8 @@ bool add_tensor(const at::Tensor& t, CallKey& key, Storages& storages) {
     return true;
   }
   if (t.has_storage()) {
-    storages.push_back(t.storage().unsafeGetStorageImpl());
+    // Borrowed: Tensor::storage() would copy the handle (two atomic updates).
+    storages.push_back(t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
   }
   key.words.push_back(kTensor);
   key.words.push_back(static_cast<int64_t>(t.scalar_type()));

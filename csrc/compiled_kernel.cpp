@@ -5,6 +5,33 @@
 #include <c10/util/Exception.h>
 
 namespace aoti_eager {
+namespace {
+
+using torch::inductor::AOTIModelContainerRunner;
+
+// AOTIModelContainerRunner::run converts every call through heap-allocated
+// vectors (input handles, output handles, the returned tensors) and a hash
+// map that removes duplicate outputs: as much time as an op-sized kernel
+// itself. The runner keeps the model container and the entry point it chose
+// as protected members; a pointer to member named through a derived class
+// reads them without changing the runner.
+struct RunnerInternals : AOTIModelContainerRunner {
+  static AOTInductorModelContainerHandle container(AOTIModelContainerRunner& r) {
+    return r.*(&RunnerInternals::container_handle_);
+  }
+  static AOTIProxyExecutorHandle proxy_executor(AOTIModelContainerRunner& r) {
+    return r.*(&RunnerInternals::proxy_executor_handle_);
+  }
+  static decltype(&AOTInductorModelContainerRun) run_func(AOTIModelContainerRunner& r) {
+    return r.*(&RunnerInternals::run_func_);
+  }
+  static decltype(&AOTInductorModelContainerGetNumOutputs) num_outputs_func(
+      AOTIModelContainerRunner& r) {
+    return r.*(&RunnerInternals::get_num_outputs_func_);
+  }
+};
+
+} // namespace
 
 CompiledKernel::CompiledKernel(
     const std::string& library_path,
@@ -28,27 +55,66 @@ CompiledKernel::CompiledKernel(
   // One model, run without the container's model pool: the pool's locks and
   // its CUDA event per run (recorded, then waited on by the next run) cost
   // more than a small kernel, and that wait is not allowed while a CUDA graph
-  // is being captured. run_mutex_ serializes the runs instead.
+  // is being captured. run_mutex_ serializes the runs instead. The runner
+  // then holds AOTInductorModelContainerRunSingleThreaded as its entry point.
   runner_ = it->second(
       library_path,
       /*num_models=*/1,
       device,
       /*bin_dir=*/"",
       /*run_single_threaded=*/true);
+  container_ = RunnerInternals::container(*runner_);
+  proxy_executor_ = RunnerInternals::proxy_executor(*runner_);
+  run_func_ = RunnerInternals::run_func(*runner_);
+  TORCH_CHECK(container_ != nullptr && run_func_ != nullptr, "aoti_eager: runner without a model container");
+  AOTI_RUNTIME_ERROR_CODE_CHECK(
+      RunnerInternals::num_outputs_func(*runner_)(container_, &num_outputs_));
 }
 
-std::vector<at::Tensor> CompiledKernel::run(
-    std::vector<at::Tensor>& inputs) const {
-  std::lock_guard<std::mutex> lock(run_mutex_);
-  if (device_.is_cpu()) {
-    return runner_->run(inputs, /*stream_handle=*/nullptr);
+void CompiledKernel::run(c10::ArrayRef<at::Tensor> inputs, Outputs& outputs) const {
+  // The library takes ownership of one new at::Tensor per input and hands
+  // back one per output: the only allocations of a call besides the outputs'.
+  c10::SmallVector<AtenTensorHandle, 8> input_handles;
+  input_handles.reserve(inputs.size());
+  for (const at::Tensor& t : inputs) {
+    input_handles.push_back(reinterpret_cast<AtenTensorHandle>(new at::Tensor(t)));
   }
-  // On the kernel's device and the caller's current stream there, as eager
-  // would run. Through the device-generic interface, so that this extension
-  // builds without CUDA headers.
-  c10::DeviceGuard device_guard(device_);
-  const auto* guard_impl = c10::impl::getDeviceGuardImpl(device_.type());
-  return runner_->run(inputs, guard_impl->getStream(device_).native_handle());
+  c10::SmallVector<AtenTensorHandle, 4> output_handles(num_outputs_, nullptr);
+  void* stream = nullptr;
+  std::optional<c10::DeviceGuard> device_guard;
+  if (!device_.is_cpu()) {
+    // On the kernel's device and the caller's current stream there, as eager
+    // would run. Through the device-generic interface, so that this extension
+    // builds without CUDA headers.
+    device_guard.emplace(device_);
+    stream = c10::impl::getDeviceGuardImpl(device_.type())->getStream(device_).native_handle();
+  }
+  {
+    std::lock_guard<std::mutex> lock(run_mutex_);
+    AOTI_RUNTIME_ERROR_CODE_CHECK(run_func_(
+        container_,
+        input_handles.data(),
+        input_handles.size(),
+        output_handles.data(),
+        output_handles.size(),
+        reinterpret_cast<AOTInductorStreamHandle>(stream),
+        proxy_executor_));
+  }
+  for (size_t i = 0; i < output_handles.size(); ++i) {
+    auto* handle = reinterpret_cast<at::Tensor*>(output_handles[i]);
+    // A graph that returns one buffer twice hands back one handle twice.
+    size_t first = 0;
+    while (output_handles[first] != output_handles[i]) {
+      ++first;
+    }
+    if (first < i) {
+      at::Tensor same = outputs[outputs.size() - i + first];
+      outputs.push_back(std::move(same));
+    } else {
+      outputs.push_back(std::move(*handle));
+      delete handle;
+    }
+  }
 }
 
 } // namespace aoti_eager

@@ -4,6 +4,8 @@
 // from its shared library.
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+#include <c10/util/SmallVector.h>
 #include <torch/csrc/inductor/aoti_runner/model_container_runner.h>
 
 #include <memory>
@@ -27,7 +29,11 @@ class CompiledKernel {
       std::vector<int64_t> output_counts,
       std::vector<int64_t> runtime_arguments = {});
 
-  std::vector<at::Tensor> run(std::vector<at::Tensor>& inputs) const;
+  using Outputs = c10::SmallVector<at::Tensor, 4>;
+
+  // Runs on `inputs`, the kernel's flat tensor inputs, and appends its
+  // outputs to `outputs`.
+  void run(c10::ArrayRef<at::Tensor> inputs, Outputs& outputs) const;
 
   const std::vector<int64_t>& output_counts() const {
     return output_counts_;
@@ -40,6 +46,11 @@ class CompiledKernel {
  private:
   c10::Device device_;
   std::unique_ptr<torch::inductor::AOTIModelContainerRunner> runner_;
+  // The runner's container and entry point, called directly (see the constructor).
+  AOTInductorModelContainerHandle container_ = nullptr;
+  AOTIProxyExecutorHandle proxy_executor_ = nullptr;
+  decltype(&AOTInductorModelContainerRun) run_func_ = nullptr;
+  size_t num_outputs_ = 0;
   mutable std::mutex run_mutex_;
   std::vector<int64_t> output_counts_;
   std::vector<int64_t> runtime_arguments_;

@@ -1,12 +1,17 @@
 // aoti_eager._C: the C++ fast path. aoti_eager/_extension.py builds it and is
 // its only importer; aoti_eager/_runtime.py is its only caller.
 
+#include "call_key.h"
 #include "compiled_kernel.h"
 #include "op_override.h"
 
 #include <c10/core/DispatchKey.h>
 #include <torch/csrc/Exceptions.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/extension.h>
+
+#include <chrono>
+#include <map>
 
 namespace py = pybind11;
 using namespace aoti_eager;
@@ -19,6 +24,17 @@ struct Installed {
   std::shared_ptr<OpOverride> override;
   std::unique_ptr<c10::RegistrationHandleRAII> registration;
 };
+
+// Nanoseconds per call of `fn`, over `calls` calls.
+template <typename F>
+double ns_per_call(int64_t calls, F&& fn) {
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < calls; ++i) {
+    fn();
+  }
+  const std::chrono::duration<double, std::nano> elapsed = std::chrono::steady_clock::now() - start;
+  return elapsed.count() / calls;
+}
 
 } // namespace
 
@@ -34,7 +50,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           "run",
           [](const CompiledKernel& kernel, std::vector<at::Tensor> inputs) {
             ReentryGuard guard;
-            return kernel.run(inputs);
+            CompiledKernel::Outputs outputs;
+            kernel.run(inputs, outputs);
+            return std::vector<at::Tensor>(outputs.begin(), outputs.end());
           },
           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("output_counts", &CompiledKernel::output_counts)
@@ -85,4 +103,38 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("is_wrapped_number", [](const at::Tensor& t) {
     return t.unsafeGetTensorImpl()->is_wrapped_number();
   });
+  // For scripts/profile_hit_path.py: ns per call, each in its own loop, of
+  // the stages of the hit path for one call of `name.overload` with `args`
+  // (in schema order): keying the arguments, the compiled kernel alone on its
+  // flat `inputs`, and the whole boxed call through the dispatcher (with
+  // whatever kernel is registered for it now).
+  m.def(
+      "time_stages",
+      [](const std::string& name,
+         const std::string& overload,
+         py::list py_args,
+         const CompiledKernel& kernel,
+         std::vector<at::Tensor> inputs,
+         int64_t calls) {
+        auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
+        const auto& schema = op.schema();
+        std::vector<c10::IValue> args;
+        for (size_t i = 0; i < py_args.size(); ++i) {
+          args.push_back(torch::jit::toIValue(py_args[i], schema.arguments()[i].type()));
+        }
+        py::gil_scoped_release no_gil;
+        std::map<std::string, double> ns;
+        CallKey key;
+        ns["key"] = ns_per_call(calls, [&] { compute_call_key(args, schema.is_mutable(), key); });
+        ns["kernel"] = ns_per_call(calls, [&] {
+          ReentryGuard guard;
+          CompiledKernel::Outputs outputs;
+          kernel.run(inputs, outputs);
+        });
+        ns["call"] = ns_per_call(calls, [&] {
+          torch::jit::Stack stack(args.begin(), args.end());
+          op.callBoxed(stack);
+        });
+        return ns;
+      });
 }

@@ -65,13 +65,25 @@ py::object to_python(const c10::IValue& value, const c10::TypePtr& declared) {
 
 // A number the kernel reads at run time, as kernels/compile.py's
 // runtime_number_input makes it: a Python float, or the wrapped number a
-// Tensor argument received for one.
-at::Tensor runtime_number(const c10::IValue& arg) {
+// Tensor argument received for one. A float goes into a 0-d tensor kept per
+// thread and argument position, reused while no one else holds it, instead of
+// a new tensor per call.
+at::Tensor runtime_number(const c10::IValue& arg, size_t position) {
   if (arg.isTensor()) {
     const at::Tensor& t = arg.toTensor();
     return t.scalar_type() == at::kDouble ? t : t.to(at::kDouble);
   }
-  return at::scalar_tensor(arg.toDouble(), at::TensorOptions().dtype(at::kDouble));
+  thread_local c10::SmallVector<at::Tensor, 4> numbers;
+  if (numbers.size() <= position) {
+    numbers.resize(position + 1);
+  }
+  at::Tensor& number = numbers[position];
+  if (!number.defined() || number.use_count() != 1) {
+    number = at::scalar_tensor(arg.toDouble(), at::TensorOptions().dtype(at::kDouble));
+  } else {
+    *number.mutable_data_ptr<double>() = arg.toDouble();
+  }
+  return number;
 }
 
 } // namespace
@@ -166,6 +178,9 @@ void OpOverride::run_original(
     c10::DispatchKeySet keys,
     torch::jit::Stack* stack) {
   counters_.eager_calls.fetch_add(1, std::memory_order_relaxed);
+  // The original kernel may call another overridden overload (abs's CPU
+  // kernel calls abs.out): part of this call, not a new one to key and compile.
+  ReentryGuard guard;
   original_.callBoxed(op, keys, stack);
 }
 
@@ -173,8 +188,7 @@ void OpOverride::run_kernel(
     const CompiledKernel& kernel,
     torch::jit::Stack* stack) {
   auto args = torch::jit::last(*stack, num_arguments_);
-  std::vector<at::Tensor> inputs;
-  inputs.reserve(args.size());
+  c10::SmallVector<at::Tensor, 8> inputs;
   auto add_input = [&](const at::Tensor& t) {
     // Wrapped numbers are compiled into the kernel (they are in its key).
     if (t.defined() && !t.unsafeGetTensorImpl()->is_wrapped_number()) {
@@ -183,11 +197,12 @@ void OpOverride::run_kernel(
   };
   auto runtime = kernel.runtime_arguments().begin();
   const auto runtime_end = kernel.runtime_arguments().end();
+  size_t numbers = 0;
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::IValue& arg = args[i];
     if (runtime != runtime_end && *runtime == static_cast<int64_t>(i)) {
       ++runtime;
-      inputs.push_back(runtime_number(arg));
+      inputs.push_back(runtime_number(arg, numbers++));
     } else if (arg.isTensor()) {
       add_input(arg.toTensor());
     } else if (arg.isTensorList()) {
@@ -203,13 +218,14 @@ void OpOverride::run_kernel(
     }
   }
 
-  std::vector<at::Tensor> outputs;
+  CompiledKernel::Outputs outputs;
   {
     // A kernel whose graph kept an op as an extern call re-enters the
     // dispatcher; that call must reach the original kernel.
     ReentryGuard guard;
-    outputs = kernel.run(inputs);
+    kernel.run(inputs, outputs);
   }
+  inputs.clear(); // a reused runtime number is free again
 
   const auto& counts = kernel.output_counts();
   c10::SmallVector<c10::IValue, 4> results;

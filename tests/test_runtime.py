@@ -47,6 +47,30 @@ def test_failed_compile_falls_back_once_and_is_remembered(tmp_path, monkeypatch,
     assert len(attempts) == 1
 
 
+def test_an_eager_call_does_not_compile_the_overloads_its_kernel_calls(tmp_path, monkeypatch):
+    # abs.default's CPU kernel calls abs.out through the dispatcher: with the
+    # whole packet enabled, that inner call is part of the eager call, not a
+    # user call of abs.out to key and compile.
+    compile_call = _runtime.compile_call
+
+    def abs_default_fails(signature, *args):
+        if signature.op == A.abs.default:
+            raise CompileError("AOTInductor failed: RuntimeError: injected")
+        return compile_call(signature, *args)
+
+    monkeypatch.setattr(_runtime, "compile_call", abs_default_fails)
+    x = torch.randn(16)
+    aoti_eager.enable(["aten::abs"], devices=["cpu"], cache_dir=tmp_path)
+    results = [torch.abs(x) for _ in range(2)]
+    stats = aoti_eager.stats()
+    aoti_eager.disable()
+    for r in results:
+        assert_same_as_eager(r, x.abs())
+    assert (stats["aten::abs"]["calls"], stats["aten::abs"]["fallbacks"]) == (2, 2)
+    assert stats["aten::abs.out"]["calls"] == 0
+    assert stats["aten::abs.out"]["compiles"] == 0
+
+
 def test_a_failed_cpp_compiler_is_not_recorded_in_the_cache(tmp_path, monkeypatch):
     attempts = []
 
