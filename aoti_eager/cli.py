@@ -176,6 +176,8 @@ def cache_prune(root: Path, args: argparse.Namespace) -> int:
 def cache_clear(root: Path, args: argparse.Namespace) -> int:
     eviction = inventory.evict(root, max_bytes=0, op=args.op)
     quarantined = 0 if args.op else inventory.clear_quarantine(root)
+    if not args.op:
+        inventory.clear_shared(root)
     if not args.json and quarantined:
         print(f"removed {quarantined} quarantined entries")
     return _report_eviction(eviction, args, quarantined_removed=quarantined)
@@ -331,7 +333,7 @@ def _parser() -> argparse.ArgumentParser:
     prune = command(cache, "prune", cache_prune, "evict least recently used entries (entries being loaded stay)")
     prune.add_argument("--max-size", type=_size, help="keep at most this much, e.g. 5GiB (default: the size limit)")
     prune.add_argument("--older-than", type=_duration, help="also evict entries unused for this long, e.g. 30d")
-    clear = command(cache, "clear", cache_clear, "remove every entry (and the quarantine)")
+    clear = command(cache, "clear", cache_clear, "remove every entry (and the quarantine, and shared build products)")
     clear.add_argument("--op", type=_op, help="only this op's entries (aten::add or add: all its overloads)")
     export = command(cache, "export", cache_export, "write every entry, with its key and checksum, into a bundle (tar)")
     export.add_argument("file", type=Path)

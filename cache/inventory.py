@@ -105,6 +105,13 @@ def evict(root: Path, max_bytes: int | None = None, older_than: float | None = N
     return eviction
 
 
+def clear_shared(root: Path) -> None:
+    """Removes the build products that compiles share (see
+    ``KernelCache.shared_directory``); the next compile builds them again."""
+    for shared in (root / layout.LAYOUT_VERSION).glob("*/.shared"):
+        shutil.rmtree(shared, ignore_errors=True)
+
+
 def clear_quarantine(root: Path) -> int:
     """Removes every quarantined entry; returns how many there were."""
     gone = quarantined(root)

@@ -129,9 +129,12 @@ def test_clear_one_op_then_everything(cache, capsys):
     assert {listing.op for listing in inventory.entries(cache.root)} == {"aten::abs"}
     (cache.entry_dir("aten::abs", "old") / ENTRY_FILE).write_text("{")
     cache.lookup("aten::abs", "old")  # sets it aside
+    shared = cache.shared_directory() / "wrapper-interface-0.o"
+    shared.write_bytes(b"object")
     code, out = cli(cache, capsys, "cache", "clear")
     assert code == 0 and "removed 1 entries" in out and "removed 1 quarantined" in out
     assert inventory.entries(cache.root) == [] and inventory.quarantined(cache.root) == []
+    assert not shared.exists()
 
 
 def test_path_json(cache, capsys):
