@@ -91,14 +91,20 @@ def return_alias_indices(op: torch._ops.OpOverload) -> list[int | None]:
     return indices
 
 
-def call_op(op: torch._ops.OpOverload, args: list[Any] | tuple[Any, ...]) -> Any:
-    """Calls ``op`` with its arguments in schema order, keyword-only ones by name."""
+def split_arguments(op: torch._ops.OpOverload, args: list[Any] | tuple[Any, ...]) -> tuple[list[Any], dict[str, Any]]:
+    """``args`` in schema order as the op takes them: positional ones, and keyword-only ones by name."""
     positional, keywords = [], {}
     for schema_arg, value in zip(op._schema.arguments, args):
         if schema_arg.kwarg_only:
             keywords[schema_arg.name] = value
         else:
             positional.append(value)
+    return positional, keywords
+
+
+def call_op(op: torch._ops.OpOverload, args: list[Any] | tuple[Any, ...]) -> Any:
+    """Calls ``op`` with its arguments in schema order, keyword-only ones by name."""
+    positional, keywords = split_arguments(op, args)
     return op(*positional, **keywords)
 
 

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from aoti_eager.kernels.compile import flat_tensor_inputs
+from aoti_eager.kernels.compile import flat_tensor_inputs, split_arguments
 from aoti_eager.kernels.signature import CallSignature
 from aoti_eager.kernels.validate import clone_args
 
@@ -55,18 +55,6 @@ class Timing:
         }
 
 
-def _split_arguments(op: torch._ops.OpOverload, args: list[Any]) -> tuple[list[Any], dict[str, Any]]:
-    """Positional and keyword-only arguments, built once so that the timed
-    eager call is only the op's call (see :func:`compile.call_op`)."""
-    positional, keywords = [], {}
-    for schema_arg, value in zip(op._schema.arguments, args):
-        if schema_arg.kwarg_only:
-            keywords[schema_arg.name] = value
-        else:
-            positional.append(value)
-    return positional, keywords
-
-
 def _seconds_per_call(fn: Callable[[], Any], calls: int, sync: Callable[[], None]) -> float:
     sync()
     start = time.perf_counter()
@@ -88,7 +76,7 @@ def time_against_eager(
     round ends with a synchronize, so the kernels' time on the device counts.
     """
     kernel_inputs = flat_tensor_inputs(signature, clone_args(signature.args))
-    positional, keywords = _split_arguments(op, clone_args(signature.args))
+    positional, keywords = split_arguments(op, clone_args(signature.args))
 
     def run_kernel() -> None:
         kernel.run(kernel_inputs)
