@@ -14,6 +14,12 @@ file is replaced by:
 - a relocatable link of the two into the object Inductor expects, before
   Inductor links the library as usual.
 
+The op's part also allocates its outputs and buffers through a hook that the
+runtime fills when it loads the library (``aoti_eager_empty_strided_hook``,
+see ``csrc/compiled_kernel.cpp``): on CUDA, straight from the caching
+allocator instead of through the dispatcher. Until it is filled, and in a
+library built whole, allocation is AOTInductor's own.
+
 Both parts are compiled with Inductor's own command line. A wrapper that does
 not have the expected shape, or a part that fails to compile, gets Inductor's
 own build instead: the split can change how long a compile takes, not what it
@@ -41,6 +47,16 @@ log = logging.getLogger("aoti_eager")
 
 _INTERFACE_END = '\n} // extern "C"\n'
 _BASE = "torch::aot_inductor::AOTInductorModelBase<torch::aot_inductor::AOTInductorModel>"
+_ALLOCATION_HOOK = """
+extern "C" __attribute__((visibility("default"))) AOTITorchError (*aoti_eager_empty_strided_hook)(
+    int64_t, const int64_t*, const int64_t*, int32_t, int32_t, int32_t, AtenTensorHandle*) = nullptr;
+static inline AOTITorchError aoti_eager_empty_strided(
+    int64_t ndim, const int64_t* sizes, const int64_t* strides, int32_t dtype,
+    int32_t device_type, int32_t device_index, AtenTensorHandle* result) {
+  auto* allocate = aoti_eager_empty_strided_hook ? aoti_eager_empty_strided_hook : aoti_torch_empty_strided;
+  return allocate(ndim, sizes, strides, dtype, device_type, device_index, result);
+}
+"""
 
 
 def enabled() -> bool:
@@ -123,7 +139,12 @@ def _start_split(
     end += len(_INTERFACE_END)
     includes = "".join(line + "\n" for line in text[:end].splitlines() if line.startswith("#include"))
     shared_text = text[:end] + f"\ntemplate class {_BASE};\n"
-    own_text = includes + f"extern template class {_BASE};\n" + text[end:]
+    own_text = (
+        includes
+        + f"extern template class {_BASE};\n"
+        + _ALLOCATION_HOOK
+        + text[end:].replace("aoti_torch_empty_strided(", "aoti_eager_empty_strided(")
+    )
 
     def command(part: Path, obj: Path) -> list[str]:
         return [str(part) if i == source_index else str(obj) if tokens[i - 1] == "-o" else t for i, t in enumerate(tokens)]

@@ -3,11 +3,15 @@ and Inductor's own build whenever the split cannot be made."""
 
 from __future__ import annotations
 
+import ctypes
+import os
+
 import pytest
 import torch
 
 import aoti_eager
 from aoti_eager.kernels import wrapper_split
+from conftest import DEVICES
 from helpers import assert_same_as_eager
 
 
@@ -68,3 +72,35 @@ def test_compile_stages_are_timed(tmp_path, caplog):
     [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("aoti_eager: compiled")]
     for stage in ("export", "wrapper", "kernel", "link", "lowering", "load"):
         assert f"{stage} " in line, line
+
+
+def allocation_hooks(root, op_folder):
+    """The allocation hook of each of ``op_folder``'s libraries that is loaded."""
+    hooks = []
+    for library in root.glob(f"v1/*/{op_folder}/*/kernel.so"):
+        try:
+            handle = ctypes.CDLL(str(library), mode=os.RTLD_NOW | os.RTLD_NOLOAD)
+        except OSError:
+            continue  # not loaded in this process
+        hooks.append(ctypes.c_void_p.in_dll(handle, "aoti_eager_empty_strided_hook").value)
+    return hooks
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_split_kernels_allocate_through_the_runtimes_hook(shared_cache, device, deterministic):
+    """On CUDA the hook allocates from the caching allocator, except in
+    deterministic mode (which fills new memory); elsewhere it is the shim."""
+    x, y = torch.randn(8, 9, device=device), torch.randn(8, 9, device=device)
+    aoti_eager.enable(["aten::mul.Tensor"], devices=[device], cache_dir=shared_cache)
+    try:
+        torch.use_deterministic_algorithms(deterministic)
+        results = [torch.mul(x, y) for _ in range(2)]
+        hooks = allocation_hooks(shared_cache, "aten.mul.Tensor")
+        stats = aoti_eager.stats()["aten::mul.Tensor"]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert hooks and all(hooks) and stats["hits"] >= 1
+    for result in results:
+        assert_same_as_eager(result, x * y)
+    assert results[0].data_ptr() != results[1].data_ptr()
