@@ -221,6 +221,9 @@ class Override:
         except Exception:  # noqa: BLE001 - eager raises it again for the caller
             # An error of these values, not of the signature, when numbers are inputs.
             return None if signature.runtime_arguments else self._remember(signature, False)
+        if cache.lookup(self.name, signature.key) is not None:
+            # Only a verdict on speed, passed over while the timing is off: the kernel replaces it.
+            cache.remove(self.name, signature.key)
         start = time.perf_counter()
         try:
             artifact = compile_call(
@@ -304,6 +307,8 @@ class Override:
 
     def _adopt(self, signature: CallSignature, entry: Entry, loaded: bool) -> Any:
         if entry.library is None and entry.timing is not None:
+            if not keep_faster():
+                return None  # a verdict on speed, which the timing's switch turned off: compile
             return self._keep_eager(signature, entry.reason or "eager is faster")
         if entry.library is None:
             return self._eager(entry.reason or "decided eager", signature)

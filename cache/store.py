@@ -265,6 +265,10 @@ class KernelCache:
                 pass  # another member's entry in a shared cache: its last use stays as it was
         return entry
 
+    def remove(self, op: str, signature_key: str) -> bool:
+        """Removes a published entry (see :func:`remove_entry`)."""
+        return remove_entry(self.entry_dir(op, signature_key))
+
     def publish(self, signature_key: str, entry: Entry, files: dict[str, Path] | None = None) -> Entry:
         """Publishes ``entry`` with ``files`` (name in the entry -> source path).
 

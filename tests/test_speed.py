@@ -181,6 +181,23 @@ def test_off_switch_times_nothing(tmp_path, monkeypatch):
     assert published(tmp_path, A.abs.default, "cpu", [x])["timing"] is None
 
 
+def test_with_the_timing_off_a_signature_kept_eager_for_speed_gets_its_kernel(tmp_path, monkeypatch):
+    monkeypatch.setattr(_runtime, "time_against_eager", FixedTimings((1.3e-6, 1.0e-6)))
+    x = torch.randn(72)
+    with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
+        torch.abs(x)
+    assert published(tmp_path, A.abs.default, "cpu", [x])["library"] is None
+
+    monkeypatch.setenv("AOTI_EAGER_KEEP_FASTER", "0")
+    with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
+        results = [torch.abs(x) for _ in range(2)]
+        stats = aoti_eager.stats()["aten::abs"]
+    for r in results:
+        assert_same_as_eager(r, x.abs())
+    assert (stats["compiles"], stats["hits"], stats["fallbacks"]) == (1, 1, 0), stats
+    assert published(tmp_path, A.abs.default, "cpu", [x])["library"] == "kernel.so"
+
+
 def test_time_against_eager_leaves_the_callers_tensors_alone():
     p, g = torch.randn(32), torch.randn(32)
     before = p.clone()
