@@ -14,6 +14,10 @@ file is replaced by:
 - a relocatable link of the two into the object Inductor expects, before
   Inductor links the library as usual.
 
+The library is linked to export only AOTInductor's C interface and the hook
+below: the C++ code it instantiates otherwise exports some 400 symbols, about
+a quarter of a stripped library's size, that nothing outside it looks up.
+
 The op's part also allocates its outputs and buffers through a hook that the
 runtime fills when it loads the library (``aoti_eager_empty_strided_hook``,
 see ``csrc/compiled_kernel.cpp``): on CUDA, straight from the caching
@@ -95,6 +99,8 @@ def split_wrapper_builds(shared_dir: Path | None, seconds: dict[str, float]) -> 
         stage = _stage(tokens)
         if stage == "link":
             finish_pending()
+            if shared_dir is not None:
+                _export_only_the_interface(builder)
         if stage == "wrapper" and shared_dir is not None and enabled():
             try:
                 pending.append(_start_split(tokens, shared_dir, builder, original, seconds))
@@ -113,6 +119,18 @@ def split_wrapper_builds(shared_dir: Path | None, seconds: dict[str, float]) -> 
         # Reached early only by an error: the parts' compilers are not left running.
         with contextlib.suppress(Exception):
             finish_pending()
+
+
+# The runner looks up AOTInductor* functions (torch/csrc/inductor/aoti_runner);
+# csrc/compiled_kernel.cpp looks up the allocation hook.
+_EXPORTS = "{ global: AOTInductor*; aoti_eager_*; local: *; };\n"
+
+
+def _export_only_the_interface(builder: cpp_builder.CppBuilder) -> None:
+    exports = Path(builder._output_dir) / "aoti_eager_exports.map"
+    exports.write_text(_EXPORTS)
+    command = builder.get_command_line() + f" -Wl,--version-script={shlex.quote(str(exports))}"
+    builder.get_command_line = lambda: command
 
 
 def _start_split(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -40,6 +42,16 @@ def test_split_kernels_match_eager_and_share_one_interface(tmp_path):
     assert stats["compiles"] == 1
     assert_same_as_eager(results[0], expected[0])
     assert shared_objects(tmp_path) == [shared] and shared.stat().st_mtime_ns == built
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="needs binutils' nm")
+def test_libraries_export_only_the_interface(shared_cache):
+    compile_abs(shared_cache, 42)
+    library = next(shared_cache.glob("v1/*/aten.abs/*/kernel.so"))
+    listing = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True, check=True)
+    names = [line.split()[-1] for line in listing.stdout.splitlines()]
+    assert "AOTInductorModelContainerRunSingleThreaded" in names and "aoti_eager_empty_strided_hook" in names
+    assert all(n.startswith(("AOTInductor", "aoti_eager_")) for n in names), names
 
 
 def test_a_broken_shared_part_falls_back_to_inductors_build(tmp_path):
