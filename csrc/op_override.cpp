@@ -187,6 +187,11 @@ void OpOverride::run_original(
 void OpOverride::run_kernel(
     const CompiledKernel& kernel,
     torch::jit::Stack* stack) {
+  // What this call dispatches on its own (a runtime number's tensor, a kernel
+  // whose graph kept an op as an extern call) must reach the original
+  // kernels: an override of aten::scalar_tensor would otherwise call itself
+  // for its own runtime number, without end.
+  ReentryGuard guard;
   auto args = torch::jit::last(*stack, num_arguments_);
   c10::SmallVector<at::Tensor, 8> inputs;
   auto add_input = [&](const at::Tensor& t) {
@@ -219,12 +224,7 @@ void OpOverride::run_kernel(
   }
 
   CompiledKernel::Outputs outputs;
-  {
-    // A kernel whose graph kept an op as an extern call re-enters the
-    // dispatcher; that call must reach the original kernel.
-    ReentryGuard guard;
-    kernel.run(inputs, outputs);
-  }
+  kernel.run(inputs, outputs);
   inputs.clear(); // a reused runtime number is free again
 
   const auto& counts = kernel.output_counts();

@@ -314,3 +314,15 @@ def test_autograd_matches_eager(fn, shared_cache):
         else:
             assert_same_as_eager(g, e)
     assert sum(row["hits"] for row in stats.values()) >= 1
+
+
+def test_an_override_of_the_op_that_makes_runtime_numbers_does_not_call_itself(shared_cache):
+    # The C++ hit path passes a float to the kernel as a 0-d tensor, which it
+    # makes with aten::scalar_tensor: that call must reach the original kernel.
+    values = (0.5, 0.5, 0.25)
+    with aoti_eager.enabled(["aten::scalar_tensor"], devices=["cpu"], cache_dir=shared_cache):
+        results = [torch.scalar_tensor(v) for v in values]
+        stats = aoti_eager.stats()["aten::scalar_tensor"]
+    for result, value in zip(results, values):
+        assert_same_as_eager(result, torch.scalar_tensor(value))
+    assert (stats["compiles"] + stats["cache_loads"], stats["hits"], stats["fallbacks"]) == (1, 1, 0), stats
