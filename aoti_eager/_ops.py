@@ -90,6 +90,13 @@ _UNANNOTATED_VIEWS = {"aten::_unsafe_view", "aten::unsafe_split", "aten::unsafe_
 # the process's next compile crashes in a copy_ (seen with torch 2.13).
 _BREAKS_COMPILER = {"aten::copy_"}
 
+# Their outputs are uninitialized memory: a kernel would only allocate, as eager
+# does, and no check against eager's values could pass or mean anything.
+_UNINITIALIZED = {
+    "aten::empty", "aten::empty_like", "aten::empty_permuted", "aten::empty_strided",
+    "aten::new_empty", "aten::new_empty_strided",
+}
+
 
 def refusal(op: OpOverload) -> str | None:
     """Why ``op`` cannot be overridden safely, or None if it can."""
@@ -98,6 +105,8 @@ def refusal(op: OpOverload) -> str | None:
         return "the compiler uses it itself, and overriding it crashes later compiles in the process"
     if any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns) or schema.name in _UNANNOTATED_VIEWS:
         return "it is a view or aliasing op (its output shares storage with an input)"
+    if schema.name in _UNINITIALIZED:
+        return "it returns uninitialized memory (nothing to compute; eager allocates it as fast)"
     if torch.Tag.nondeterministic_seeded in op.tags:
         return "it is a random op (tagged nondeterministic_seeded)"
     if torch.Tag.dynamic_output_shape in op.tags or torch.Tag.data_dependent_output in op.tags:

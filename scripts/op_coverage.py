@@ -48,8 +48,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 OUTCOMES = ("compiled", "eager", "wrong", "crash", "timeout", "harness error", "ineligible")
 # Worse outcomes win when a unit's samples disagree.
 _SEVERITY = {o: i for i, o in enumerate(("ineligible", "compiled", "eager", "wrong"))}
-# Ops whose result is uninitialized memory: only dtype, shape and strides are comparable.
-UNINITIALIZED = {"empty", "empty_like", "new_empty", "new_empty_strided", "empty_strided", "empty_permuted"}
 
 
 @dataclass(frozen=True)
@@ -152,7 +150,7 @@ def check_sample(opinfo: Any, sample: Any, dtype: Any, device: str) -> dict[str,
         if isinstance(result, Exception):
             return {**row, "outcome": "wrong", "reason": f"call {i + 1} raised {type(result).__name__}: {result}"[:500]}
         try:
-            assert_same_as_eager(result, expected, values=opinfo.name not in UNINITIALIZED, **tolerances)
+            assert_same_as_eager(result, expected, **tolerances)
             assert_same_as_eager(run, expected_call, "arguments", **tolerances)
         except AssertionError as e:
             return {**row, "outcome": "wrong", "reason": f"call {i + 1}: {e}"[:500]}

@@ -39,10 +39,9 @@ def clone_tree(value: Any, memo: dict[int, torch.Tensor] | None = None) -> Any:
     return value
 
 
-def assert_same_as_eager(actual: Any, expected: Any, what: str = "result", values: bool = True, **tolerances: float) -> None:
+def assert_same_as_eager(actual: Any, expected: Any, what: str = "result", **tolerances: float) -> None:
     """Values (assert_close, with ``atol``/``rtol`` if given), dtype, shape and,
-    where eager defines them, strides. ``values=False``: all but the values
-    (for uninitialized memory, as ``torch.empty`` returns)."""
+    where eager defines them, strides."""
     if isinstance(expected, torch.Tensor):
         assert isinstance(actual, torch.Tensor), f"{what}: {type(actual)}"
         assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
@@ -53,16 +52,15 @@ def assert_same_as_eager(actual: Any, expected: Any, what: str = "result", value
             assert [actual.stride(i) for i in dims] == [expected.stride(i) for i in dims], (
                 f"{what}: strides {actual.stride()} != {expected.stride()}"
             )
-        if values:
-            torch.testing.assert_close(actual, expected, equal_nan=True, msg=lambda m: f"{what}: {m}", **tolerances)
+        torch.testing.assert_close(actual, expected, equal_nan=True, msg=lambda m: f"{what}: {m}", **tolerances)
     elif isinstance(expected, (list, tuple)):
         assert isinstance(actual, (list, tuple)) and len(actual) == len(expected), f"{what}: {actual!r}"
         for i, (a, e) in enumerate(zip(actual, expected)):
-            assert_same_as_eager(a, e, f"{what}[{i}]", values, **tolerances)
+            assert_same_as_eager(a, e, f"{what}[{i}]", **tolerances)
     elif isinstance(expected, dict):
         assert actual.keys() == expected.keys(), f"{what}: {actual.keys()} != {expected.keys()}"
         for k in expected:
-            assert_same_as_eager(actual[k], expected[k], f"{what}[{k!r}]", values, **tolerances)
+            assert_same_as_eager(actual[k], expected[k], f"{what}[{k!r}]", **tolerances)
     else:
         assert actual == expected, f"{what}: {actual!r} != {expected!r}"
 

@@ -55,6 +55,8 @@ def test_unknown_op_and_overload():
         ("aten::unsafe_split.Tensor", "view or aliasing"),
         ("aten::bernoulli.p", "random op"),
         ("aten::randn_like", "random op"),
+        ("aten::empty_like", "uninitialized memory"),
+        ("aten::empty.memory_format", "uninitialized memory"),
         ("aten::nonzero", "depends on the input data"),
         ("aten::masked_select", "depends on the input data"),
         ("aten::_unique2", "depends on the input data"),
