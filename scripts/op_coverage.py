@@ -373,6 +373,8 @@ def write_report(rows: Iterable[dict[str, Any]], path: Path) -> None:
 
 
 def _cell(text: str) -> str:
+    # Errors raised in the extension name its source files: relative to the project.
+    text = text.replace(f"{Path(__file__).resolve().parent.parent}/", "")
     return text.replace("|", "\\|").replace("\n", " ")[:300]
 
 
