@@ -107,6 +107,8 @@ def refusal(op: OpOverload) -> str | None:
         return "it is a view or aliasing op (its output shares storage with an input)"
     if schema.name in _UNINITIALIZED:
         return "it returns uninitialized memory (nothing to compute; eager allocates it as fast)"
+    if torch.Tag.inplace_view in op.tags:
+        return "it changes its input's shape or strides in place (AOTInductor cannot compile that)"
     if torch.Tag.nondeterministic_seeded in op.tags:
         return "it is a random op (tagged nondeterministic_seeded)"
     if torch.Tag.dynamic_output_shape in op.tags or torch.Tag.data_dependent_output in op.tags:

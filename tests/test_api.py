@@ -56,6 +56,8 @@ def test_unknown_op_and_overload():
         ("aten::bernoulli.p", "random op"),
         ("aten::randn_like", "random op"),
         ("aten::empty_like", "uninitialized memory"),
+        ("aten::squeeze_.dim", "shape or strides in place"),
+        ("aten::resize_", "shape or strides in place"),
         ("aten::empty.memory_format", "uninitialized memory"),
         ("aten::nonzero", "depends on the input data"),
         ("aten::masked_select", "depends on the input data"),
