@@ -221,8 +221,8 @@ class Override:
         except Exception:  # noqa: BLE001 - eager raises it again for the caller
             # An error of these values, not of the signature, when numbers are inputs.
             return None if signature.runtime_arguments else self._remember(signature, False)
-        if cache.lookup(self.name, signature.key) is not None:
-            # Only a verdict on speed, passed over while the timing is off: the kernel replaces it.
+        if not keep_faster():
+            # A verdict on speed, if _adopt passed one over, makes way for the kernel.
             cache.remove(self.name, signature.key)
         start = time.perf_counter()
         try:

@@ -51,8 +51,8 @@ AOTITorchError empty_strided(
     int32_t device_index,
     AtenTensorHandle* result) {
   if (device_type != static_cast<int32_t>(c10::DeviceType::CUDA) ||
-      at::globalContext().deterministicFillUninitializedMemory() &&
-          at::globalContext().deterministicAlgorithms()) {
+      (at::globalContext().deterministicFillUninitializedMemory() &&
+       at::globalContext().deterministicAlgorithms())) {
     return aoti_torch_empty_strided(ndim, sizes, strides, dtype, device_type, device_index, result);
   }
   try {
