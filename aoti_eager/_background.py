@@ -1,5 +1,6 @@
 """Background compiles: a queue of manifest entries and one thread that runs
-each in a worker process (see :mod:`aoti_eager._worker`).
+them in a worker process (see :mod:`aoti_eager._worker`), kept while entries
+keep coming.
 
 The thread is a daemon and a worker still running when the process exits is
 stopped, so a process never waits for a compiler, not even at exit; the next
@@ -23,6 +24,8 @@ log = logging.getLogger("aoti_eager")
 _queue: queue.Queue[tuple[ManifestEntry, Path, Future]] = queue.Queue()
 _thread: threading.Thread | None = None
 _thread_lock = threading.Lock()
+# An idle worker holds torch and Inductor in memory: it is stopped after this long.
+IDLE_SECONDS = 60.0
 
 
 def submit(entry: ManifestEntry, root: Path) -> Future:
@@ -39,10 +42,17 @@ def submit(entry: ManifestEntry, root: Path) -> Future:
 
 
 def _serve() -> None:
+    workers: dict[Path, _worker.Worker] = {}
     while True:
-        entry, root, future = _queue.get()
         try:
-            outcome = _worker.run(entry, root)
+            entry, root, future = _queue.get(timeout=IDLE_SECONDS if workers else None)
+        except queue.Empty:
+            for worker in workers.values():
+                worker.close()
+            workers.clear()
+            continue
+        try:
+            outcome = workers.setdefault(root, _worker.Worker(root)).compile(entry)
         except Exception as e:  # noqa: BLE001 - e.g. no process could be started
             outcome = _worker.Outcome("failed", f"{type(e).__name__}: {e}")
         if outcome.status == "failed" and not _worker.stopped:

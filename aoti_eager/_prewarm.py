@@ -1,9 +1,10 @@
 """Prewarming: compile every entry of a manifest that the cache lacks, in
 parallel worker processes, before any process needs it.
 
-Each entry is compiled by a worker process (:mod:`aoti_eager._worker`) that
-publishes it like a miss would, so an interrupted prewarm leaves only complete
-entries behind and running it again compiles what is left.
+Each job is a worker process (:mod:`aoti_eager._worker`) that compiles entries
+one after another and publishes each like a miss would, so an interrupted
+prewarm leaves only complete entries behind and running it again compiles what
+is left.
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ def prewarm(
     Args:
         manifest: a manifest recorded with ``enable(record=...)`` or
             ``$AOTI_EAGER_RECORD``.
-        jobs: worker processes compiling at once; default :func:`default_jobs`.
+        jobs: worker processes compiling at once, each one entry at a time;
+            default :func:`default_jobs`.
             Entries of one op compile one at a time (they share the op's lock).
         devices: only entries for these device types; default cpu, and cuda
             when available.
@@ -164,10 +166,16 @@ def prewarm(
     progress = _Progress(len(pending), output)
     interrupted = threading.Event()
 
+    workers: list[_worker.Worker] = []
+    per_thread = threading.local()
+
     def compile_entry(entry: ManifestEntry) -> _worker.Outcome:
         if interrupted.is_set():
             return _worker.Outcome("failed", "interrupted")
-        return _worker.run(entry, root)
+        if not hasattr(per_thread, "worker"):
+            per_thread.worker = _worker.Worker(root)
+            workers.append(per_thread.worker)
+        return per_thread.worker.compile(entry)
 
     if pending:
         with ThreadPoolExecutor(max_workers=jobs or default_jobs()) as pool:
@@ -184,6 +192,9 @@ def prewarm(
                 pool.shutdown(wait=False, cancel_futures=True)
                 _worker.stop_all()
                 raise
+            finally:
+                for worker in workers:
+                    worker.close()
     report.seconds = time.monotonic() - start
     return report
 

@@ -209,10 +209,11 @@ def test_background_compile_answers_eagerly_at_once_then_hits(shared_cache):
     assert aoti_eager.stats()["aten::abs"]["cache_loads"] == 1
 
 
-def test_a_crashing_background_compile_falls_back_to_eager(shared_cache, monkeypatch, caplog):
+def test_a_crashing_background_compile_falls_back_to_eager(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(_worker, "COMMAND", [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"])
     x = torch.randn(2, 9)
-    aoti_eager.enable(["aten::abs"], devices=["cpu"], cache_dir=shared_cache, compile="background")
+    # A cache of its own: the background thread keeps a worker per cache while entries come.
+    aoti_eager.enable(["aten::abs"], devices=["cpu"], cache_dir=tmp_path / "cache", compile="background")
     with caplog.at_level(logging.WARNING, logger="aoti_eager"):
         failed = lambda: "background compile failed" in (aoti_eager.stats()["aten::abs"]["fallback_reason"] or "")  # noqa: E731
         result = _calls_until(failed, lambda: torch.abs(x), timeout=60)
@@ -220,6 +221,45 @@ def test_a_crashing_background_compile_falls_back_to_eager(shared_cache, monkeyp
     assert "SIGKILL" in aoti_eager.stats()["aten::abs"]["fallback_reason"]
     assert any("SIGKILL" in r.message for r in caplog.records)
     assert_same_as_eager(torch.abs(x), x.abs())
+
+
+# Answers each entry with its own pid; dies on every entry of aten::neg.
+_FAKE_WORKER = r"""
+import json, os, signal, sys
+for line in sys.stdin:
+    if json.loads(line)["op"].startswith("aten::neg"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    print(json.dumps({"status": "compiled", "reason": str(os.getpid())}), flush=True)
+"""
+
+
+def test_one_worker_compiles_entry_after_entry_and_a_dead_one_is_replaced(tmp_path, monkeypatch):
+    monkeypatch.setattr(_worker, "COMMAND", [sys.executable, "-c", _FAKE_WORKER])
+    manifest = tmp_path / "manifest.jsonl"
+    calls = [(A.abs.default, [torch.randn(n)]) for n in (2, 3)] + [(A.neg.default, [torch.randn(2)])]
+    manifest_of(manifest, calls + [(A.abs.default, [torch.randn(n)]) for n in (4, 5)])
+    before = set(_worker._running)  # e.g. a background compile's worker
+    report = aoti_eager.prewarm(manifest, jobs=1, cache_dir=tmp_path / "cache")
+    outcomes = [r.outcome for r in report.results]
+    assert [o.status for o in outcomes] == ["compiled", "compiled", "failed", "compiled", "compiled"], outcomes
+    assert "SIGKILL" in outcomes[2].reason
+    first, second = {outcomes[0].reason, outcomes[1].reason}, {outcomes[3].reason, outcomes[4].reason}
+    assert len(first) == 1 and len(second) == 1 and first != second, outcomes
+    assert _worker._running <= before, "prewarm left a worker running"
+
+
+def test_a_worker_that_does_not_answer_in_time_is_stopped(tmp_path):
+    worker = _worker.Worker(tmp_path)
+    entry = ManifestEntry("aten::abs.default", "cpu", "key", [])
+    original = _worker.COMMAND
+    try:
+        _worker.COMMAND = [sys.executable, "-c", "import time; time.sleep(60)"]
+        start = time.monotonic()
+        outcome = worker.compile(entry, timeout=1)
+    finally:
+        _worker.COMMAND = original
+    assert outcome.status == "failed" and "took over 1 s" in outcome.reason, outcome
+    assert time.monotonic() - start < 30 and worker._process is None
 
 
 def test_export_then_import_into_an_empty_cache_compiles_nothing(shared_cache, tmp_path, capsys):
