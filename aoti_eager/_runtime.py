@@ -227,7 +227,8 @@ class Override:
         start = time.perf_counter()
         try:
             artifact = compile_call(
-                signature, expected, cache.compile_options, cache.temporary_directory(self.name), cache.shared_directory()
+                signature, expected, cache.compile_options, cache.temporary_directory(self.name), cache.shared_directory(),
+                layout.usable_vec_isas(self.root),
             )
         except CompileError as e:
             log.debug("aoti_eager: compiling %s failed", self.name, exc_info=e.__cause__)

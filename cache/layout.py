@@ -120,25 +120,34 @@ def _cpu_identity() -> str:
 def cpu_isa(root: Path) -> str:
     """The vector ISA Inductor compiles for on this CPU.
 
-    Inductor's probe compiles test programs and takes seconds, so its answer is
-    remembered on disk per CPU identity and torch build.
+    Inductor's probe compiles test programs and loads each in a new Python
+    process, seconds in all, so its answer is remembered on disk per CPU
+    identity and torch build.
     """
-    return _cpu_isa(root, torch.__version__)
+    return _vec_isas(root, torch.__version__)["isa"]
+
+
+def usable_vec_isas(root: Path) -> list[str]:
+    """The vector ISAs Inductor's probe found usable on this CPU, in its order
+    of preference (remembered as :func:`cpu_isa` is)."""
+    return _vec_isas(root, torch.__version__)["usable"]
 
 
 @lru_cache(maxsize=None)
-def _cpu_isa(root: Path, torch_version: str) -> str:
+def _vec_isas(root: Path, torch_version: str) -> dict:
     record = root / "machine" / f"{_cpu_identity()}-torch{torch_version}.json"
     try:
-        return json.loads(record.read_text())["isa"]
-    except (OSError, ValueError, KeyError):
+        probed = json.loads(record.read_text())
+        if isinstance(probed["isa"], str) and isinstance(probed["usable"], list):
+            return probed
+    except (OSError, ValueError, KeyError, TypeError):
         pass
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch._inductor import cpu_vec_isa
 
-    isa = str(pick_vec_isa()) or "scalar"
+    probed = {"isa": str(cpu_vec_isa.pick_vec_isa()) or "scalar", "usable": [str(i) for i in cpu_vec_isa.valid_vec_isa_list()]}
     make_cache_dirs(record.parent)
-    atomic_write_text(record, json.dumps({"isa": isa}))
-    return isa
+    atomic_write_text(record, json.dumps(probed))
+    return probed
 
 
 @lru_cache(maxsize=None)

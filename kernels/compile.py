@@ -8,6 +8,7 @@ ops stay mutating: the library writes into the given tensors.
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import subprocess
 import tempfile
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from aoti_eager.kernels.signature import CallSignature
-from aoti_eager.kernels.toolchain import cpp_compiler
+from aoti_eager.kernels.toolchain import cpp_compiler, known_vec_isas
 from aoti_eager.kernels.wrapper_split import split_wrapper_builds
 
 
@@ -182,12 +183,15 @@ def compile_call(
     options: dict[str, Any],
     workdir: tempfile.TemporaryDirectory | None = None,
     shared_dir: Path | None = None,
+    vec_isas: list[str] | None = None,
 ) -> Artifact:
     """Compiles ``signature``'s call with the Inductor ``options`` (see
     :func:`compile_options`) into a library in ``workdir`` (default: a new
     temporary directory), which the artifact then owns. ``shared_dir`` keeps
     what compiles with the same options share (see
     :mod:`aoti_eager.kernels.wrapper_split`); without it, nothing is shared.
+    ``vec_isas``: the vector ISAs Inductor found usable here before (see
+    :func:`aoti_eager.kernels.toolchain.known_vec_isas`); without them, it probes.
 
     ``eager_result`` is what the original kernel returned for the call; it fixes
     the structure of the outputs (e.g. the length of a returned Tensor[]).
@@ -212,7 +216,8 @@ def compile_call(
             seconds["export"] = time.perf_counter() - start
             stage = "AOTInductor"
             start = time.perf_counter()
-            with split_wrapper_builds(shared_dir, seconds):
+            known = known_vec_isas(vec_isas) if vec_isas is not None else contextlib.nullcontext()
+            with split_wrapper_builds(shared_dir, seconds), known:
                 torch._inductor.aot_compile(
                     exported.module(), example, options={**options, "aot_inductor.output_path": str(library)}
                 )

@@ -1,4 +1,4 @@
-"""The C++ compiler that kernels are built with.
+"""The C++ compiler that kernels are built with, and the vector ISA it targets.
 
 Inductor builds with ``$CXX``, else ``g++``. Some compilers link libstdc++
 statically into every shared library they build (custom GCC builds do). Such a
@@ -12,6 +12,7 @@ disk per set of candidates and torch build, as it costs seconds.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -22,6 +23,7 @@ import sys
 import tempfile
 from functools import lru_cache
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -96,3 +98,31 @@ def cpp_compiler(root: Path) -> str:
     layout.make_cache_dirs(record.parent)
     layout.atomic_write_text(record, json.dumps({"compiler": chosen, "candidates": found}))
     return chosen
+
+
+@contextlib.contextmanager
+def known_vec_isas(names: list[str]) -> Iterator[None]:
+    """Within the block, Inductor takes ``names`` (its own earlier answer, see
+    :func:`aoti_eager.cache.layout.usable_vec_isas`) as the vector ISAs this CPU
+    runs, instead of probing again.
+
+    Inductor's probe builds a test program per ISA and loads each in a new
+    Python process that imports torch: 1-2 s on a CPU machine, about 45 s on a
+    CUDA machine, paid by the first compile of every process (a CUDA wrapper is
+    C++ too). Where ``names`` are not this torch's ISAs, Inductor probes.
+    """
+    from torch._inductor import cpu_vec_isa
+
+    by_name: dict[str, list] = {}
+    for isa in getattr(cpu_vec_isa, "supported_vec_isa_list", []):
+        by_name.setdefault(str(isa), []).append(isa)
+    original = getattr(cpu_vec_isa, "valid_vec_isa_list", None)
+    if original is None or any(len(by_name.get(name, [])) != 1 for name in names):
+        yield
+        return
+    isas = [by_name[name][0] for name in names]
+    cpu_vec_isa.valid_vec_isa_list = lambda: isas
+    try:
+        yield
+    finally:
+        cpu_vec_isa.valid_vec_isa_list = original

@@ -157,12 +157,13 @@ def test_isa_probe_is_remembered_on_disk(tmp_path, monkeypatch):
 
     calls = []
     monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: calls.append(1) or "avx512")
-    layout._cpu_isa.cache_clear()
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: ["avx512", "avx2"])
+    layout._vec_isas.cache_clear()
     assert layout.cpu_isa(tmp_path) == "avx512"
-    layout._cpu_isa.cache_clear()
-    assert layout.cpu_isa(tmp_path) == "avx512"
+    layout._vec_isas.cache_clear()
+    assert (layout.cpu_isa(tmp_path), layout.usable_vec_isas(tmp_path)) == ("avx512", ["avx512", "avx2"])
     assert calls == [1]
-    layout._cpu_isa.cache_clear()
+    layout._vec_isas.cache_clear()
 
 
 def test_default_root_is_per_user(monkeypatch):

@@ -1,4 +1,4 @@
-"""Choosing a C++ compiler whose libraries work beside torch."""
+"""Choosing a C++ compiler whose libraries work beside torch, and the vector ISA it targets."""
 
 from __future__ import annotations
 
@@ -6,8 +6,13 @@ import json
 import shutil
 
 import pytest
+import torch
+from torch._inductor import cpu_vec_isa
 
+import aoti_eager
+from aoti_eager.cache import layout
 from aoti_eager.kernels import toolchain
+from helpers import assert_same_as_eager
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 
@@ -46,3 +51,27 @@ def test_a_compiler_that_is_not_installed_is_not_a_candidate(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler-9")
     assert "no-such-compiler-9" not in toolchain.candidates()
     assert toolchain.candidates(), "g++ is on PATH"
+
+
+def test_known_vec_isas_stand_in_for_inductors_probe():
+    usable = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
+    with toolchain.known_vec_isas(usable[1:]):
+        assert [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()] == usable[1:]
+        assert cpu_vec_isa.pick_vec_isa() == (cpu_vec_isa.valid_vec_isa_list()[0] if len(usable) > 1 else cpu_vec_isa.invalid_vec_isa)
+    with toolchain.known_vec_isas(["an ISA of another torch"]):
+        assert [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()] == usable
+    assert [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()] == usable
+
+
+def test_a_compile_does_not_probe_the_vec_isa_again(shared_cache, monkeypatch):
+    layout.usable_vec_isas(shared_cache)  # the one probe per machine, if no earlier test made it
+    probes = []
+    original = cpu_vec_isa.valid_vec_isa_list
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: probes.append(1) or original())
+    x = torch.randn(43)
+    with aoti_eager.enabled(["aten::abs"], devices=["cpu"], cache_dir=shared_cache, record=None):
+        result = torch.abs(x)
+        stats = aoti_eager.stats()["aten::abs"]
+    assert_same_as_eager(result, x.abs())
+    assert stats["compiles"] + stats["cache_loads"] == 1, stats
+    assert probes == []
