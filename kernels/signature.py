@@ -72,9 +72,11 @@ def _describe(value: Any, device: torch.device) -> dict[str, Any]:
     raise Unsupported(f"arguments of type {type(value).__name__}")
 
 
-# A CUDA kernel reads its runtime numbers from device memory, where a host
-# scalar is not (an H100 gave wrong values, which the check against eager
-# caught): CUDA kernels compile their values in.
+# CUDA kernels compile their values in. With torch 2.11 on an H100, a kernel
+# given the number as a CPU tensor (0-d or of one element alike) read it when
+# the launch ran, not when it was queued: add.Tensor's kernel disagreed with
+# eager at once, and mul.Tensor's passed the check against eager (which
+# synchronizes) and then computed with earlier calls' values.
 _RUNTIME_NUMBER_DEVICES = ("cpu",)
 
 
