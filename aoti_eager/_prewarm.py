@@ -178,23 +178,25 @@ def prewarm(
         return per_thread.worker.compile(entry)
 
     if pending:
-        with ThreadPoolExecutor(max_workers=jobs or default_jobs()) as pool:
-            futures = {pool.submit(compile_entry, entry): entry for entry in pending}
-            try:
-                for future in as_completed(futures):
-                    result = Result(futures[future], future.result())
-                    report.results.append(result)
-                    progress.finished(result)
-            except BaseException:
-                # Ctrl-C: stop the workers; each published entry is complete, and
-                # what a killed compile left is removed by the op's next compile.
-                interrupted.set()
-                pool.shutdown(wait=False, cancel_futures=True)
-                _worker.stop_all()
-                raise
-            finally:
-                for worker in workers:
-                    worker.close()
+        try:
+            with ThreadPoolExecutor(max_workers=jobs or default_jobs()) as pool:
+                futures = {pool.submit(compile_entry, entry): entry for entry in pending}
+                try:
+                    for future in as_completed(futures):
+                        result = Result(futures[future], future.result())
+                        report.results.append(result)
+                        progress.finished(result)
+                except BaseException:
+                    # Ctrl-C: stop the workers; each published entry is complete, and
+                    # what a killed compile left is removed by the op's next compile.
+                    interrupted.set()
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    _worker.stop_all()
+                    raise
+        finally:
+            # After the pool's threads have ended: a worker is driven by one thread.
+            for worker in workers:
+                worker.close()
     report.seconds = time.monotonic() - start
     return report
 

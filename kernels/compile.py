@@ -8,7 +8,6 @@ ops stay mutating: the library writes into the given tensors.
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import subprocess
 import tempfile
@@ -216,8 +215,7 @@ def compile_call(
             seconds["export"] = time.perf_counter() - start
             stage = "AOTInductor"
             start = time.perf_counter()
-            known = known_vec_isas(vec_isas) if vec_isas is not None else contextlib.nullcontext()
-            with split_wrapper_builds(shared_dir, seconds), known:
+            with split_wrapper_builds(shared_dir, seconds), known_vec_isas(vec_isas):
                 torch._inductor.aot_compile(
                     exported.module(), example, options={**options, "aot_inductor.output_path": str(library)}
                 )

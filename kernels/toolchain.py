@@ -101,7 +101,7 @@ def cpp_compiler(root: Path) -> str:
 
 
 @contextlib.contextmanager
-def known_vec_isas(names: list[str]) -> Iterator[None]:
+def known_vec_isas(names: list[str] | None) -> Iterator[None]:
     """Within the block, Inductor takes ``names`` (its own earlier answer, see
     :func:`aoti_eager.cache.layout.usable_vec_isas`) as the vector ISAs this CPU
     runs, instead of probing again.
@@ -109,7 +109,8 @@ def known_vec_isas(names: list[str]) -> Iterator[None]:
     Inductor's probe builds a test program per ISA and loads each in a new
     Python process that imports torch: 1-2 s on a CPU machine, about 45 s on a
     CUDA machine, paid by the first compile of every process (a CUDA wrapper is
-    C++ too). Where ``names`` are not this torch's ISAs, Inductor probes.
+    C++ too). Without ``names``, or where they are not this torch's ISAs,
+    Inductor probes.
     """
     from torch._inductor import cpu_vec_isa
 
@@ -117,7 +118,7 @@ def known_vec_isas(names: list[str]) -> Iterator[None]:
     for isa in getattr(cpu_vec_isa, "supported_vec_isa_list", []):
         by_name.setdefault(str(isa), []).append(isa)
     original = getattr(cpu_vec_isa, "valid_vec_isa_list", None)
-    if original is None or any(len(by_name.get(name, [])) != 1 for name in names):
+    if names is None or original is None or any(len(by_name.get(name, [])) != 1 for name in names):
         yield
         return
     isas = [by_name[name][0] for name in names]

@@ -248,16 +248,12 @@ def test_one_worker_compiles_entry_after_entry_and_a_dead_one_is_replaced(tmp_pa
     assert _worker._running <= before, "prewarm left a worker running"
 
 
-def test_a_worker_that_does_not_answer_in_time_is_stopped(tmp_path):
+def test_a_worker_that_does_not_answer_in_time_is_stopped(tmp_path, monkeypatch):
+    monkeypatch.setattr(_worker, "COMMAND", [sys.executable, "-c", "import time; time.sleep(60)"])
     worker = _worker.Worker(tmp_path)
     entry = ManifestEntry("aten::abs.default", "cpu", "key", [])
-    original = _worker.COMMAND
-    try:
-        _worker.COMMAND = [sys.executable, "-c", "import time; time.sleep(60)"]
-        start = time.monotonic()
-        outcome = worker.compile(entry, timeout=1)
-    finally:
-        _worker.COMMAND = original
+    start = time.monotonic()
+    outcome = worker.compile(entry, timeout=1)
     assert outcome.status == "failed" and "took over 1 s" in outcome.reason, outcome
     assert time.monotonic() - start < 30 and worker._process is None
 
