@@ -72,7 +72,7 @@ def _in_cache(entry: ManifestEntry, root: Path) -> _worker.Outcome | None:
     from aoti_eager.cache import KernelCache, UntrustedEntry
     from aoti_eager.kernels.compile import compile_options
 
-    cache = KernelCache(root, torch.device(entry.device), compile_options(entry.device, root))
+    cache = KernelCache(root, torch.device(entry.device), compile_options(entry.device))
     try:
         published = cache.lookup(entry.op, entry.key)
     except UntrustedEntry as e:

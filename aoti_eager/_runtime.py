@@ -7,9 +7,11 @@ signature: a kernel from the persistent cache, a fresh compile, or eager.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -64,6 +66,38 @@ def lock_timeout() -> float:
 _compile_lock = threading.Lock()
 
 
+class _CompilerFailures:
+    """The C++ compiler's failures in this process, by what it said.
+
+    A compiler that fails the same way on several signatures is the machine's
+    problem (a path it cannot take, a missing header, a full disk), not the
+    ops': after ``GIVE_UP_AFTER`` such failures no further compile is tried in
+    this process, so that each new signature does not pay seconds for nothing.
+    The failures are not recorded in the cache: a later process tries again.
+    """
+
+    GIVE_UP_AFTER = 3
+
+    def __init__(self) -> None:
+        self._counts: collections.Counter[str] = collections.Counter()
+        self.given_up: str | None = None  # what the compiler said, once given up
+
+    def add(self, said: str) -> None:
+        # Paths and digests differ from one signature to the next; the failure does not.
+        same_way = re.sub(r"\S*/\S*|\b[0-9a-f]{8,}\b", "_", said)
+        self._counts[same_way] += 1
+        if self._counts[same_way] >= self.GIVE_UP_AFTER and self.given_up is None:
+            self.given_up = said
+            log.error(
+                "aoti_eager: the C++ compiler failed the same way on %d signatures: %s. No further kernels are "
+                "compiled in this process (calls run eagerly); `aoti-eager doctor` checks the whole path.",
+                self.GIVE_UP_AFTER, said,
+            )
+
+
+_compiler_failures = _CompilerFailures()
+
+
 @dataclass
 class OpStats:
     """What happened to one op overload on one device since it was enabled."""
@@ -108,7 +142,7 @@ class Override:
     def cache(self, device: torch.device) -> KernelCache:
         """The cache of kernels for ``device`` (keyed by its capability, not its index)."""
         if str(device) not in self._caches:
-            self._caches[str(device)] = KernelCache(self.root, device, compile_options(device.type, self.root))
+            self._caches[str(device)] = KernelCache(self.root, device, compile_options(device.type))
         return self._caches[str(device)]
 
     def decide(self, args: list[Any]) -> Any:
@@ -211,6 +245,8 @@ class Override:
         return None
 
     def _compile(self, cache: KernelCache, signature: CallSignature) -> Any:
+        if _compiler_failures.given_up is not None:
+            return self._eager(f"the C++ compiler failed on several signatures in this process: {_compiler_failures.given_up}", signature)
         if self._too_many_variants(signature):
             return False
         # The original kernel runs first, on copies: it gives the result the
@@ -227,12 +263,12 @@ class Override:
         start = time.perf_counter()
         try:
             artifact = compile_call(
-                signature, expected, cache.compile_options, cache.temporary_directory(self.name), cache.shared_directory(),
-                layout.usable_vec_isas(self.root),
+                signature, expected, cache.compile_options, shared_dir=cache.shared_directory(), vec_isas=layout.usable_vec_isas()
             )
         except CompileError as e:
             log.debug("aoti_eager: compiling %s failed", self.name, exc_info=e.__cause__)
-            if not e.lasting:
+            if e.compiler_error is not None:
+                _compiler_failures.add(e.compiler_error)
                 return self._eager(f"{e} (not recorded in the cache: a later process tries again)", signature)
             return self._publish_eager(signature, str(e))
         try:

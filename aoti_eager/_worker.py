@@ -63,7 +63,7 @@ def warm(entry: ManifestEntry, root: Path) -> Outcome:
         stats = aoti_eager.stats()[entry.op]
     finally:
         aoti_eager.disable()
-    published = KernelCache(root, device, compile_options(device.type, root)).lookup(entry.op, entry.key)
+    published = KernelCache(root, device, compile_options(device.type)).lookup(entry.op, entry.key)
     if published is None:
         reason = stats["fallback_reason"] or "the rebuilt call did not produce the recorded cache entry"
         return Outcome("failed", reason)

@@ -162,6 +162,8 @@ def _report_eviction(eviction: inventory.Eviction, args: argparse.Namespace, **e
         }, indent=1))
         return 0
     print(f"removed {len(eviction.removed)} entries ({_human(removed_bytes)})")
+    if extra.get("old_layouts_removed"):
+        print(f"removed {extra['old_layouts_removed']} directories of an earlier cache layout")
     for listing in eviction.in_use:
         print(f"kept {listing.directory}: a process is loading it")
     return 0
@@ -170,17 +172,16 @@ def _report_eviction(eviction: inventory.Eviction, args: argparse.Namespace, **e
 def cache_prune(root: Path, args: argparse.Namespace) -> int:
     max_size = args.max_size if args.max_size is not None else layout.size_limit()
     eviction = inventory.evict(root, max_bytes=max_size, older_than=args.older_than)
-    return _report_eviction(eviction, args)
+    return _report_eviction(eviction, args, old_layouts_removed=inventory.remove_old_layouts(root))
 
 
 def cache_clear(root: Path, args: argparse.Namespace) -> int:
     eviction = inventory.evict(root, max_bytes=0, op=args.op)
     quarantined = 0 if args.op else inventory.clear_quarantine(root)
-    if not args.op:
-        inventory.clear_shared(root)
+    old_layouts = 0 if args.op else inventory.remove_old_layouts(root)
     if not args.json and quarantined:
         print(f"removed {quarantined} quarantined entries")
-    return _report_eviction(eviction, args, quarantined_removed=quarantined)
+    return _report_eviction(eviction, args, quarantined_removed=quarantined, old_layouts_removed=old_layouts)
 
 
 def _report_transfer(transfer: Any, verb: str, args: argparse.Namespace) -> None:
@@ -259,7 +260,7 @@ def _cache_directory_report(root: Path) -> tuple[dict[str, Any], list[str]]:
 def doctor(root: Path, args: argparse.Namespace) -> int:
     import torch
 
-    from aoti_eager import _extension, _runtime
+    from aoti_eager import _extension, _runtime, _selfcheck
     from aoti_eager.kernels.toolchain import cpp_compiler
 
     problems: list[str] = []
@@ -268,8 +269,8 @@ def doctor(root: Path, args: argparse.Namespace) -> int:
         "platform": platform.platform(),
         "torch": torch.__version__,
         "torch_git": str(torch.version.git_version),
-        "compiler": layout.cpp_compiler(root, cpp_compiler(root)),
-        "cpu_isa": layout.cpu_isa(root),
+        "compiler": layout.compiler_identity(cpp_compiler()),
+        "cpu_isa": layout.cpu_isa(),
         "cuda": {"available": torch.cuda.is_available(), "version": torch.version.cuda, "devices": []},
     }
     if torch.cuda.is_available():
@@ -289,6 +290,13 @@ def doctor(root: Path, args: argparse.Namespace) -> int:
     except Exception as e:  # noqa: BLE001 - reported, with exit code 1
         report["extension"] = {"loads": False, "error": f"{type(e).__name__}: {e}"}
         problems.append(f"the C++ extension does not build or load: {type(e).__name__}: {e}")
+    report["kernels"] = []
+    if report["extension"]["loads"]:
+        for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+            check = _selfcheck.check_device(device)
+            report["kernels"].append(check.to_json())
+            if check.failed_stage:
+                problems.append(f"a {device} kernel fails at the {check.failed_stage} stage: {check.reason}")
     report["problems"] = problems
     if args.json:
         print(json.dumps(report, indent=1))
@@ -303,6 +311,9 @@ def doctor(root: Path, args: argparse.Namespace) -> int:
         print(f"cuda       {report['cuda']['version'] or 'none'}; devices: {devices}")
         print(f"cache      {cache['path']} ({permissions})")
         print(f"extension  {'builds and loads' if report['extension']['loads'] else report['extension']['error']}")
+        for check in report["kernels"]:
+            verdict = f"FAILED at the {check['failed_stage']} stage" if check["failed_stage"] else "compiled, loaded, ran: eager's result"
+            print(f"kernel     {check['device']}: abs {verdict} ({check['seconds']:.1f} s to the first result)")
         print("settings   " + ", ".join(f"{k}={v}" for k, v in report["settings"].items()))
         for problem in problems:
             print(f"PROBLEM: {problem}")
@@ -333,7 +344,7 @@ def _parser() -> argparse.ArgumentParser:
     prune = command(cache, "prune", cache_prune, "evict least recently used entries (entries being loaded stay)")
     prune.add_argument("--max-size", type=_size, help="keep at most this much, e.g. 5GiB (default: the size limit)")
     prune.add_argument("--older-than", type=_duration, help="also evict entries unused for this long, e.g. 30d")
-    clear = command(cache, "clear", cache_clear, "remove every entry (and the quarantine, and shared build products)")
+    clear = command(cache, "clear", cache_clear, "remove every entry (and the quarantine, and earlier layouts' directories)")
     clear.add_argument("--op", type=_op, help="only this op's entries (aten::add or add: all its overloads)")
     export = command(cache, "export", cache_export, "write every entry, with its key and checksum, into a bundle (tar)")
     export.add_argument("file", type=Path)
@@ -345,7 +356,7 @@ def _parser() -> argparse.ArgumentParser:
     warm.add_argument("manifest", type=Path, help="recorded with enable(record=...) or $AOTI_EAGER_RECORD")
     warm.add_argument("--jobs", "-j", type=int, help="compiles at once (default: from cores and memory)")
     warm.add_argument("--devices", nargs="+", choices=["cpu", "cuda"], help="only these devices' entries")
-    command(commands, "doctor", doctor, "check the environment: torch, compiler, ISA, CUDA, cache, C++ extension")
+    command(commands, "doctor", doctor, "check the environment (torch, compiler, ISA, CUDA, cache, C++ extension), then compile, load and run one kernel per device")
     return parser
 
 

@@ -105,11 +105,16 @@ def evict(root: Path, max_bytes: int | None = None, older_than: float | None = N
     return eviction
 
 
-def clear_shared(root: Path) -> None:
-    """Removes the build products that compiles share (see
-    ``KernelCache.shared_directory``); the next compile builds them again."""
-    for shared in (root / layout.LAYOUT_VERSION).glob("*/.shared"):
-        shutil.rmtree(shared, ignore_errors=True)
+def remove_old_layouts(root: Path) -> int:
+    """Removes the directories of earlier layouts (``v1/`` beside ``v2/``),
+    whose entries no process of this version looks up; returns how many."""
+    old = [
+        path for path in root.glob("v[0-9]*")
+        if path.name[1:].isdigit() and path.name != layout.LAYOUT_VERSION and path.is_dir() and not path.is_symlink()
+    ]
+    for path in old:
+        shutil.rmtree(path, ignore_errors=True)
+    return len(old)
 
 
 def clear_quarantine(root: Path) -> int:

@@ -2,14 +2,23 @@
 
 Layout under the root::
 
-    <root>/v1/<environment>/<op>/<signature>/entry.json   metadata, written last
-    <root>/v1/<environment>/<op>/<signature>/kernel.so    the AOTInductor library
-    <root>/v1/<environment>/<op>/.lock                    one compile of this op at a time
-    <root>/machine/<cpu>.json                             the CPU ISA, probed once
+    <root>/v2/<environment>/<op>/<signature>/entry.json   metadata, written last
+    <root>/v2/<environment>/<op>/<signature>/kernel.so    the AOTInductor library
+    <root>/v2/<environment>/<op>/.lock                    one compile of this op at a time
 
 ``<environment>`` names everything that shapes an artifact besides the call
 itself (device kind and capability, torch build, this package's version), so a
-kernel is only ever found by a process that could have produced it.
+kernel is only ever found by a process that could have produced it. Every name
+the package derives is made of ``[A-Za-z0-9._+-]`` (see :func:`safe_name`).
+
+Apart from any cache root, each user has a private directory
+(:func:`private_root`, never shared) for what is about this machine rather than
+about kernels::
+
+    <private>/machine/<cpu>-torch<version>.json           the CPU ISA, probed once
+    <private>/machine/compiler-*.json                     the C++ compiler's choice and version
+    <private>/extension/torch-<version>-<digest>/_C.so    the C++ extension, built once per torch build
+    <private>/scratch/compile-<host>-<pid>-*/             compiles in progress
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import os
 import platform
 import re
 import shutil
+import stat
 import subprocess
 import sys
 from functools import lru_cache
@@ -29,7 +39,9 @@ from typing import Any
 import platformdirs
 import torch
 
-LAYOUT_VERSION = "v1"
+# v2: directory names are [A-Za-z0-9._+-] only (v1 put Inductor's ISA name,
+# which can hold a space, into the environment's directory name).
+LAYOUT_VERSION = "v2"
 PACKAGE_VERSION = "0.1.0"
 
 
@@ -39,6 +51,48 @@ def default_root() -> Path:
     if override:
         return Path(override).expanduser()
     return Path(platformdirs.user_cache_dir("aoti_eager"))
+
+
+def private_root() -> Path:
+    """This user's own directory for the C++ extension, what was learnt about
+    this machine (compiler, CPU ISA) and compiles in progress: the platform's
+    per-user cache dir, ``private/``, whatever the kernel cache root is.
+
+    It is never shared (mode 0700, see :func:`private_directory`): a team cache
+    holds kernels, which are checked before they are loaded, but nothing that
+    the runtime would believe or load without checking.
+    """
+    return Path(platformdirs.user_cache_dir("aoti_eager")) / "private"
+
+
+def private_directory(*names: str) -> Path:
+    """``private_root() / names...``, created where missing, each level
+    checked: a directory (not a link) of this user's that nobody else may write.
+
+    Raises PermissionError naming the path and what is wrong.
+    """
+    path = private_root()
+    for name in ("", *names):
+        path = path / name
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            raise PermissionError(f"aoti_eager: {path} is not a directory of this user's; remove it, then try again")
+        if st.st_mode & 0o077:
+            os.chmod(path, 0o700)
+    return path
+
+
+_UNSAFE_CHARACTER = re.compile(r"[^A-Za-z0-9._+-]")
+
+
+def safe_name(text: str) -> str:
+    """``text`` as a directory name that compiler command lines, shells and
+    build tools take as it is: every character other than ``[A-Za-z0-9._+-]``
+    becomes ``_`` (Inductor does not quote the paths of its commands, and
+    names an ISA ``"avx512 avx512_vnni"``). Names made with it carry a digest
+    of the exact values beside them."""
+    return _UNSAFE_CHARACTER.sub("_", text)
 
 
 def size_limit() -> int:
@@ -117,25 +171,30 @@ def _cpu_identity() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def cpu_isa(root: Path) -> str:
+def cpu_isa() -> str:
     """The vector ISA Inductor compiles for on this CPU.
 
     Inductor's probe compiles test programs and loads each in a new Python
-    process, seconds in all, so its answer is remembered on disk per CPU
-    identity and torch build.
+    process, seconds in all, so its answer is remembered in the user's
+    private directory per CPU identity and torch build.
     """
-    return _vec_isas(root, torch.__version__)["isa"]
+    return _vec_isas(torch.__version__)["isa"]
 
 
-def usable_vec_isas(root: Path) -> list[str]:
+def usable_vec_isas() -> list[str]:
     """The vector ISAs Inductor's probe found usable on this CPU, in its order
     of preference (remembered as :func:`cpu_isa` is)."""
-    return _vec_isas(root, torch.__version__)["usable"]
+    return _vec_isas(torch.__version__)["usable"]
+
+
+def machine_record(name: str) -> Path:
+    """Where a fact about this machine is remembered (in the private directory)."""
+    return private_directory("machine") / name
 
 
 @lru_cache(maxsize=None)
-def _vec_isas(root: Path, torch_version: str) -> dict:
-    record = root / "machine" / f"{_cpu_identity()}-torch{torch_version}.json"
+def _vec_isas(torch_version: str) -> dict:
+    record = machine_record(f"{_cpu_identity()}-torch{safe_name(torch_version)}.json")
     try:
         probed = json.loads(record.read_text())
         if isinstance(probed["isa"], str) and isinstance(probed["usable"], list):
@@ -145,13 +204,12 @@ def _vec_isas(root: Path, torch_version: str) -> dict:
     from torch._inductor import cpu_vec_isa
 
     probed = {"isa": str(cpu_vec_isa.pick_vec_isa()) or "scalar", "usable": [str(i) for i in cpu_vec_isa.valid_vec_isa_list()]}
-    make_cache_dirs(record.parent)
     atomic_write_text(record, json.dumps(probed))
     return probed
 
 
 @lru_cache(maxsize=None)
-def cpp_compiler(root: Path, compiler: str | None = None) -> str:
+def compiler_identity(compiler: str | None = None) -> str:
     """``compiler`` (by default Inductor's: ``$CXX``, else g++) and its version.
 
     Asking the compiler takes milliseconds, which a warm process's first call
@@ -165,7 +223,7 @@ def cpp_compiler(root: Path, compiler: str | None = None) -> str:
         fingerprint = f"{binary}:{stat.st_size}:{stat.st_mtime_ns}"
     except OSError:
         fingerprint = compiler
-    record = root / "machine" / f"compiler-version-{hashlib.sha256(fingerprint.encode()).hexdigest()[:16]}.json"
+    record = machine_record(f"compiler-version-{hashlib.sha256(fingerprint.encode()).hexdigest()[:16]}.json")
     try:
         return json.loads(record.read_text())["identity"]
     except (OSError, ValueError, KeyError):
@@ -175,14 +233,11 @@ def cpp_compiler(root: Path, compiler: str | None = None) -> str:
     except (OSError, subprocess.SubprocessError):
         out = ""
     identity = f"{compiler}: {(out.splitlines() or ['unknown version'])[0]}"
-    make_cache_dirs(record.parent)
     atomic_write_text(record, json.dumps({"identity": identity}))
     return identity
 
 
-def environment_fields(
-    root: Path, device: torch.device, compile_options: dict[str, Any] | None = None
-) -> dict[str, str]:
+def environment_fields(device: torch.device, compile_options: dict[str, Any] | None = None) -> dict[str, str]:
     """Everything besides the call that shapes a kernel compiled for ``device``
     with the given Inductor options.
 
@@ -195,11 +250,11 @@ def environment_fields(
         "torch_git": str(torch.version.git_version),
         "aoti_eager": PACKAGE_VERSION,
         "machine": platform.machine(),
-        "compiler": cpp_compiler(root, (compile_options or {}).get("cpp.cxx", (None, None))[1]),
+        "compiler": compiler_identity((compile_options or {}).get("cpp.cxx", (None, None))[1]),
         "inductor_options": json.dumps(compile_options or {}, sort_keys=True),
     }
     if device.type == "cpu":
-        fields["isa"] = cpu_isa(root)
+        fields["isa"] = cpu_isa()
         # Inductor compiles with -march=native: the exact CPU model matters.
         fields["cpu"] = _cpu_identity()
     elif device.type == "cuda":
@@ -215,9 +270,10 @@ def environment_fields(
     return fields
 
 
-def environment_key(root: Path, device: torch.device, compile_options: dict[str, Any] | None = None) -> str:
-    """A directory name for :func:`environment_fields`: readable, then a digest."""
-    fields = environment_fields(root, device, compile_options)
+def environment_key(device: torch.device, compile_options: dict[str, Any] | None = None) -> str:
+    """A directory name for :func:`environment_fields`: readable, then a digest
+    of every field, which keeps the key exact where :func:`safe_name` is not."""
+    fields = environment_fields(device, compile_options)
     digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
     capability = fields.get("isa") or fields.get("arch") or "generic"
-    return f"{device.type}-{capability}-torch{fields['torch']}-{digest}"
+    return safe_name(f"{device.type}-{capability}-torch{fields['torch']}-{digest}")

@@ -17,7 +17,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -32,7 +31,7 @@ log = logging.getLogger("aoti_eager")
 
 ENTRY_FILE = "entry.json"
 LIBRARY_FILE = "kernel.so"
-# Directories being assembled, compiled in or removed; never an entry.
+# Directories being assembled or removed; never an entry.
 TEMPORARY_PREFIX = ".tmp-"
 
 
@@ -190,7 +189,7 @@ class KernelCache:
         self.root = Path(root)
         self.device = device
         self.compile_options = compile_options or {}
-        environment = layout.environment_key(self.root, device, self.compile_options)
+        environment = layout.environment_key(device, self.compile_options)
         self.directory = self.root / layout.LAYOUT_VERSION / environment
 
     def _op_dir(self, op: str) -> Path:
@@ -211,21 +210,15 @@ class KernelCache:
         mode = 0o600 if layout.shared_group() is None else 0o660
         return FileLock(str(op_dir / ".lock"), timeout=timeout, mode=mode)
 
-    def temporary_directory(self, op: str) -> tempfile.TemporaryDirectory:
-        """A scratch directory for a compile of ``op``, made under :meth:`lock`:
-        if the process is killed, :meth:`remove_abandoned` removes it."""
-        op_dir = self._op_dir(op)
-        layout.make_cache_dirs(op_dir)
-        return tempfile.TemporaryDirectory(prefix=TEMPORARY_PREFIX, dir=op_dir)
-
     def shared_directory(self) -> Path:
-        """Build products that every compile of this environment shares."""
-        shared = self.directory / ".shared"
-        layout.make_cache_dirs(shared)
-        return shared
+        """Build products that every compile of this environment shares (see
+        :mod:`aoti_eager.kernels.wrapper_split`), in the user's private
+        directory: every cache root of the user shares them, and no one else
+        can change what goes into the kernels."""
+        return layout.private_directory("shared", self.directory.name)
 
     def remove_abandoned(self, op: str) -> None:
-        """Removes what processes that died while compiling or publishing left.
+        """Removes what processes that died while publishing or removing left.
 
         Call it holding :meth:`lock`: compiles and publications happen under
         it, so any temporary directory then belongs to no living process (or to

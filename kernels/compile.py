@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from aoti_eager.kernels import scratch
 from aoti_eager.kernels.signature import CallSignature
 from aoti_eager.kernels.toolchain import cpp_compiler, known_vec_isas
 from aoti_eager.kernels.wrapper_split import split_wrapper_builds
@@ -35,31 +36,39 @@ _INDUCTOR_OPTIONS: dict[str, dict[str, Any]] = {
 }
 
 
-def compile_options(device_type: str, root: Path) -> dict[str, Any]:
-    """The Inductor options kernels for ``device_type`` are compiled with (part of
-    the cache key); ``root`` keeps the verdict on which compiler to use."""
-    return {**_INDUCTOR_OPTIONS.get(device_type, {}), "cpp.cxx": (None, cpp_compiler(root))}
+def compile_options(device_type: str) -> dict[str, Any]:
+    """The Inductor options kernels for ``device_type`` are compiled with (part of the cache key)."""
+    return {**_INDUCTOR_OPTIONS.get(device_type, {}), "cpp.cxx": (None, cpp_compiler())}
 
 
 class CompileError(Exception):
     """torch.export or AOTInductor failed on a call; the call runs eagerly.
 
-    ``lasting`` is False when the C++ compiler itself failed: that can be the
-    machine (a full disk, a killed compiler, a precompiled header another
-    process was writing), so the failure is not recorded in the cache.
+    ``compiler_error`` holds the first lines of what the C++ compiler said when
+    it is the compiler that failed. That can be the machine (a full disk, a
+    killed compiler, a precompiled header another process was writing), so
+    such a failure is not ``lasting``: it is not recorded in the cache.
     """
 
-    def __init__(self, message: str, lasting: bool = True):
+    def __init__(self, message: str, compiler_error: str | None = None):
         super().__init__(message)
-        self.lasting = lasting
+        self.compiler_error = compiler_error
+
+    @property
+    def lasting(self) -> bool:
+        return self.compiler_error is None
 
 
-def _compiler_failed(error: BaseException) -> bool:
+def compiler_error(error: BaseException | None, lines: int = 3) -> str | None:
+    """The first lines of the C++ compiler's own output (its errors first) if
+    ``error`` is, or was caused by, Inductor's CppCompileError; else None."""
     while error is not None:
         if type(error).__name__ == "CppCompileError":
-            return True
+            output = [l.strip() for l in str(getattr(error, "output", "") or "").splitlines() if l.strip()]
+            errors = [l for l in output if "error" in l.lower()]
+            return " | ".join(line[:240] for line in (errors or output)[:lines]) or "no output"
         error = getattr(error, "inner_exception", None) or error.__cause__
-    return False
+    return None
 
 
 @dataclass
@@ -186,7 +195,7 @@ def compile_call(
 ) -> Artifact:
     """Compiles ``signature``'s call with the Inductor ``options`` (see
     :func:`compile_options`) into a library in ``workdir`` (default: a new
-    temporary directory), which the artifact then owns. ``shared_dir`` keeps
+    directory of :mod:`aoti_eager.kernels.scratch`), which the artifact then owns. ``shared_dir`` keeps
     what compiles with the same options share (see
     :mod:`aoti_eager.kernels.wrapper_split`); without it, nothing is shared.
     ``vec_isas``: the vector ISAs Inductor found usable here before (see
@@ -202,7 +211,7 @@ def compile_call(
 
     example = tuple(flat_tensor_inputs(signature, clone_args(signature.args)))
     if workdir is None:
-        workdir = tempfile.TemporaryDirectory(prefix="aoti_eager-")
+        workdir = scratch.compile_directory()
     library = Path(workdir.name) / "kernel.so"
     seconds: dict[str, float] = {}
     stage = "torch.export"
@@ -228,8 +237,11 @@ def compile_call(
                     shutil.copyfile(path, library.with_suffix(".json"))
     except Exception as e:  # noqa: BLE001 - any failure means "run eagerly"
         workdir.cleanup()
+        said = compiler_error(e)
+        if said is not None:
+            raise CompileError(f"{stage} failed: the C++ compiler said: {said}", compiler_error=said) from e
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CompileError(f"{stage} failed: {type(e).__name__}: {message[:300]}", lasting=not _compiler_failed(e)) from e
+        raise CompileError(f"{stage} failed: {type(e).__name__}: {message[:300]}") from e
     return Artifact(library, module.output_counts(eager_result), seconds, workdir)
 
 

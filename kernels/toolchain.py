@@ -74,18 +74,22 @@ def why_unusable(compiler: str) -> str | None:
 
 
 @lru_cache(maxsize=None)
-def cpp_compiler(root: Path) -> str:
+def cpp_compiler() -> str:
     """The first of :func:`candidates` whose libraries work beside torch.
 
     Falls back to the first candidate when none passes: kernels then fail to
-    compile or to load, and their calls run eagerly.
+    compile or to load, and their calls run eagerly. The verdict is kept in the
+    user's private directory, and believed only while it names one of the
+    candidates found now.
     """
     found = candidates()
     digest = hashlib.sha256(json.dumps([found, torch.__version__]).encode()).hexdigest()[:16]
-    record = root / "machine" / f"compiler-choice-{digest}.json"
+    record = layout.machine_record(f"compiler-choice-{digest}.json")
     try:
-        return json.loads(record.read_text())["compiler"]
-    except (OSError, ValueError, KeyError):
+        remembered = json.loads(record.read_text())["compiler"]
+        if remembered in found:
+            return remembered
+    except (OSError, ValueError, KeyError, TypeError):
         pass
     chosen = None
     for compiler in found:
@@ -95,7 +99,6 @@ def cpp_compiler(root: Path) -> str:
             break
         log.warning("aoti_eager: not building kernels with %s: %s", compiler, reason)
     chosen = chosen or (found[0] if found else "g++")
-    layout.make_cache_dirs(record.parent)
     layout.atomic_write_text(record, json.dumps({"compiler": chosen, "candidates": found}))
     return chosen
 

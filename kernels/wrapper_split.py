@@ -8,7 +8,8 @@ text for every signature. So while a compile runs, Inductor's build of that
 file is replaced by:
 
 - the shared part, compiled with the base explicitly instantiated, once per
-  cache environment and text (kept in the cache's ``.shared/`` folder);
+  environment and text (kept in the user's private directory, so that every
+  cache root uses it);
 - the op's part, compiled with ``extern template`` for the base, so that it
   only generates its own code. It runs while Inductor compiles the kernel file;
 - a relocatable link of the two into the object Inductor expects, before
@@ -45,7 +46,6 @@ from typing import Callable, Iterator
 
 from torch._inductor import cpp_builder
 
-from aoti_eager.cache import layout
 
 log = logging.getLogger("aoti_eager")
 
@@ -200,7 +200,7 @@ def _start_split(
             if "shared" in running:
                 with contextlib.suppress(OSError):  # e.g. the cache was cleared meanwhile
                     if running["shared"].returncode == 0:
-                        os.chmod(shared, 0o600 if layout.shared_group() is None else 0o640)
+                        os.chmod(shared, 0o600)
                         os.replace(shared, shared_obj)
                     shared.unlink(missing_ok=True)
         except Exception as e:  # noqa: BLE001

@@ -124,7 +124,13 @@ def main() -> None:
             )
             if out.returncode != 0:
                 sys.exit(f"demo run failed:\n{out.stderr}")
-            report(title, json.loads(out.stdout.strip().splitlines()[-1]))
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+            report(title, result)
+            served = sum(row["compiles"] + row["cache_loads"] for row in result["stats"].values())
+            if served == 0:
+                reasons = sorted({row["fallback_reason"] for row in result["stats"].values() if row["fallback_reason"]})
+                sys.exit(f"\ndemo FAILED: the {title.split(' (')[0]} compiled and loaded no kernel: "
+                         + ("; ".join(reasons) or "no reason recorded") + "\n`aoti-eager doctor` checks the whole path.")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,26 @@ def shared_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("aoti_eager_cache")
 
 
+@pytest.fixture
+def private_root(tmp_path, monkeypatch):
+    """A private directory of the test's own (machine records, shared build
+    products, compile scratch), for tests about what is kept there. The C++
+    extension stays where the other tests find it, and what this process
+    remembered of the machine is forgotten before and after."""
+    from aoti_eager import _extension
+    from aoti_eager.cache import layout
+    from aoti_eager.kernels import scratch, toolchain
+
+    _extension.load()
+    remembered = (layout._vec_isas, layout.compiler_identity, toolchain.cpp_compiler, scratch.root)
+    for function in remembered:
+        function.cache_clear()
+    monkeypatch.setattr(layout, "private_root", lambda: tmp_path / "private")
+    yield tmp_path / "private"
+    for function in remembered:
+        function.cache_clear()
+
+
 @pytest.fixture(autouse=True)
 def _restore_kernels():
     yield

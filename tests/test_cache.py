@@ -22,7 +22,7 @@ CPU = torch.device("cpu")
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(layout, "cpu_isa", lambda root: "avx2")
+    monkeypatch.setattr(layout, "cpu_isa", lambda: "avx2")
     return KernelCache(tmp_path, CPU)
 
 
@@ -115,55 +115,52 @@ def test_concurrent_publishers_leave_one_complete_entry(cache, tmp_path):
 
 @pytest.mark.parametrize("recorded", ["torch-version", "isa"])
 def test_an_entry_of_another_torch_or_isa_is_never_found(tmp_path, monkeypatch, recorded):
-    monkeypatch.setattr(layout, "cpu_isa", lambda root: "avx512")
+    monkeypatch.setattr(layout, "cpu_isa", lambda: "avx512")
     monkeypatch.setattr(torch, "__version__", "2.99.0")
     publish_kernel(KernelCache(tmp_path, CPU), tmp_path)
     assert KernelCache(tmp_path, CPU).lookup("aten::abs", "sig") is not None
     if recorded == "isa":
-        monkeypatch.setattr(layout, "cpu_isa", lambda root: "avx2")
+        monkeypatch.setattr(layout, "cpu_isa", lambda: "avx2")
     else:
         monkeypatch.setattr(torch, "__version__", "2.98.0")
     assert KernelCache(tmp_path, CPU).lookup("aten::abs", "sig") is None
 
 
 def test_environment_key_names_the_compiler_and_the_inductor_options(tmp_path, monkeypatch):
-    monkeypatch.setattr(layout, "cpu_isa", lambda root: "avx2")
-    base = layout.environment_key(tmp_path, CPU, {"cpp.min_chunk_size": 32768})
-    assert layout.environment_key(tmp_path, CPU, {"cpp.min_chunk_size": 1}) != base
-    monkeypatch.setattr(layout, "cpp_compiler", lambda root, compiler=None: "g++: g++ 99.0")
-    assert layout.environment_key(tmp_path, CPU, {"cpp.min_chunk_size": 32768}) != base
+    monkeypatch.setattr(layout, "cpu_isa", lambda: "avx2")
+    base = layout.environment_key(CPU, {"cpp.min_chunk_size": 32768})
+    assert layout.environment_key(CPU, {"cpp.min_chunk_size": 1}) != base
+    monkeypatch.setattr(layout, "compiler_identity", lambda compiler=None: "g++: g++ 99.0")
+    assert layout.environment_key(CPU, {"cpp.min_chunk_size": 32768}) != base
 
 
-def test_what_dead_compiles_and_publications_left_is_removed_under_the_lock(cache, tmp_path):
+def test_what_dead_publications_left_is_removed_under_the_lock(cache, tmp_path):
     publish_kernel(cache, tmp_path)
     op_dir = cache.entry_dir("aten::abs", "sig").parent
     abandoned = op_dir / ".tmp-deadbeef"
     abandoned.mkdir()
     (abandoned / LIBRARY_FILE).write_bytes(b"half")
-    compile_scratch = cache.temporary_directory("aten::abs")
     with cache.lock("aten::abs"):
         cache.remove_abandoned("aten::abs")
-    assert not abandoned.exists() and not os.path.exists(compile_scratch.name)
+    assert not abandoned.exists()
     assert cache.lookup("aten::abs", "sig") is not None
 
 
 def test_device_index_is_not_in_the_key(tmp_path, monkeypatch):
-    monkeypatch.setattr(layout, "cpu_isa", lambda root: "avx2")
-    assert layout.environment_key(tmp_path, torch.device("cpu")) == layout.environment_key(tmp_path, torch.device("cpu", 0))
+    monkeypatch.setattr(layout, "cpu_isa", lambda: "avx2")
+    assert layout.environment_key(torch.device("cpu")) == layout.environment_key(torch.device("cpu", 0))
 
 
-def test_isa_probe_is_remembered_on_disk(tmp_path, monkeypatch):
+def test_isa_probe_is_remembered_on_disk(private_root, monkeypatch):
     import torch._inductor.cpu_vec_isa as cpu_vec_isa
 
     calls = []
     monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: calls.append(1) or "avx512")
     monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: ["avx512", "avx2"])
+    assert layout.cpu_isa() == "avx512"
     layout._vec_isas.cache_clear()
-    assert layout.cpu_isa(tmp_path) == "avx512"
-    layout._vec_isas.cache_clear()
-    assert (layout.cpu_isa(tmp_path), layout.usable_vec_isas(tmp_path)) == ("avx512", ["avx512", "avx2"])
+    assert (layout.cpu_isa(), layout.usable_vec_isas()) == ("avx512", ["avx512", "avx2"])
     assert calls == [1]
-    layout._vec_isas.cache_clear()
 
 
 def test_default_root_is_per_user(monkeypatch):
@@ -225,7 +222,7 @@ def test_a_shared_cache_trusts_the_group_it_names(cache, tmp_path, monkeypatch):
 
 def test_a_shared_cache_is_created_for_the_group(tmp_path, monkeypatch):
     monkeypatch.setenv("AOTI_EAGER_CACHE_GROUP", str(os.getgid()))
-    monkeypatch.setattr(layout, "cpu_isa", lambda root: "avx2")
+    monkeypatch.setattr(layout, "cpu_isa", lambda: "avx2")
     cache = KernelCache(tmp_path / "team", CPU)
     published = publish_kernel(cache, tmp_path)
     for path in (published.library.parent, published.library.parent.parent, tmp_path / "team"):

@@ -29,7 +29,7 @@ def compiled_entry(shared_cache):
     with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=shared_cache):
         torch.abs(X)
     signature = CallSignature.of(torch.ops.aten.abs.default, "cpu", [X])
-    return KernelCache(shared_cache, signature.device, compile_options("cpu", shared_cache)).entry_dir("aten::abs", signature.key)
+    return KernelCache(shared_cache, signature.device, compile_options("cpu")).entry_dir("aten::abs", signature.key)
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def run_abs(cache_dir, monkeypatch):
     """abs(X) with the entry's cache; a compile, were one tried, fails (eager)."""
     compiles = []
 
-    def no_compile(signature, *args):
+    def no_compile(signature, *args, **kwargs):
         compiles.append(signature)
         raise CompileError("injected: no compile in this test")
 

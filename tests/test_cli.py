@@ -37,7 +37,7 @@ def test_unknown_command_exits_2():
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     """A cache with two entries of abs (the older one used a day ago) and one of add."""
-    monkeypatch.setattr(layout, "cpu_isa", lambda root: "avx2")
+    monkeypatch.setattr(layout, "cpu_isa", lambda: "avx2")
     cache = KernelCache(tmp_path / "cache", torch.device("cpu"))
     publish_kernel(cache, tmp_path, "old", content=b"old kernel")
     os.utime(cache.entry_dir("aten::abs", "old"), (time.time() - 86400,) * 2)
@@ -129,12 +129,22 @@ def test_clear_one_op_then_everything(cache, capsys):
     assert {listing.op for listing in inventory.entries(cache.root)} == {"aten::abs"}
     (cache.entry_dir("aten::abs", "old") / ENTRY_FILE).write_text("{")
     cache.lookup("aten::abs", "old")  # sets it aside
-    shared = cache.shared_directory() / "wrapper-interface-0.o"
-    shared.write_bytes(b"object")
     code, out = cli(cache, capsys, "cache", "clear")
     assert code == 0 and "removed 1 entries" in out and "removed 1 quarantined" in out
     assert inventory.entries(cache.root) == [] and inventory.quarantined(cache.root) == []
-    assert not shared.exists()
+
+
+def test_prune_removes_the_directories_of_an_earlier_layout(cache, capsys, tmp_path):
+    old_entry = cache.root / "v1" / "cpu-avx512 avx512_vnni-torch2.13.0+cpu-0123" / "aten.abs" / "0123abcd"
+    old_entry.mkdir(parents=True)
+    (old_entry / "kernel.so").write_bytes(b"kernel of layout v1")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (cache.root / "v0").symlink_to(outside)  # a link is never followed, nor removed as a layout
+    code, report = cli_json(cache, capsys, "cache", "prune")
+    assert code == 0 and report["old_layouts_removed"] == 1
+    assert not (cache.root / "v1").exists() and outside.exists()
+    assert [listing.op for listing in inventory.entries(cache.root)]  # this layout's entries stay
 
 
 def test_path_json(cache, capsys):

@@ -20,7 +20,7 @@ A = torch.ops.aten
 def test_failed_compile_falls_back_once_and_is_remembered(tmp_path, monkeypatch, caplog):
     attempts = []
 
-    def failing_compile(signature, *args):
+    def failing_compile(signature, *args, **kwargs):
         attempts.append(signature.short())
         raise CompileError("AOTInductor failed: RuntimeError: injected")
 
@@ -53,10 +53,10 @@ def test_an_eager_call_does_not_compile_the_overloads_its_kernel_calls(tmp_path,
     # user call of abs.out to key and compile.
     compile_call = _runtime.compile_call
 
-    def abs_default_fails(signature, *args):
+    def abs_default_fails(signature, *args, **kwargs):
         if signature.op == A.abs.default:
             raise CompileError("AOTInductor failed: RuntimeError: injected")
-        return compile_call(signature, *args)
+        return compile_call(signature, *args, **kwargs)
 
     monkeypatch.setattr(_runtime, "compile_call", abs_default_fails)
     x = torch.randn(16)
@@ -74,9 +74,9 @@ def test_an_eager_call_does_not_compile_the_overloads_its_kernel_calls(tmp_path,
 def test_a_failed_cpp_compiler_is_not_recorded_in_the_cache(tmp_path, monkeypatch):
     attempts = []
 
-    def compiler_fails(signature, *args):
+    def compiler_fails(signature, *args, **kwargs):
         attempts.append(signature.short())
-        raise CompileError("AOTInductor failed: CppCompileError: C++ compile error", lasting=False)
+        raise CompileError("AOTInductor failed: the C++ compiler said: error: injected", compiler_error="error: injected")
 
     monkeypatch.setattr(_runtime, "compile_call", compiler_fails)
     x = torch.randn(16)
@@ -138,7 +138,7 @@ def test_waiting_on_another_process_compile_times_out_to_eager(tmp_path, monkeyp
 def test_new_scalar_values_stop_compiling_past_the_limit(tmp_path, monkeypatch, caplog):
     attempts = []
 
-    def failing_compile(signature, *args):
+    def failing_compile(signature, *args, **kwargs):
         attempts.append(signature.short())
         raise CompileError("AOTInductor failed: RuntimeError: injected")
 

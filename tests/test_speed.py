@@ -45,7 +45,7 @@ class FixedTimings:
 def published(tmp_path, op, device: str, args) -> dict:
     """The cache entry of ``op``'s call with ``args``, as entry.json holds it."""
     signature = CallSignature.of(op, device, list(args))
-    cache = KernelCache(tmp_path, torch.device(device), compile_options(device, tmp_path))
+    cache = KernelCache(tmp_path, torch.device(device), compile_options(device))
     return json.loads((cache.entry_dir(_runtime.qualified_name(op), signature.key) / "entry.json").read_text())
 
 
@@ -120,7 +120,7 @@ def test_an_in_place_call_with_runtime_numbers_kept_eager_never_compiles_again(t
     monkeypatch.setattr(_runtime, "time_against_eager", timings)
     compiles = []
     compile_call = _runtime.compile_call
-    monkeypatch.setattr(_runtime, "compile_call", lambda signature, *a: compiles.append(signature) or compile_call(signature, *a))
+    monkeypatch.setattr(_runtime, "compile_call", lambda signature, *a, **k: compiles.append(signature) or compile_call(signature, *a, **k))
     p, g = torch.randn(16, 16), torch.randn(16, 16)
     expected = p.clone()
     rates = [0.1, 0.05, 0.025]

@@ -28,23 +28,33 @@ def _compiler_whose_libraries_crash(tmp_path):
     return str(compiler)
 
 
-def test_a_compiler_whose_libraries_crash_beside_torch_is_passed_over(tmp_path, monkeypatch, caplog):
+def test_a_compiler_whose_libraries_crash_beside_torch_is_passed_over(tmp_path, private_root, monkeypatch, caplog):
     bad = _compiler_whose_libraries_crash(tmp_path)
     monkeypatch.setenv("CXX", bad)
     assert toolchain.candidates()[0] == bad
     assert "signal 11" in toolchain.why_unusable(bad)
 
-    chosen = toolchain.cpp_compiler(tmp_path / "cache")
+    chosen = toolchain.cpp_compiler()
     assert chosen != bad and toolchain.why_unusable(chosen) is None
     assert any(bad in r.getMessage() for r in caplog.records)
     # The verdict is kept: the next process reads it instead of probing.
-    (record,) = (tmp_path / "cache" / "machine").glob("compiler-choice-*.json")
+    (record,) = (private_root / "machine").glob("compiler-choice-*.json")
     assert json.loads(record.read_text())["compiler"] == chosen
 
 
-def test_the_users_compiler_comes_first_when_it_works(tmp_path, monkeypatch):
+def test_a_recorded_compiler_is_believed_only_if_it_is_a_candidate(tmp_path, private_root, monkeypatch):
     monkeypatch.setenv("CXX", shutil.which("g++"))
-    assert toolchain.cpp_compiler(tmp_path) == shutil.which("g++")
+    chosen = toolchain.cpp_compiler()
+    (record,) = (private_root / "machine").glob("compiler-choice-*.json")
+    planted = tmp_path / "not-a-compiler"
+    record.write_text(json.dumps({"compiler": str(planted)}))
+    toolchain.cpp_compiler.cache_clear()
+    assert toolchain.cpp_compiler() == chosen
+
+
+def test_the_users_compiler_comes_first_when_it_works(private_root, monkeypatch):
+    monkeypatch.setenv("CXX", shutil.which("g++"))
+    assert toolchain.cpp_compiler() == shutil.which("g++")
 
 
 def test_a_compiler_that_is_not_installed_is_not_a_candidate(monkeypatch):
@@ -64,7 +74,7 @@ def test_known_vec_isas_stand_in_for_inductors_probe():
 
 
 def test_a_compile_does_not_probe_the_vec_isa_again(shared_cache, monkeypatch):
-    layout.usable_vec_isas(shared_cache)  # the one probe per machine, if no earlier test made it
+    layout.usable_vec_isas()  # the one probe per machine, if no earlier test made it
     probes = []
     original = cpu_vec_isa.valid_vec_isa_list
     monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: probes.append(1) or original())

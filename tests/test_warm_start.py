@@ -23,8 +23,6 @@ from aoti_eager._ops import overload_named, qualified_name
 from aoti_eager.cache import KernelCache, inventory, layout
 from aoti_eager.cache.store import LIBRARY_FILE
 from aoti_eager.cli import main
-from aoti_eager.kernels import compile as compile_module
-from aoti_eager.kernels import toolchain
 from aoti_eager.kernels.compile import call_op, compile_options
 from aoti_eager.kernels.examples import example_arguments
 from aoti_eager.kernels.signature import CallSignature
@@ -147,7 +145,7 @@ def test_prewarm_with_two_jobs_then_a_new_process_compiles_nothing(shared_cache,
 def test_interrupted_prewarm_leaves_the_cache_consistent_and_resumes(shared_cache, tmp_path):
     manifest = tmp_path / "misses.jsonl"
     first, second = manifest_of(manifest, [(A.abs.default, [torch.randn(6, n)]) for n in (3, 2)])
-    cache = KernelCache(shared_cache, torch.device("cpu"), compile_options("cpu", shared_cache))
+    cache = KernelCache(shared_cache, torch.device("cpu"), compile_options("cpu"))
     prewarm = subprocess.Popen(
         [sys.executable, "-m", "aoti_eager", "--cache-dir", str(shared_cache), "prewarm", str(manifest), "--jobs", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -278,29 +276,19 @@ def test_export_then_import_into_an_empty_cache_compiles_nothing(shared_cache, t
     assert (stats["compiles"], stats["cache_loads"]) == (0, 1), stats
 
 
-@pytest.fixture(autouse=True)
-def _one_compiler_check(request, monkeypatch):
-    """New cache directories reuse the session cache's verdict on the C++
-    compiler (the check builds and loads a library: seconds, per directory)."""
-    if "shared_cache" not in request.fixturenames and "stand_in_cache" not in request.fixturenames:
-        return
-    shared = request.getfixturevalue("shared_cache")
-    monkeypatch.setattr(compile_module, "cpp_compiler", lambda root: toolchain.cpp_compiler(shared))
-
-
 @pytest.fixture
 def stand_in_cache(tmp_path, shared_cache):
     """A cache of this machine's environment holding one stand-in kernel (bytes, never loaded)."""
     root = tmp_path / "source"
-    cache = KernelCache(root, torch.device("cpu"), compile_options("cpu", root))
+    cache = KernelCache(root, torch.device("cpu"), compile_options("cpu"))
     publish_kernel(cache, tmp_path, "0123abcd", content=b"kernel bytes")
     return cache
 
 
 def test_import_skips_entries_of_another_environment(tmp_path, shared_cache, monkeypatch, capsys):
     with monkeypatch.context() as another_machine:
-        another_machine.setattr(layout, "cpu_isa", lambda root: "another-isa")
-        foreign = KernelCache(tmp_path / "foreign", torch.device("cpu"), compile_options("cpu", tmp_path / "foreign"))
+        another_machine.setattr(layout, "cpu_isa", lambda: "another-isa")
+        foreign = KernelCache(tmp_path / "foreign", torch.device("cpu"), compile_options("cpu"))
     publish_kernel(foreign, tmp_path, "0123abcd")
     bundle = tmp_path / "foreign.tar.gz"
     assert main(["--cache-dir", str(foreign.root), "cache", "export", str(bundle)]) == 0
@@ -320,7 +308,7 @@ def test_import_publishes_verified_entries_once(stand_in_cache, tmp_path, capsys
         assert main(["--cache-dir", str(target), "cache", "import", str(bundle)]) == 0
     out = capsys.readouterr().out
     assert "imported 1 entries, skipped 0" in out and "imported 0 entries, 1 already present, skipped 0" in out
-    cache = KernelCache(target, torch.device("cpu"), compile_options("cpu", target))
+    cache = KernelCache(target, torch.device("cpu"), compile_options("cpu"))
     entry = cache.lookup("aten::abs", "0123abcd")
     assert entry.library.read_bytes() == b"kernel bytes"
 

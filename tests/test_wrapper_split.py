@@ -12,13 +12,19 @@ import pytest
 import torch
 
 import aoti_eager
+from aoti_eager.cache import layout
 from aoti_eager.kernels import wrapper_split
 from conftest import DEVICES
 from helpers import assert_same_as_eager
 
 
+@pytest.fixture(autouse=True)
+def _starts_without_a_shared_part(private_root):
+    pass
+
+
 def shared_objects(root):
-    return sorted(root.glob("v1/*/.shared/wrapper-interface-*.o"))
+    return sorted((root / "private" / "shared").glob("*/wrapper-interface-*.o"))
 
 
 def compile_abs(root, *sizes):
@@ -47,7 +53,7 @@ def test_split_kernels_match_eager_and_share_one_interface(tmp_path):
 @pytest.mark.skipif(shutil.which("nm") is None, reason="needs binutils' nm")
 def test_libraries_export_only_the_interface(shared_cache):
     compile_abs(shared_cache, 42)
-    library = next(shared_cache.glob("v1/*/aten.abs/*/kernel.so"))
+    library = next(shared_cache.glob(f"{layout.LAYOUT_VERSION}/*/aten.abs/*/kernel.so"))
     listing = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True, check=True)
     names = [line.split()[-1] for line in listing.stdout.splitlines()]
     assert "AOTInductorModelContainerRunSingleThreaded" in names and "aoti_eager_empty_strided_hook" in names
@@ -89,7 +95,7 @@ def test_compile_stages_are_timed(tmp_path, caplog):
 def allocation_hooks(root, op_folder):
     """The allocation hook of each of ``op_folder``'s libraries that is loaded."""
     hooks = []
-    for library in root.glob(f"v1/*/{op_folder}/*/kernel.so"):
+    for library in root.glob(f"{layout.LAYOUT_VERSION}/*/{op_folder}/*/kernel.so"):
         try:
             handle = ctypes.CDLL(str(library), mode=os.RTLD_NOW | os.RTLD_NOLOAD)
         except OSError:

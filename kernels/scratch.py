@@ -1,0 +1,96 @@
+"""Where compiles run: a private directory at a path that compiler command lines take as it is.
+
+Inductor joins the paths of its compiler commands without quoting them, so a
+compile whose files lie under ``/data/team cache`` fails (``g++`` reads two
+arguments). Compiles therefore run here, and their results are copied into the
+cache when they are published; the cache root's name never reaches a command
+line.
+
+Each compile has its own directory, named after its host and process, so that
+what a killed process left is removed by the next compile on that host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import socket
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+from aoti_eager.cache import layout
+
+# What no shell or build tool splits or expands.
+_SAFE_PATH = re.compile(r"[A-Za-z0-9._+/-]+")
+_PREFIX = "compile-"
+
+
+def _safe(path: Path) -> bool:
+    return _SAFE_PATH.fullmatch(str(path)) is not None
+
+
+def _owned_directory(path: Path) -> Path | None:
+    """``path`` created (mode 0700) or found as this user's directory that
+    nobody else may write; None where it is someone else's or not a directory."""
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    st = os.lstat(path)
+    if not path.is_dir() or path.is_symlink() or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return None
+    return path
+
+
+@lru_cache(maxsize=None)
+def root() -> Path:
+    """The scratch root: ``<private>/scratch`` where its path is safe, else
+    ``aoti_eager-<uid>`` in the temporary directory or ``/tmp``.
+
+    Raises RuntimeError when none of them is a safe path this user owns.
+    """
+    private = layout.private_root() / "scratch"
+    if _safe(private):
+        return layout.private_directory("scratch")
+    name = f"aoti_eager-{os.getuid()}"
+    for candidate in (Path(tempfile.gettempdir()) / name, Path("/tmp") / name):
+        if _safe(candidate):
+            with contextlib.suppress(OSError):
+                if _owned_directory(candidate) is not None:
+                    return candidate
+    raise RuntimeError(
+        f"aoti_eager: no directory to compile in: {private} and the temporary directory have characters "
+        "that compiler command lines split (set TMPDIR to a path of letters, digits and ._+-/)"
+    )
+
+
+def _host() -> str:
+    return layout.safe_name(socket.gethostname())[:32]
+
+
+def compile_directory() -> tempfile.TemporaryDirectory:
+    """A new directory for one compile, removed when the returned object is
+    cleaned up. Directories that dead processes of this host left are removed first."""
+    scratch = root()
+    remove_abandoned(scratch)
+    return tempfile.TemporaryDirectory(prefix=f"{_PREFIX}{_host()}-{os.getpid()}-", dir=scratch)
+
+
+def remove_abandoned(scratch: Path) -> None:
+    """Removes the compile directories of this host's processes that no longer run."""
+    mine = f"{_PREFIX}{_host()}-"
+    for path in scratch.glob(f"{mine}*"):
+        pid = path.name[len(mine):].split("-", 1)[0]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process, with a pid this user's once had
+    return True
