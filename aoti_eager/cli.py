@@ -18,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from aoti_eager.cache import default_root, inventory, layout
+from aoti_eager.cache import default_root, inventory, layout, store
 
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -103,6 +103,7 @@ def cache_list(root: Path, args: argparse.Namespace) -> int:
 
 def cache_stats(root: Path, args: argparse.Namespace) -> int:
     listed = inventory.entries(root)
+    abandoned = list(inventory.abandoned_temporaries(root))
     by_op: dict[str, dict[str, int]] = defaultdict(lambda: {"entries": 0, "bytes": 0, "kept_eager_as_faster": 0})
     by_device: dict[str, dict[str, int]] = defaultdict(lambda: {"entries": 0, "bytes": 0, "kept_eager_as_faster": 0})
     for listing in listed:
@@ -118,6 +119,9 @@ def cache_stats(root: Path, args: argparse.Namespace) -> int:
         "bytes": sum(listing.bytes for listing in listed),
         "size_limit": layout.size_limit(),
         "quarantined": len(inventory.quarantined(root)),
+        # Temporary directories of processes killed while compiling or publishing.
+        "abandoned": len(abandoned),
+        "abandoned_bytes": sum(inventory.tree_bytes(path) for path in abandoned),
         # Signatures where eager was measured faster than their kernel.
         "kept_eager_as_faster": sum(row["kept_eager_as_faster"] for row in by_device.values()),
         "by_op": dict(sorted(by_op.items())),
@@ -127,7 +131,8 @@ def cache_stats(root: Path, args: argparse.Namespace) -> int:
         print(json.dumps(stats, indent=1))
         return 0
     print(f"{root}: {stats['entries']} entries, {_human(stats['bytes'])} of {_human(stats['size_limit'])}, "
-          f"{stats['quarantined']} quarantined, {stats['kept_eager_as_faster']} kept eager as faster than their kernel")
+          f"{stats['quarantined']} quarantined, {stats['kept_eager_as_faster']} kept eager as faster than their kernel, "
+          f"{stats['abandoned']} abandoned temporary directories ({_human(stats['abandoned_bytes'])})")
     for title, rows in (("by op", stats["by_op"]), ("by device", stats["by_device"])):
         if rows:
             print(title + ":")
@@ -141,11 +146,11 @@ def cache_verify(root: Path, args: argparse.Namespace) -> int:
     checked = len(inventory.entries(root))
     problems = inventory.verify(root, quarantine=args.quarantine)
     if args.json:
-        bad = [{"entry": str(listing.directory), "op": listing.op, "problem": problem} for listing, problem in problems]
+        bad = [{"entry": str(bad.path), "op": bad.op, "problem": bad.problem} for bad in problems]
         print(json.dumps({"checked": checked, "bad": bad, "quarantined": args.quarantine}, indent=1))
     else:
-        for listing, problem in problems:
-            print(f"BAD {listing.directory}: {problem}")
+        for bad in problems:
+            print(f"BAD {bad.path}: {bad.problem}")
         moved = " (moved to the quarantine)" if args.quarantine and problems else ""
         print(f"{checked} entries checked, {len(problems)} bad{moved}")
     return 1 if problems else 0
@@ -158,10 +163,13 @@ def _report_eviction(eviction: inventory.Eviction, args: argparse.Namespace, **e
             "removed": len(eviction.removed),
             "removed_bytes": removed_bytes,
             "in_use": [str(listing.directory) for listing in eviction.in_use],
+            "links_removed": [str(link) for link in eviction.links_removed],
             **extra,
         }, indent=1))
         return 0
     print(f"removed {len(eviction.removed)} entries ({_human(removed_bytes)})")
+    for link in eviction.links_removed:
+        print(f"removed the symbolic link {link} (not part of the cache; what it points to is untouched)")
     for listing in eviction.in_use:
         print(f"kept {listing.directory}: a process is loading it")
     return 0
@@ -178,9 +186,15 @@ def cache_clear(root: Path, args: argparse.Namespace) -> int:
     quarantined = 0 if args.op else inventory.clear_quarantine(root)
     if not args.op:
         inventory.clear_shared(root)
+    abandoned = 0
+    for path in inventory.abandoned_temporaries(root, args.op):
+        store.remove_tree(root, path)
+        abandoned += 1
     if not args.json and quarantined:
         print(f"removed {quarantined} quarantined entries")
-    return _report_eviction(eviction, args, quarantined_removed=quarantined)
+    if not args.json and abandoned:
+        print(f"removed {abandoned} temporary directories left by processes killed while compiling or publishing")
+    return _report_eviction(eviction, args, quarantined_removed=quarantined, abandoned_removed=abandoned)
 
 
 def _report_transfer(transfer: Any, verb: str, args: argparse.Namespace) -> None:
@@ -333,7 +347,8 @@ def _parser() -> argparse.ArgumentParser:
     prune = command(cache, "prune", cache_prune, "evict least recently used entries (entries being loaded stay)")
     prune.add_argument("--max-size", type=_size, help="keep at most this much, e.g. 5GiB (default: the size limit)")
     prune.add_argument("--older-than", type=_duration, help="also evict entries unused for this long, e.g. 30d")
-    clear = command(cache, "clear", cache_clear, "remove every entry (and the quarantine, and shared build products)")
+    clear = command(cache, "clear", cache_clear, "remove every entry (and the quarantine, shared build products, "
+                    "and what processes killed while compiling left)")
     clear.add_argument("--op", type=_op, help="only this op's entries (aten::add or add: all its overloads)")
     export = command(cache, "export", cache_export, "write every entry, with its key and checksum, into a bundle (tar)")
     export.add_argument("file", type=Path)

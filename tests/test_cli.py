@@ -158,3 +158,28 @@ def test_usage_errors_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as raised:
         main(argv)
     assert raised.value.code == 2
+
+
+def _abandoned_temporary(cache):
+    tmp = cache.entry_dir("aten::abs", "old").parent / ".tmp-killed"
+    tmp.mkdir()
+    (tmp / "kernel.cpp").write_bytes(b"x" * 1000)
+    return tmp
+
+
+def test_stats_counts_and_clear_removes_what_killed_processes_left(cache, capsys):
+    tmp = _abandoned_temporary(cache)
+    code, stats = cli_json(cache, capsys, "cache", "stats")
+    assert (stats["abandoned"], stats["abandoned_bytes"]) == (1, 1000)
+    code, report = cli_json(cache, capsys, "cache", "clear")
+    assert code == 0 and report["abandoned_removed"] == 1 and not tmp.exists()
+
+
+def test_clear_leaves_the_temporary_directory_of_a_live_compile(cache, capsys):
+    tmp = _abandoned_temporary(cache)
+    with cache.lock("aten::abs", timeout=0):  # as a compile of abs holds it
+        code, stats = cli_json(cache, capsys, "cache", "stats")
+        assert stats["abandoned"] == 0
+        code, report = cli_json(cache, capsys, "cache", "clear")
+        assert code == 0 and report["abandoned_removed"] == 0 and tmp.exists()
+    assert cli_json(cache, capsys, "cache", "clear", "--op", "abs")[1]["abandoned_removed"] == 1 and not tmp.exists()
