@@ -160,6 +160,86 @@ def test_usage_errors_exit_2(argv, capsys):
     assert raised.value.code == 2
 
 
+def _regular_file(tmp_path):
+    (tmp_path / "notes.txt").write_text("not an archive\n")
+    return tmp_path / "notes.txt"
+
+
+def _truncated_bundle(tmp_path):
+    import gzip
+    import io
+    import tarfile
+
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w:gz") as tar:
+        info = tarfile.TarInfo("env/aten.abs/key/kernel.so")
+        info.size = 100_000
+        tar.addfile(info, io.BytesIO(os.urandom(100_000)))
+    (tmp_path / "cut.tar.gz").write_bytes(data.getvalue()[: len(data.getvalue()) // 2])
+    return tmp_path / "cut.tar.gz"
+
+
+# (argv, {variable: value}): each must fail with one line, never a traceback.
+# "{dir}", "{file}", "{cut}", "{missing}" are a directory, a text file, a truncated
+# bundle and a path that does not exist.
+FAILURES = [
+    (["cache", "import", "{dir}"], {}),
+    (["cache", "import", "/dev/null"], {}),
+    (["cache", "import", "{file}"], {}),
+    (["cache", "import", "{cut}", "--allow-unsigned"], {}),
+    (["cache", "import", "{missing}"], {}),
+    (["cache", "import", "{file}", "--trust-key", "/dev/null"], {}),
+    (["cache", "export", "{dir}"], {}),
+    (["cache", "export", "{missing}/kernels.tar.gz"], {}),
+    (["cache", "export", "{dir}/kernels.tar.gz", "--sign-key", "{missing}"], {}),
+    (["cache", "export", "{dir}/kernels.tar.gz", "--sign-key", "{file}"], {}),
+    (["cache", "keygen", "{dir}"], {}),
+    (["cache", "keygen", "{missing}/key"], {}),
+    (["prewarm", "{dir}"], {}),
+    (["prewarm", "{missing}"], {}),
+    (["prewarm", "{file}"], {}),
+    (["cache", "stats"], {"AOTI_EAGER_CACHE_SIZE": "abc"}),
+    (["cache", "prune"], {"AOTI_EAGER_CACHE_SIZE": "abc"}),
+    (["cache", "verify"], {"AOTI_EAGER_CACHE_GROUP": "nosuchgroup"}),
+    (["doctor"], {"AOTI_EAGER_CACHE_SIZE": "abc"}),
+]
+
+
+@pytest.mark.parametrize("json_output", [False, True], ids=["text", "json"])
+@pytest.mark.parametrize("argv, settings", FAILURES, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
+def test_every_failure_is_one_line_never_a_traceback(cache, tmp_path, capsys, monkeypatch, argv, settings, json_output):
+    from aoti_eager.kernels import toolchain
+
+    monkeypatch.setattr(toolchain, "cpp_compiler", lambda root: "g++")  # doctor: no compiler check
+    (tmp_path / "a-dir").mkdir()
+    names = {"dir": tmp_path / "a-dir", "file": _regular_file(tmp_path), "cut": _truncated_bundle(tmp_path),
+             "missing": tmp_path / "missing"}
+    for name, value in settings.items():
+        monkeypatch.setenv(name, value.format(**names))
+    argv = [arg.format(**names) for arg in argv] + (["--json"] if json_output else [])
+    code = main(["--cache-dir", str(cache.root), *argv])
+    out, err = capsys.readouterr()
+    assert code == 1, out + err
+    if json_output:
+        assert json.loads(out)["error"] and err == ""
+    else:
+        assert len(err.splitlines()) == 1 and err.startswith("aoti-eager: "), err
+        assert "unexpected" not in err, err  # each of these is an expected failure, said as such
+
+
+def test_debug_shows_the_traceback(cache, monkeypatch):
+    monkeypatch.setenv("AOTI_EAGER_CACHE_SIZE", "abc")
+    with pytest.raises(ValueError, match="not a size"):
+        main(["--debug", "--cache-dir", str(cache.root), "cache", "stats"])
+
+
+def test_a_bug_is_one_line_that_says_how_to_see_it(cache, capsys, monkeypatch):
+    monkeypatch.setattr(inventory, "entries", lambda *args: 1 / 0)
+    assert main(["--cache-dir", str(cache.root), "cache", "stats"]) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "unexpected ZeroDivisionError" in err and "--debug" in err
+
+
 def _abandoned_temporary(cache):
     tmp = cache.entry_dir("aten::abs", "old").parent / ".tmp-killed"
     tmp.mkdir()
