@@ -225,6 +225,8 @@ def test_every_failure_is_one_line_never_a_traceback(cache, tmp_path, capsys, mo
     else:
         assert len(err.splitlines()) == 1 and err.startswith("aoti-eager: "), err
         assert "unexpected" not in err, err  # each of these is an expected failure, said as such
+        for name in settings:
+            assert name in err, f"the message names the setting: {err}"
 
 
 def test_debug_shows_the_traceback(cache, monkeypatch):
