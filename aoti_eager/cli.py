@@ -1,8 +1,9 @@
 """The ``aoti-eager`` command line (also ``python -m aoti_eager``).
 
 Exit codes: 0 success, 1 problems found (``cache verify``, ``doctor``, an entry
-``prewarm`` could not compile) or a
-failure, 2 a usage error.
+``prewarm`` could not compile) or a failure, 2 a usage error. A failure is one
+line on stderr (with ``--json``, an object with an ``error`` field on stdout);
+``--debug`` shows its traceback instead.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from aoti_eager.cache import default_root, inventory, layout
+from aoti_eager.cache import bundle, default_root, inventory, layout, signing, store
 
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -103,6 +104,7 @@ def cache_list(root: Path, args: argparse.Namespace) -> int:
 
 def cache_stats(root: Path, args: argparse.Namespace) -> int:
     listed = inventory.entries(root)
+    abandoned = list(inventory.abandoned_temporaries(root))
     by_op: dict[str, dict[str, int]] = defaultdict(lambda: {"entries": 0, "bytes": 0, "kept_eager_as_faster": 0})
     by_device: dict[str, dict[str, int]] = defaultdict(lambda: {"entries": 0, "bytes": 0, "kept_eager_as_faster": 0})
     for listing in listed:
@@ -118,6 +120,9 @@ def cache_stats(root: Path, args: argparse.Namespace) -> int:
         "bytes": sum(listing.bytes for listing in listed),
         "size_limit": layout.size_limit(),
         "quarantined": len(inventory.quarantined(root)),
+        # Temporary directories of processes killed while compiling or publishing.
+        "abandoned": len(abandoned),
+        "abandoned_bytes": sum(inventory.tree_bytes(path) for path in abandoned),
         # Signatures where eager was measured faster than their kernel.
         "kept_eager_as_faster": sum(row["kept_eager_as_faster"] for row in by_device.values()),
         "by_op": dict(sorted(by_op.items())),
@@ -127,7 +132,8 @@ def cache_stats(root: Path, args: argparse.Namespace) -> int:
         print(json.dumps(stats, indent=1))
         return 0
     print(f"{root}: {stats['entries']} entries, {_human(stats['bytes'])} of {_human(stats['size_limit'])}, "
-          f"{stats['quarantined']} quarantined, {stats['kept_eager_as_faster']} kept eager as faster than their kernel")
+          f"{stats['quarantined']} quarantined, {stats['kept_eager_as_faster']} kept eager as faster than their kernel, "
+          f"{stats['abandoned']} abandoned temporary directories ({_human(stats['abandoned_bytes'])})")
     for title, rows in (("by op", stats["by_op"]), ("by device", stats["by_device"])):
         if rows:
             print(title + ":")
@@ -141,11 +147,11 @@ def cache_verify(root: Path, args: argparse.Namespace) -> int:
     checked = len(inventory.entries(root))
     problems = inventory.verify(root, quarantine=args.quarantine)
     if args.json:
-        bad = [{"entry": str(listing.directory), "op": listing.op, "problem": problem} for listing, problem in problems]
+        bad = [{"entry": str(bad.path), "op": bad.op, "problem": bad.problem} for bad in problems]
         print(json.dumps({"checked": checked, "bad": bad, "quarantined": args.quarantine}, indent=1))
     else:
-        for listing, problem in problems:
-            print(f"BAD {listing.directory}: {problem}")
+        for bad in problems:
+            print(f"BAD {bad.path}: {bad.problem}")
         moved = " (moved to the quarantine)" if args.quarantine and problems else ""
         print(f"{checked} entries checked, {len(problems)} bad{moved}")
     return 1 if problems else 0
@@ -158,12 +164,15 @@ def _report_eviction(eviction: inventory.Eviction, args: argparse.Namespace, **e
             "removed": len(eviction.removed),
             "removed_bytes": removed_bytes,
             "in_use": [str(listing.directory) for listing in eviction.in_use],
+            "links_removed": [str(link) for link in eviction.links_removed],
             **extra,
         }, indent=1))
         return 0
     print(f"removed {len(eviction.removed)} entries ({_human(removed_bytes)})")
     if extra.get("old_layouts_removed"):
         print(f"removed {extra['old_layouts_removed']} directories of an earlier cache layout")
+    for link in eviction.links_removed:
+        print(f"removed the symbolic link {link} (not part of the cache; what it points to is untouched)")
     for listing in eviction.in_use:
         print(f"kept {listing.directory}: a process is loading it")
     return 0
@@ -179,15 +188,24 @@ def cache_clear(root: Path, args: argparse.Namespace) -> int:
     eviction = inventory.evict(root, max_bytes=0, op=args.op)
     quarantined = 0 if args.op else inventory.clear_quarantine(root)
     old_layouts = 0 if args.op else inventory.remove_old_layouts(root)
+    abandoned = 0
+    for path in inventory.abandoned_temporaries(root, args.op):
+        store.remove_tree(root, path)
+        abandoned += 1
     if not args.json and quarantined:
         print(f"removed {quarantined} quarantined entries")
-    return _report_eviction(eviction, args, quarantined_removed=quarantined, old_layouts_removed=old_layouts)
+    if not args.json and abandoned:
+        print(f"removed {abandoned} temporary directories left by processes killed while publishing")
+    return _report_eviction(
+        eviction, args, quarantined_removed=quarantined, abandoned_removed=abandoned, old_layouts_removed=old_layouts
+    )
 
 
 def _report_transfer(transfer: Any, verb: str, args: argparse.Namespace) -> None:
     if args.json:
         print(json.dumps({
             verb: transfer.done,
+            "signed_by": transfer.signed_by,
             "already_present": transfer.already_present,
             "skipped": [{"entry": name, "reason": reason} for name, reason in transfer.skipped],
         }, indent=1))
@@ -198,21 +216,32 @@ def _report_transfer(transfer: Any, verb: str, args: argparse.Namespace) -> None
     print(f"{verb} {len(transfer.done)} entries{present}, skipped {len(transfer.skipped)}")
 
 
-def cache_export(root: Path, args: argparse.Namespace) -> int:
-    from aoti_eager.cache.bundle import export_bundle
+def cache_keygen(root: Path, args: argparse.Namespace) -> int:
+    key = signing.generate_key_pair(args.file)
+    public = signing.public_key_path(args.file)
+    if args.json:
+        print(json.dumps({"private_key": str(args.file), "public_key": str(public), "fingerprint": key}, indent=1))
+    else:
+        print(f"private key {args.file} (keep it with whoever builds bundles: export --sign-key or ${signing.SIGNING_KEY_VARIABLE})")
+        print(f"public key  {public} ({key}): ship it, and trust it with import --trust-key "
+              f"or ${signing.TRUSTED_KEYS_VARIABLE}")
+    return 0
 
-    _report_transfer(export_bundle(root, args.file), "exported", args)
+
+def cache_export(root: Path, args: argparse.Namespace) -> int:
+    transfer = bundle.export_bundle(root, args.file, args.sign_key or signing.signing_key())
+    if transfer.signed_by is None:
+        print(f"aoti-eager: warning: {args.file} is not signed (no --sign-key, no ${signing.SIGNING_KEY_VARIABLE}): "
+              "it imports only with --allow-unsigned", file=sys.stderr)
+    _report_transfer(transfer, "exported", args)
     return 0
 
 
 def cache_import(root: Path, args: argparse.Namespace) -> int:
-    from aoti_eager.cache.bundle import BadBundle, import_bundle
-
-    try:
-        transfer = import_bundle(root, args.file)
-    except (BadBundle, OSError) as e:
-        print(f"aoti-eager: cannot import {args.file}: {e}", file=sys.stderr)
-        return 1
+    transfer = bundle.import_bundle(root, args.file, args.trust_key + signing.trusted_keys(), args.allow_unsigned)
+    if transfer.untrusted_because:
+        print(f"aoti-eager: warning: imported {args.file} without a trusted signature ({transfer.untrusted_because}): "
+              "its kernels are native code that will run in this user's processes", file=sys.stderr)
     _report_transfer(transfer, "imported", args)
     return 0
 
@@ -223,9 +252,6 @@ def prewarm(root: Path, args: argparse.Namespace) -> int:
     try:
         report = prewarm(args.manifest, jobs=args.jobs, devices=args.devices, cache_dir=root,
                          output=None if args.json else sys.stdout)
-    except (OSError, ValueError) as e:
-        print(f"aoti-eager: cannot prewarm from {args.manifest}: {e}", file=sys.stderr)
-        return 1
     except KeyboardInterrupt:
         print("\ninterrupted: compiled entries are in the cache; run the same command again to compile the rest",
               file=sys.stderr)
@@ -324,6 +350,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aoti-eager", description="Eager PyTorch with AOTInductor kernels.")
     parser.add_argument("--version", action="version", version="aoti_eager 0.1.0")
     parser.add_argument("--cache-dir", type=Path, help="the cache (default: $AOTI_EAGER_CACHE_DIR, else the per-user cache dir)")
+    parser.add_argument("--debug", action="store_true",
+                        help="on a failure, raise with its traceback instead of one line on stderr (to report a bug)")
     json_output = argparse.ArgumentParser(add_help=False)
     json_output.add_argument("--json", action="store_true", help="print JSON")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -344,13 +372,22 @@ def _parser() -> argparse.ArgumentParser:
     prune = command(cache, "prune", cache_prune, "evict least recently used entries (entries being loaded stay)")
     prune.add_argument("--max-size", type=_size, help="keep at most this much, e.g. 5GiB (default: the size limit)")
     prune.add_argument("--older-than", type=_duration, help="also evict entries unused for this long, e.g. 30d")
-    clear = command(cache, "clear", cache_clear, "remove every entry (and the quarantine, and earlier layouts' directories)")
+    clear = command(cache, "clear", cache_clear, "remove every entry (and the quarantine, earlier layouts' directories, "
+                    "and what processes killed while publishing left)")
     clear.add_argument("--op", type=_op, help="only this op's entries (aten::add or add: all its overloads)")
-    export = command(cache, "export", cache_export, "write every entry, with its key and checksum, into a bundle (tar)")
+    keygen = command(cache, "keygen", cache_keygen, "write a new ed25519 key pair to sign bundles: FILE (private) and FILE.pub")
+    keygen.add_argument("file", type=Path)
+    export = command(cache, "export", cache_export, "write every entry, with its key and checksum, into a signed bundle (tar)")
     export.add_argument("file", type=Path)
-    imports = command(cache, "import", cache_import,
-                      "install a bundle's entries that fit this machine (checksums verified); report the rest")
+    export.add_argument("--sign-key", type=Path, help=f"the private key to sign with (default: ${signing.SIGNING_KEY_VARIABLE})")
+    imports = command(cache, "import", cache_import, "install a bundle's entries that fit this machine "
+                      "(signature and checksums verified); report the rest")
     imports.add_argument("file", type=Path)
+    imports.add_argument("--trust-key", type=Path, action="append", default=[], metavar="KEY.pub",
+                         help=f"a public key whose bundles are trusted (repeatable; also ${signing.TRUSTED_KEYS_VARIABLE}, "
+                              "paths separated by ':')")
+    imports.add_argument("--allow-unsigned", action="store_true",
+                         help="import a bundle that no trusted key signed: its native code will run in your processes")
     warm = command(commands, "prewarm", prewarm,
                    "compile every entry of a manifest (recorded with AOTI_EAGER_RECORD) that the cache lacks")
     warm.add_argument("manifest", type=Path, help="recorded with enable(record=...) or $AOTI_EAGER_RECORD")
@@ -362,7 +399,24 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    return args.run(args.cache_dir or default_root(), args) or 0
+    try:
+        return args.run(args.cache_dir or default_root(), args) or 0
+    except Exception as e:  # noqa: BLE001 - every failure is one line; --debug shows the traceback
+        if args.debug:
+            raise
+        if isinstance(e, _EXPECTED):
+            message = str(e)
+        else:
+            message = f"unexpected {type(e).__name__}: {e} (run with --debug for the traceback, and report it)"
+        if args.json:
+            print(json.dumps({"error": message}))
+        else:
+            print(f"aoti-eager: {message}".replace("\n", " "), file=sys.stderr)
+        return 1
+
+
+# Failures that name their cause (a file, a setting, a bundle): reported as they are.
+_EXPECTED = (OSError, ValueError, bundle.BadBundle, signing.SignatureError, signing.KeyFileError)
 
 
 if __name__ == "__main__":

@@ -1,27 +1,39 @@
 """Bundles: cache entries in one tar file, to build a cache once and install
 it on every machine of the same kind.
 
-A bundle holds ``<environment>/<op>/<signature>/<file>`` for each entry, as in
-the cache. Importing installs only entries whose environment is one of this
-machine's (the rest are reported as skipped), checks each artifact against the
-sha256 its ``entry.json`` records, and publishes it like a fresh compile.
-Nothing in a bundle is ever extracted by path: members are read into memory
-and only names of the expected form are accepted, so a hostile bundle cannot
-write outside the cache.
+A bundle's libraries are native code that will run in the importing user's
+processes, so a bundle is trusted only through a signature: it holds
+``<environment>/<op>/<signature>/<file>`` for each entry, as in the cache, and
+``manifest.json``, the sha256 and size of every other member (``entry.json``,
+the entry's metadata, among them), signed in ``manifest.sig`` (see
+:mod:`aoti_eager.cache.signing`). Importing checks the signature against the
+keys the user trusts and every member against the manifest before anything is
+written, then installs only entries whose environment is one of this
+machine's (the rest are reported as skipped), checking each artifact against
+the sha256 its ``entry.json`` records, and publishes it like a fresh compile.
+
+Nothing in a bundle is ever extracted by path: members are streamed, hashed
+and size-capped, and only names of the expected form are accepted, so a
+hostile bundle can neither write outside the cache nor exhaust memory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gzip
 import hashlib
+import io
 import json
 import os
 import re
+import stat
 import tarfile
-import tempfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO, Iterator
 
-from aoti_eager.cache import layout
+from aoti_eager.cache import signing
 from aoti_eager.cache.inventory import entries
 from aoti_eager.cache.store import (
     ENTRY_FILE,
@@ -36,11 +48,20 @@ from aoti_eager.cache.store import (
 
 # What an entry directory may hold (kernel.json: ops left to the dispatcher).
 ENTRY_FILES = (ENTRY_FILE, LIBRARY_FILE, "kernel.json")
+MANIFEST = "manifest.json"
+MANIFEST_SIGNATURE = "manifest.sig"
+MANIFEST_FORMAT = "aoti_eager bundle 1"
+# The largest member a bundle may hold: a kernel library, and any JSON
+# (entry.json, kernel.json, the manifest of every member).
+MAX_LIBRARY_BYTES = 512 << 20
+MAX_JSON_BYTES = 16 << 20
+_CHUNK = 1 << 20
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
 
 
 class BadBundle(Exception):
-    """A file that is not a bundle, or holds members a bundle never holds."""
+    """A bundle that is refused as a whole: not a bundle, unexpected or
+    oversized members, or not signed by a trusted key."""
 
 
 @dataclass
@@ -51,43 +72,174 @@ class Transfer:
     already_present: list[str] = field(default_factory=list)
     # (entry, why): another machine's environment, or a damaged entry.
     skipped: list[tuple[str, str]] = field(default_factory=list)
+    # The fingerprint of the key that signed the bundle (None: unsigned).
+    signed_by: str | None = None
+    # Why an import taken with allow_unsigned is not trusted.
+    untrusted_because: str | None = None
 
 
-def export_bundle(root: Path, path: Path) -> Transfer:
-    """Writes every verified entry of the cache at ``root`` into the bundle ``path``."""
-    transfer = Transfer()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+@contextlib.contextmanager
+def _open_regular_file(path: Path, follow_link: bool = False) -> Iterator[BinaryIO]:
+    """``path`` opened for reading; OSError unless it is a regular file (not
+    a directory, a device or a pipe, which could block or never end; nor a
+    symbolic link unless ``follow_link``)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow_link else os.O_NOFOLLOW))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file (a directory, device or pipe)")
+    with os.fdopen(fd, "rb") as f:
+        yield f
+
+
+class _Hashing:
+    """A file object's reader that hashes what passes through it."""
+
+    def __init__(self, source: BinaryIO):
+        self.source, self.sha256, self.bytes = source, hashlib.sha256(), 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.source.read(size)
+        self.sha256.update(data)
+        self.bytes += len(data)
+        return data
+
+    def digest(self) -> dict:
+        return {"sha256": self.sha256.hexdigest(), "bytes": self.bytes}
+
+
+def _refuse_to_replace(path: Path) -> None:
     try:
-        with tarfile.open(tmp, "w:gz") as tar:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise OSError(f"{path} exists and is not a regular file (a link, directory, device or pipe): not replacing it")
+
+
+def export_bundle(root: Path, path: Path, signing_key: Path | None = None) -> Transfer:
+    """Writes every verified entry of the cache at ``root`` into the bundle
+    ``path``, signed with the private key ``signing_key`` if given."""
+    _refuse_to_replace(path)
+    transfer = Transfer()
+    members: dict[str, dict] = {}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as out, tarfile.open(fileobj=out, mode="w:gz") as tar:
             for listing in entries(root):
                 name = "/".join(listing.directory.parts[-3:])
                 try:
                     if read_entry(listing.directory, root) is None:
                         continue  # removed meanwhile
-                    for file in ENTRY_FILES:
-                        if (listing.directory / file).exists():
-                            tar.add(listing.directory / file, arcname=f"{name}/{file}", recursive=False)
+                    # All of an entry's files are opened before any is added:
+                    # an entry is in the bundle whole or not at all.
+                    with contextlib.ExitStack() as opened:
+                        files = {file: opened.enter_context(_open_regular_file(listing.directory / file))
+                                 for file in ENTRY_FILES if os.path.lexists(listing.directory / file)}
+                        for file, source in files.items():
+                            members[f"{name}/{file}"] = _add(tar, f"{name}/{file}", source, os.fstat(source.fileno()).st_size)
                 except (DamagedEntry, UntrustedEntry, OSError) as e:
                     transfer.skipped.append((name, str(e)))
                     continue
                 transfer.done.append(name)
+            manifest = json.dumps({"format": MANIFEST_FORMAT, "members": members}, indent=1, sort_keys=True).encode()
+            _add_bytes(tar, MANIFEST, manifest)
+            if signing_key is not None:
+                signature = signing.sign(manifest, signing_key)
+                _add_bytes(tar, MANIFEST_SIGNATURE, signature)
+                transfer.signed_by = signing.signer(signature)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
     return transfer
 
 
-def _members(tar: tarfile.TarFile) -> dict[str, dict[str, tarfile.TarInfo]]:
-    """``environment/op/signature`` -> file name -> member; BadBundle for anything else."""
-    grouped: dict[str, dict[str, tarfile.TarInfo]] = {}
-    for member in tar.getmembers():
-        parts = member.name.split("/")
-        if not member.isfile() or len(parts) != 4 or parts[3] not in ENTRY_FILES or not all(
-            _NAME.fullmatch(p) for p in parts
-        ):
-            raise BadBundle(f"unexpected member {member.name!r}: not an aoti_eager cache bundle, nothing imported")
-        grouped.setdefault("/".join(parts[:3]), {})[parts[3]] = member
-    return grouped
+def _add(tar: tarfile.TarFile, name: str, source: BinaryIO, size: int) -> dict:
+    """Adds ``size`` bytes of ``source`` as ``name``; returns their sha256 and size."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mode = size, 0o644
+    hashing = _Hashing(source)
+    tar.addfile(info, hashing)
+    return hashing.digest()
+
+
+def _add_bytes(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    _add(tar, name, io.BytesIO(data), len(data))
+
+
+@dataclass
+class _Contents:
+    """What pass one over a bundle found, before anything is written."""
+
+    # environment/op/signature -> file name -> member
+    entries: dict[str, dict[str, tarfile.TarInfo]] = field(default_factory=dict)
+    # member name -> {"sha256", "bytes"}, as read
+    digests: dict[str, dict] = field(default_factory=dict)
+    manifest: bytes | None = None
+    signature: bytes | None = None
+
+
+def _size_limit(name: str) -> int:
+    return MAX_LIBRARY_BYTES if name.endswith("/" + LIBRARY_FILE) else MAX_JSON_BYTES
+
+
+def _check_member(member: tarfile.TarInfo) -> list[str]:
+    """The member's name in parts; BadBundle for a member no bundle holds."""
+    parts = member.name.split("/")
+    expected = (member.name in (MANIFEST, MANIFEST_SIGNATURE)
+                or (len(parts) == 4 and parts[3] in ENTRY_FILES and all(_NAME.fullmatch(p) for p in parts)))
+    if not member.isfile() or not expected:
+        raise BadBundle(f"unexpected member {member.name!r}: not an aoti_eager cache bundle, nothing imported")
+    if member.size > _size_limit(member.name):
+        raise BadBundle(f"member {member.name!r} claims {member.size} bytes, more than the "
+                        f"{_size_limit(member.name)} a bundle member of its kind may hold; nothing imported")
+    return parts
+
+
+def _copy(tar: tarfile.TarFile, member: tarfile.TarInfo, target: BinaryIO | None) -> dict:
+    """Streams ``member`` into ``target`` (or nowhere); its sha256 and size."""
+    hashing = _Hashing(tar.extractfile(member))
+    while chunk := hashing.read(_CHUNK):
+        if target is not None:
+            target.write(chunk)
+    return hashing.digest()
+
+
+def _scan(tar: tarfile.TarFile) -> _Contents:
+    """Pass one: every member's name, size and sha256, read as a stream; each
+    header is checked before its data is read."""
+    contents = _Contents()
+    seen: set[str] = set()
+    for member in tar:
+        parts = _check_member(member)
+        if member.name in seen:
+            raise BadBundle(f"member {member.name!r} appears twice; nothing imported")
+        seen.add(member.name)
+        if member.name == MANIFEST:
+            contents.manifest = tar.extractfile(member).read()  # size checked above
+        elif member.name == MANIFEST_SIGNATURE:
+            contents.signature = tar.extractfile(member).read()
+        else:
+            contents.digests[member.name] = _copy(tar, member, None)
+            contents.entries.setdefault("/".join(parts[:3]), {})[parts[3]] = member
+    return contents
+
+
+def _check_signature(contents: _Contents, trusted_keys: list[Path]) -> str:
+    """The fingerprint of the trusted key that signed the manifest, every
+    member matching it; SignatureError saying why not."""
+    if contents.manifest is None:
+        raise signing.SignatureError("it is not signed (no manifest)")
+    signer = signing.verify(contents.manifest, contents.signature, trusted_keys)
+    try:
+        manifest = json.loads(contents.manifest)
+        listed = manifest["members"] if manifest["format"] == MANIFEST_FORMAT else None
+    except (ValueError, TypeError, KeyError) as e:
+        raise signing.SignatureError(f"its manifest is unreadable: {e}") from None
+    if listed != contents.digests:
+        differing = sorted(n for n in listed.keys() | contents.digests.keys() if listed.get(n) != contents.digests.get(n))
+        raise signing.SignatureError(f"{len(differing)} members, e.g. {differing[0]!r}, do not match its signed manifest")
+    return signer
 
 
 def local_caches(root: Path) -> dict[str, KernelCache]:
@@ -97,60 +249,76 @@ def local_caches(root: Path) -> dict[str, KernelCache]:
     from aoti_eager.kernels.compile import compile_options
 
     devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
-    caches = [KernelCache(root, torch.device(d), compile_options(d, root)) for d in devices]
+    caches = [KernelCache(root, torch.device(d), compile_options(d)) for d in devices]
     return {cache.directory.name: cache for cache in caches}
 
 
-def import_bundle(root: Path, path: Path) -> Transfer:
+def import_bundle(root: Path, path: Path, trusted_keys: list[Path], allow_unsigned: bool = False) -> Transfer:
     """Publishes the entries of the bundle ``path`` that fit this machine into the cache at ``root``.
 
-    Raises BadBundle, before importing anything, for a file that is not a bundle.
+    The bundle must be signed by one of ``trusted_keys`` (public key files),
+    every member matching the signed manifest, unless ``allow_unsigned``
+    (then ``untrusted_because`` says why it is not trusted). Raises BadBundle,
+    before writing anything, for a bundle that is refused.
     """
     transfer = Transfer()
-    caches = local_caches(root)
-    try:
-        tar = tarfile.open(path)
-    except tarfile.TarError as e:
-        raise BadBundle(f"{path} is not a tar file: {e}") from None
-    with tar:
-        for name, files in sorted(_members(tar).items()):
-            environment, op_dir, key = name.split("/")
-            cache = caches.get(environment)
-            if cache is None:
-                transfer.skipped.append((name, "built for another environment (torch, compiler, CPU or GPU)"))
-                continue
-            try:
-                if cache.lookup(op_of_dirname(op_dir), key) is not None:
-                    transfer.already_present.append(name)
-                    continue
-                _publish(cache, op_of_dirname(op_dir), key, {f: tar.extractfile(m).read() for f, m in files.items()})
-            except (DamagedEntry, UntrustedEntry) as e:
-                transfer.skipped.append((name, str(e)))
-                continue
-            transfer.done.append(name)
+    with _open_regular_file(path, follow_link=True) as file:
+        try:
+            with tarfile.open(fileobj=file, mode="r:*") as tar:
+                contents = _scan(tar)
+                try:
+                    transfer.signed_by = _check_signature(contents, trusted_keys)
+                except signing.SignatureError as e:
+                    if not allow_unsigned:
+                        raise BadBundle(
+                            f"{path} is refused, nothing imported: {e}. A bundle's kernels are native code that "
+                            "would run in this user's processes: import only bundles signed by a key you trust "
+                            "(--trust-key KEY.pub, or $AOTI_EAGER_TRUSTED_KEYS), or pass --allow-unsigned") from None
+                    transfer.untrusted_because = str(e)
+                caches = local_caches(root)
+                for name, files in contents.entries.items():
+                    cache = caches.get(name.split("/")[0])
+                    if cache is None:
+                        transfer.skipped.append((name, "built for another environment (torch, compiler, CPU or GPU)"))
+                        continue
+                    try:
+                        published = _install(cache, name, tar, files, contents.digests)
+                    except (DamagedEntry, UntrustedEntry) as e:
+                        transfer.skipped.append((name, str(e)))
+                        continue
+                    (transfer.done if published else transfer.already_present).append(name)
+        except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as e:
+            raise BadBundle(f"{path} is not a readable bundle (truncated, damaged or not a tar file): {e}") from None
     return transfer
 
 
-def _publish(cache: KernelCache, op: str, key: str, contents: dict[str, bytes]) -> None:
-    try:
-        data = json.loads(contents[ENTRY_FILE])
-        entry = Entry(**{**data, "library": None})
-    except (KeyError, ValueError, TypeError) as e:
-        raise DamagedEntry(f"no readable {ENTRY_FILE}: {e}") from None
-    if entry.op != op:
-        raise DamagedEntry(f"{ENTRY_FILE} names {entry.op!r}, not {op!r}")
-    if data.get("library") is not None:
-        if LIBRARY_FILE not in contents or hashlib.sha256(contents[LIBRARY_FILE]).hexdigest() != entry.sha256:
-            raise DamagedEntry("artifact does not match its recorded sha256")
-    else:
-        contents.pop(LIBRARY_FILE, None)
-    with tempfile.TemporaryDirectory(prefix="aoti_eager-import-") as workdir:
-        files = {}
-        for name, content in contents.items():
-            if name != ENTRY_FILE:
-                files[name] = Path(workdir, name)
-                files[name].write_bytes(content)
-        if LIBRARY_FILE in files:
-            entry.library = files[LIBRARY_FILE]
-        layout.make_cache_dirs(cache.directory)
-        cache.publish(key, entry, files)
+def _install(cache: KernelCache, name: str, tar: tarfile.TarFile, files: dict[str, tarfile.TarInfo],
+             digests: dict[str, dict]) -> bool:
+    """Publishes one entry of the bundle, under its op's lock; False if the cache has it already."""
+    _, op_dir, key = name.split("/")
+    op = op_of_dirname(op_dir)
+    with cache.lock(op):
+        if cache.lookup(op, key) is not None:
+            return False
+        with cache.temporary_directory(op) as workdir:
+            paths = {}
+            for file, member in files.items():
+                paths[file] = Path(workdir, file)
+                with open(paths[file], "wb") as target:
+                    if _copy(tar, member, target) != digests[member.name]:
+                        raise DamagedEntry(f"{member.name} changed while it was imported")
+            try:
+                data = json.loads(paths.pop(ENTRY_FILE).read_bytes())
+                entry = Entry(**{**data, "library": None})
+            except (KeyError, ValueError, TypeError) as e:
+                raise DamagedEntry(f"no readable {ENTRY_FILE}: {e}") from None
+            if entry.op != op:
+                raise DamagedEntry(f"{ENTRY_FILE} names {entry.op!r}, not {op!r}")
+            if data.get("library") is None:
+                paths.pop(LIBRARY_FILE, None)
+            elif LIBRARY_FILE not in paths or digests[f"{name}/{LIBRARY_FILE}"]["sha256"] != entry.sha256:
+                raise DamagedEntry("artifact does not match its recorded sha256")
+            else:
+                entry.library = paths[LIBRARY_FILE]
+            cache.publish(key, entry, paths)
+    return True

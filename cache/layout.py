@@ -98,7 +98,10 @@ def safe_name(text: str) -> str:
 def size_limit() -> int:
     """Bytes the kernel cache may hold before its least recently used entries
     are evicted (``$AOTI_EAGER_CACHE_SIZE``, default 10 GiB)."""
-    return parse_size(os.environ.get("AOTI_EAGER_CACHE_SIZE", "10GiB"))
+    try:
+        return parse_size(os.environ.get("AOTI_EAGER_CACHE_SIZE", "10GiB"))
+    except ValueError as e:
+        raise ValueError(f"AOTI_EAGER_CACHE_SIZE: {e}") from None
 
 
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}

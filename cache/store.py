@@ -17,6 +17,8 @@ import json
 import logging
 import os
 import shutil
+import stat
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -80,11 +82,14 @@ class DamagedEntry(Exception):
 def check_trusted(path: Path, root: Path) -> None:
     """Raises UntrustedEntry unless ``path`` and every directory between it and
     ``root`` could only have been written by this user (or, in a shared cache,
-    by the shared group: see :func:`layout.shared_group`)."""
+    by the shared group: see :func:`layout.shared_group`), and none of them is
+    a symbolic link (the root itself may be one)."""
     group = layout.shared_group()
     current = path
     while True:
-        st = current.stat()
+        st = current.stat() if current == root else current.lstat()
+        if stat.S_ISLNK(st.st_mode):
+            raise UntrustedEntry(f"{current} is a symbolic link: nothing in the cache is reached through a link")
         shared = group is not None and st.st_gid == group
         if st.st_uid != os.getuid() and not shared:
             raise UntrustedEntry(f"{current} belongs to uid {st.st_uid}, not to this user")
@@ -127,8 +132,34 @@ def read_entry(directory: Path, root: Path) -> Entry | None:
     return entry
 
 
+def in_place(root: Path, path: Path) -> bool:
+    """Whether ``path``, below ``root``, is reached from it through no symbolic
+    link (``path`` itself included): what may be removed or moved as part of
+    the cache."""
+    real_root = os.path.realpath(root)
+    return os.path.realpath(path) == os.path.normpath(os.path.join(real_root, os.path.relpath(path, root)))
+
+
+def remove_tree(root: Path, path: Path) -> None:
+    """Removes ``path`` from the cache at ``root``: a directory with what it
+    holds, or a symbolic link (the link, never what it points to). Nothing is
+    removed through a link, so nothing outside the cache is ever touched."""
+    if not in_place(root, path.parent):
+        log.warning("aoti_eager: not removing %s: a symbolic link leads it out of the cache %s", path, root)
+    elif path.is_symlink():
+        log.warning("aoti_eager: removing the symbolic link %s (-> %s); what it points to is left alone",
+                    path, os.readlink(path))
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path, ignore_errors=True)  # by file descriptors: never follows a link inside
+
+
 def set_aside(root: Path, directory: Path, reason: str) -> None:
-    """Moves a damaged entry to ``<root>/quarantine``, with a log line saying why."""
+    """Moves a damaged entry to ``<root>/quarantine``, with a log line saying
+    why (a symbolic link in its place is removed instead, see :func:`remove_tree`)."""
+    if not in_place(root, directory):
+        remove_tree(root, directory)
+        return
     quarantine = root / "quarantine" / f"{directory.name}-{uuid.uuid4().hex[:8]}"
     log.warning("aoti_eager: cache entry %s set aside: %s", directory, reason)
     try:
@@ -143,8 +174,8 @@ def _flock(directory: Path, operation: int) -> Iterator[bool]:
     """Holds an flock on ``directory``; yields whether it was taken (False: the
     directory is gone, or LOCK_NB and someone else holds it)."""
     try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    except FileNotFoundError:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:  # gone, or a symbolic link: never an entry
         yield False
         return
     try:
@@ -158,20 +189,32 @@ def _flock(directory: Path, operation: int) -> Iterator[bool]:
         os.close(fd)
 
 
-def remove_entry(directory: Path) -> bool:
-    """Removes an entry unless a process is loading it (see :meth:`KernelCache.in_use`).
+def remove_entry(root: Path, directory: Path) -> bool:
+    """Removes an entry of the cache at ``root`` unless a process is loading it
+    (see :meth:`KernelCache.in_use`); a symbolic link in its place is removed
+    as :func:`remove_tree` does.
 
     The entry is first renamed to a temporary name, so that a reader never
     sees it half removed and a process killed meanwhile leaves only what
     :meth:`KernelCache.remove_abandoned` cleans up.
     """
+    if not in_place(root, directory):
+        remove_tree(root, directory)
+        return not os.path.lexists(directory)
     with _flock(directory, fcntl.LOCK_EX | fcntl.LOCK_NB) as locked:
         if not locked:
             return not directory.exists()
         doomed = directory.with_name(f"{TEMPORARY_PREFIX}{uuid.uuid4().hex}")
         os.rename(directory, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+    remove_tree(root, doomed)
     return True
+
+
+def op_lock(op_dir: Path, timeout: float = -1) -> FileLock:
+    """The lock held while an entry of the op in ``op_dir`` is compiled or
+    published (see :meth:`KernelCache.lock`)."""
+    mode = 0o600 if layout.shared_group() is None else 0o660
+    return FileLock(str(op_dir / ".lock"), timeout=timeout, mode=mode)
 
 
 def op_dirname(op: str) -> str:
@@ -207,8 +250,15 @@ class KernelCache:
         """
         op_dir = self._op_dir(op)
         layout.make_cache_dirs(op_dir)
-        mode = 0o600 if layout.shared_group() is None else 0o660
-        return FileLock(str(op_dir / ".lock"), timeout=timeout, mode=mode)
+        return op_lock(op_dir, timeout)
+
+    def temporary_directory(self, op: str) -> tempfile.TemporaryDirectory:
+        """A directory in which an entry of ``op`` is assembled (an import),
+        made under :meth:`lock`: if the process is killed, :meth:`remove_abandoned`
+        removes it."""
+        op_dir = self._op_dir(op)
+        layout.make_cache_dirs(op_dir)
+        return tempfile.TemporaryDirectory(prefix=TEMPORARY_PREFIX, dir=op_dir)
 
     def shared_directory(self) -> Path:
         """Build products that every compile of this environment shares (see
@@ -226,7 +276,7 @@ class KernelCache:
         """
         for tmp in self._op_dir(op).glob(f"{TEMPORARY_PREFIX}*"):
             log.info("aoti_eager: removing %s, left by a process that died while compiling or publishing", tmp)
-            shutil.rmtree(tmp, ignore_errors=True)
+            remove_tree(self.root, tmp)
 
     @contextlib.contextmanager
     def in_use(self, op: str, signature_key: str) -> Iterator[None]:
@@ -260,7 +310,7 @@ class KernelCache:
 
     def remove(self, op: str, signature_key: str) -> bool:
         """Removes a published entry (see :func:`remove_entry`)."""
-        return remove_entry(self.entry_dir(op, signature_key))
+        return remove_entry(self.root, self.entry_dir(op, signature_key))
 
     def publish(self, signature_key: str, entry: Entry, files: dict[str, Path] | None = None) -> Entry:
         """Publishes ``entry`` with ``files`` (name in the entry -> source path).

@@ -4,7 +4,8 @@
 #
 #   scripts/gpu_check.sh [--wheels DIR] [--out DIR] [--jobs N]
 #
-# DIR of wheels supplies what the machine lacks (e.g. platformdirs).
+# DIR of wheels supplies what the machine lacks (e.g. platformdirs, cryptography
+# and cffi, which signed cache bundles need).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS="" OUT_DIR="gpu-check" JOBS=8 PY="${PYTHON:-python3}"

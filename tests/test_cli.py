@@ -168,3 +168,110 @@ def test_usage_errors_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as raised:
         main(argv)
     assert raised.value.code == 2
+
+
+def _regular_file(tmp_path):
+    (tmp_path / "notes.txt").write_text("not an archive\n")
+    return tmp_path / "notes.txt"
+
+
+def _truncated_bundle(tmp_path):
+    import gzip
+    import io
+    import tarfile
+
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w:gz") as tar:
+        info = tarfile.TarInfo("env/aten.abs/key/kernel.so")
+        info.size = 100_000
+        tar.addfile(info, io.BytesIO(os.urandom(100_000)))
+    (tmp_path / "cut.tar.gz").write_bytes(data.getvalue()[: len(data.getvalue()) // 2])
+    return tmp_path / "cut.tar.gz"
+
+
+# (argv, {variable: value}): each must fail with one line, never a traceback.
+# "{dir}", "{file}", "{cut}", "{missing}" are a directory, a text file, a truncated
+# bundle and a path that does not exist.
+FAILURES = [
+    (["cache", "import", "{dir}"], {}),
+    (["cache", "import", "/dev/null"], {}),
+    (["cache", "import", "{file}"], {}),
+    (["cache", "import", "{cut}", "--allow-unsigned"], {}),
+    (["cache", "import", "{missing}"], {}),
+    (["cache", "import", "{file}", "--trust-key", "/dev/null"], {}),
+    (["cache", "export", "{dir}"], {}),
+    (["cache", "export", "{missing}/kernels.tar.gz"], {}),
+    (["cache", "export", "{dir}/kernels.tar.gz", "--sign-key", "{missing}"], {}),
+    (["cache", "export", "{dir}/kernels.tar.gz", "--sign-key", "{file}"], {}),
+    (["cache", "keygen", "{dir}"], {}),
+    (["cache", "keygen", "{missing}/key"], {}),
+    (["prewarm", "{dir}"], {}),
+    (["prewarm", "{missing}"], {}),
+    (["prewarm", "{file}"], {}),
+    (["cache", "stats"], {"AOTI_EAGER_CACHE_SIZE": "abc"}),
+    (["cache", "prune"], {"AOTI_EAGER_CACHE_SIZE": "abc"}),
+    (["cache", "verify"], {"AOTI_EAGER_CACHE_GROUP": "nosuchgroup"}),
+    (["doctor"], {"AOTI_EAGER_CACHE_SIZE": "abc"}),
+]
+
+
+@pytest.mark.parametrize("json_output", [False, True], ids=["text", "json"])
+@pytest.mark.parametrize("argv, settings", FAILURES, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
+def test_every_failure_is_one_line_never_a_traceback(cache, tmp_path, capsys, monkeypatch, argv, settings, json_output):
+    from aoti_eager.kernels import toolchain
+
+    monkeypatch.setattr(toolchain, "cpp_compiler", lambda: "g++")  # doctor: no compiler check
+    (tmp_path / "a-dir").mkdir()
+    names = {"dir": tmp_path / "a-dir", "file": _regular_file(tmp_path), "cut": _truncated_bundle(tmp_path),
+             "missing": tmp_path / "missing"}
+    for name, value in settings.items():
+        monkeypatch.setenv(name, value.format(**names))
+    argv = [arg.format(**names) for arg in argv] + (["--json"] if json_output else [])
+    code = main(["--cache-dir", str(cache.root), *argv])
+    out, err = capsys.readouterr()
+    assert code == 1, out + err
+    if json_output:
+        assert json.loads(out)["error"] and err == ""
+    else:
+        assert len(err.splitlines()) == 1 and err.startswith("aoti-eager: "), err
+        assert "unexpected" not in err, err  # each of these is an expected failure, said as such
+        for name in settings:
+            assert name in err, f"the message names the setting: {err}"
+
+
+def test_debug_shows_the_traceback(cache, monkeypatch):
+    monkeypatch.setenv("AOTI_EAGER_CACHE_SIZE", "abc")
+    with pytest.raises(ValueError, match="not a size"):
+        main(["--debug", "--cache-dir", str(cache.root), "cache", "stats"])
+
+
+def test_a_bug_is_one_line_that_says_how_to_see_it(cache, capsys, monkeypatch):
+    monkeypatch.setattr(inventory, "entries", lambda *args: 1 / 0)
+    assert main(["--cache-dir", str(cache.root), "cache", "stats"]) == 1
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "unexpected ZeroDivisionError" in err and "--debug" in err
+
+
+def _abandoned_temporary(cache):
+    tmp = cache.entry_dir("aten::abs", "old").parent / ".tmp-killed"
+    tmp.mkdir()
+    (tmp / "kernel.cpp").write_bytes(b"x" * 1000)
+    return tmp
+
+
+def test_stats_counts_and_clear_removes_what_killed_processes_left(cache, capsys):
+    tmp = _abandoned_temporary(cache)
+    code, stats = cli_json(cache, capsys, "cache", "stats")
+    assert (stats["abandoned"], stats["abandoned_bytes"]) == (1, 1000)
+    code, report = cli_json(cache, capsys, "cache", "clear")
+    assert code == 0 and report["abandoned_removed"] == 1 and not tmp.exists()
+
+
+def test_clear_leaves_the_temporary_directory_of_a_live_compile(cache, capsys):
+    tmp = _abandoned_temporary(cache)
+    with cache.lock("aten::abs", timeout=0):  # as a compile of abs holds it
+        code, stats = cli_json(cache, capsys, "cache", "stats")
+        assert stats["abandoned"] == 0
+        code, report = cli_json(cache, capsys, "cache", "clear")
+        assert code == 0 and report["abandoned_removed"] == 0 and tmp.exists()
+    assert cli_json(cache, capsys, "cache", "clear", "--op", "abs")[1]["abandoned_removed"] == 1 and not tmp.exists()
