@@ -103,6 +103,7 @@ def load() -> ModuleType:
                     library.unlink(missing_ok=True)
                 log.info("building the aoti_eager C++ extension for torch %s (once per torch build)", torch.__version__)
                 _build(directory)
+                os.chmod(library, 0o700)  # whatever the umask: a group-writable library is never loaded
                 layout.atomic_write_text(library.with_name(_RECORD), json.dumps({"sha256": sha256_of(library)}))
     return _import_from(library)
 
