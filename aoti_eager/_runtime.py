@@ -23,6 +23,7 @@ from torch._ops import OpOverload
 from aoti_eager import _background, _extension
 from aoti_eager._ops import qualified_name
 from aoti_eager.cache import Entry, KernelCache, UntrustedEntry, inventory, layout
+from aoti_eager.cache.store import TEMPORARY_PREFIX
 from aoti_eager.kernels import CallSignature, CompileError, Unsupported, compile_call
 from aoti_eager.kernels.compile import call_op, compile_options, sidecar_files
 from aoti_eager.kernels.load_probe import check_loads
@@ -136,8 +137,8 @@ class Override:
             known = self.decisions.get(signature.decision_key)
             if known is not None:
                 return known
-            cache = self.cache(signature.device)
             try:
+                cache = self.cache(signature.device)
                 queued = self._queued.get(signature.decision_key)
                 if queued is not None:
                     if not queued.done():
@@ -165,6 +166,8 @@ class Override:
             except filelock.Timeout:
                 self._log(f"waited over {lock_timeout():.0f} s for another process's compile; running eagerly meanwhile")
                 return None
+            except OSError as e:  # after the lock's Timeout, which is one
+                return self._eager(_unusable_cache(self.root, e), signature)
 
     def _from_cache(self, cache: KernelCache, signature: CallSignature) -> Any:
         """The decision a published entry holds, or None if there is none."""
@@ -359,6 +362,18 @@ class Override:
         if (self.name, self.device, reason) not in _logged:
             _logged.add((self.name, self.device, reason))
             log.warning("aoti_eager: %s on %s runs eagerly: %s", self.name, self.device, reason)
+
+
+def _unusable_cache(root: Path, error: OSError) -> str:
+    """Why the cache at ``root`` failed a miss, and what to do about it."""
+    path = Path(error.filename) if error.filename else None
+    if path is not None and path.name.startswith(TEMPORARY_PREFIX):
+        path = path.parent  # a new name each time: say where it was made
+    where = f": {path}" if path is not None else ""
+    return (
+        f"the cache at {root} cannot be used ({error.strerror or error}{where}); make it writable, "
+        "or give enable(cache_dir=...) or AOTI_EAGER_CACHE_DIR a directory of your own"
+    )
 
 
 # (op, device, reason) already logged: one line per process, not per call.

@@ -132,3 +132,48 @@ def counting(function, calls):
         return function(*args, **kwargs)
 
     return wrapper
+
+
+def misplace_paths(root, entry):
+    """Blocks every write a miss makes, for any user: the lock of the cached
+    op is a directory, and the directory of another op a file."""
+    (entry.parent / ".lock").mkdir()
+    (entry.parents[1] / "aten.neg").write_bytes(b"")
+
+
+def make_read_only(root, entry):
+    for directory in [root, *(p for p in root.rglob("*") if p.is_dir())]:
+        os.chmod(directory, 0o555)
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        misplace_paths,
+        pytest.param(make_read_only, marks=pytest.mark.skipif(
+            os.geteuid() == 0, reason="chmod does not stop root's writes (misplace_paths blocks them for root)")),
+    ],
+)
+def test_a_cache_that_cannot_be_written_serves_its_kernels_and_runs_misses_eagerly(block, entry, tmp_path, monkeypatch, caplog):
+    block(tmp_path, entry)
+    monkeypatch.setattr(_runtime, "compile_call", lambda *a, **k: pytest.fail("must not compile: the cache cannot be written"))
+    other = torch.linspace(-1, 1, 96)
+    try:
+        with caplog.at_level(logging.WARNING, logger="aoti_eager"):
+            with aoti_eager.enabled(["aten::abs.default", "aten::neg.default"], devices=["cpu"], cache_dir=tmp_path):
+                cached = [torch.abs(X) for _ in range(2)]
+                missed = [torch.abs(other) for _ in range(3)] + [torch.neg(X) for _ in range(3)]
+                stats = aoti_eager.stats()
+    finally:
+        for directory in [tmp_path, *(p for p in tmp_path.rglob("*") if p.is_dir())]:
+            os.chmod(directory, 0o700)
+    for result in cached:
+        assert_same_as_eager(result, X.abs())
+    for result, expected in zip(missed, [other.abs()] * 3 + [X.neg()] * 3):
+        assert_same_as_eager(result, expected)
+    assert (stats["aten::abs"]["cache_loads"], stats["aten::abs"]["hits"]) == (1, 1), stats
+    # Remembered: one miss per signature, not one per call.
+    assert (stats["aten::abs"]["misses"], stats["aten::neg"]["misses"]) == (2, 1), stats
+    warnings = [r for r in caplog.records if "cannot be used" in r.getMessage()]
+    assert sorted(r.getMessage().split()[1] for r in warnings) == ["aten::abs", "aten::neg"], caplog.text
+    assert not any(r.exc_info for r in caplog.records), caplog.text
