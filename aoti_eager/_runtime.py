@@ -22,11 +22,11 @@ from torch._ops import OpOverload
 
 from aoti_eager import _background, _extension
 from aoti_eager._ops import qualified_name
-from aoti_eager.cache import Entry, KernelCache, UntrustedEntry, inventory, layout
-from aoti_eager.cache.store import TEMPORARY_PREFIX
+from aoti_eager.cache import DamagedEntry, Entry, KernelCache, UntrustedEntry, inventory, layout
+from aoti_eager.cache.store import TEMPORARY_PREFIX, set_aside
 from aoti_eager.kernels import CallSignature, CompileError, Unsupported, compile_call
-from aoti_eager.kernels.compile import call_op, compile_options, sidecar_files
-from aoti_eager.kernels.load_probe import check_loads
+from aoti_eager.kernels.compile import call_op, compile_options, flat_tensor_inputs, sidecar_files
+from aoti_eager.kernels.load_probe import UnsafeToLoad, check_loads
 from aoti_eager.kernels.speed import Timing, time_against_eager
 from aoti_eager.kernels.validate import Mismatch, check_matches_eager, clone_args
 from aoti_eager.manifest import ManifestEntry, Recorder
@@ -173,7 +173,13 @@ class Override:
         """The decision a published entry holds, or None if there is none."""
         with cache.in_use(self.name, signature.key):
             entry = cache.lookup(self.name, signature.key)
-            return None if entry is None else self._adopt(signature, entry, loaded=True)
+            if entry is None:
+                return None
+            try:
+                return self._adopt(signature, entry, loaded=True)
+            except DamagedEntry as e:  # then compiled again, as a damaged entry is
+                set_aside(cache.root, cache.entry_dir(self.name, signature.key), str(e))
+                return None
 
     def report_unkeyable(self, args: list[Any]) -> None:
         """Records why the C++ side could not key a call (it runs eagerly)."""
@@ -280,7 +286,11 @@ class Override:
         stages = ", ".join(f"{stage} {t:.1f} s" for stage, t in artifact.seconds.items())
         log.info("aoti_eager: compiled %s for (%s) in %.1f s (%s)", self.name, signature.short(), seconds, stages)
         with cache.in_use(self.name, signature.key):
-            decision = self._adopt(signature, entry, loaded=False)
+            try:
+                decision = self._adopt(signature, entry, loaded=False)
+            except DamagedEntry as e:
+                set_aside(cache.root, cache.entry_dir(self.name, signature.key), str(e))
+                decision = self._eager(f"its new cache entry is damaged: {e}", signature)
         self._keep_size_limit()
         return decision
 
@@ -318,8 +328,12 @@ class Override:
             return self._eager(entry.reason or "decided eager", signature)
         try:
             kernel = self._load(entry.library, entry.output_counts, signature)
-        except Exception as e:  # noqa: BLE001
+        except UnsafeToLoad as e:
             return self._eager(f"cached kernel failed to load: {e}", signature)
+        except DamagedEntry:
+            raise
+        except Exception as e:  # noqa: BLE001 - the entry's problem, not the environment's
+            raise DamagedEntry(f"its kernel does not load: {e}") from e
         if loaded:
             self.stats.cache_loads += 1
         return self._remember(signature, kernel)
@@ -329,9 +343,15 @@ class Override:
         return decision
 
     def _load(self, library: Path, output_counts: list[int], signature: CallSignature) -> Any:
+        """The kernel of ``library``, checked against what the call will give it
+        (its outputs against ``output_counts``: the C++ constructor checks them)."""
         device = signature.device
-        check_loads(self.cache(device).directory, library, str(device))
-        return _extension.load().CompiledKernel(str(library), str(device), output_counts, signature.runtime_arguments)
+        check_loads(self.cache(device).directory, library, str(device), output_counts)
+        kernel = _extension.load().CompiledKernel(str(library), str(device), output_counts, signature.runtime_arguments)
+        inputs = len(flat_tensor_inputs(signature))
+        if kernel.num_inputs != inputs:
+            raise DamagedEntry(f"its library takes {kernel.num_inputs} inputs, a call ({signature.short()}) gives {inputs}")
+        return kernel
 
     def _publish_eager(self, signature: CallSignature, reason: str) -> bool:
         entry = Entry(op=self.name, signature=signature.to_json(), reason=reason)

@@ -15,7 +15,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-_CHILD = "import sys, aoti_eager._extension as e; e.load().CompiledKernel(sys.argv[1], sys.argv[2], [])"
+_CHILD = (
+    "import json, sys, aoti_eager._extension as e; "
+    "e.load().CompiledKernel(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))"
+)
 VERDICT_FILE = "load-probe.json"
 
 
@@ -27,16 +30,16 @@ class UnsafeToLoad(RuntimeError):
 _verdicts: dict[Path, str | None] = {}
 
 
-def check_loads(environment_dir: Path, library: Path, device: str) -> None:
+def check_loads(environment_dir: Path, library: Path, device: str, output_counts: list[int]) -> None:
     """Raises UnsafeToLoad unless kernels of ``environment_dir`` load safely;
     ``library`` is the one tried if the environment has no verdict yet."""
     if environment_dir not in _verdicts:
-        _verdicts[environment_dir] = _verdict(environment_dir, str(library), device)
+        _verdicts[environment_dir] = _verdict(environment_dir, str(library), device, output_counts)
     if _verdicts[environment_dir] is not None:
         raise UnsafeToLoad(_verdicts[environment_dir])
 
 
-def _verdict(environment_dir: Path, library: str, device: str) -> str | None:
+def _verdict(environment_dir: Path, library: str, device: str, output_counts: list[int]) -> str | None:
     record = environment_dir / VERDICT_FILE
     try:
         return json.loads(record.read_text())["reason"]
@@ -44,7 +47,9 @@ def _verdict(environment_dir: Path, library: str, device: str) -> str | None:
         pass
     from aoti_eager.cache.layout import atomic_write_text
 
-    child = subprocess.run([sys.executable, "-c", _CHILD, library, device], capture_output=True, text=True)
+    child = subprocess.run(
+        [sys.executable, "-c", _CHILD, library, device, json.dumps(output_counts)], capture_output=True, text=True
+    )
     reason = None
     if child.returncode != 0:
         how = f"signal {-child.returncode}" if child.returncode < 0 else f"exit code {child.returncode}"

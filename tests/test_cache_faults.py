@@ -3,45 +3,63 @@ loads it, says why in a log line, and the call still gives eager's result."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import stat
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import aoti_eager
 from aoti_eager import _runtime
+from aoti_eager._ops import qualified_name
 from aoti_eager.cache import KernelCache, inventory
-from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE
+from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE, sha256_of
 from aoti_eager.kernels import CallSignature, CompileError
 from aoti_eager.kernels.compile import compile_options
 from aoti_eager.kernels.load_probe import VERDICT_FILE
-from helpers import assert_same_as_eager
+from helpers import assert_same_as_eager, edit_entry_json
 
+A = torch.ops.aten
 X = torch.linspace(-3, 3, 128)
+
+
+def compile_entry(cache_dir, op, args):
+    """The cache entry of ``op`` called on ``args``, compiled if the cache lacks it."""
+    with aoti_eager.enabled([op], devices=["cpu"], cache_dir=cache_dir):
+        op(*args)
+    signature = CallSignature.of(op, "cpu", list(args))
+    return KernelCache(cache_dir, signature.device, compile_options("cpu", cache_dir)).entry_dir(qualified_name(op), signature.key)
 
 
 @pytest.fixture(scope="module")
 def compiled_entry(shared_cache):
     """The entry of ``abs`` on X, compiled once into the session's cache."""
-    with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=shared_cache):
-        torch.abs(X)
-    signature = CallSignature.of(torch.ops.aten.abs.default, "cpu", [X])
-    return KernelCache(shared_cache, signature.device, compile_options("cpu", shared_cache)).entry_dir("aten::abs", signature.key)
+    return compile_entry(shared_cache, A.abs.default, [X])
+
+
+def copy_entry(compiled, root):
+    """A copy of a compiled entry in the cache ``root``, with what its cache
+    knows of the machine (no probe of the ISA or the compiler again)."""
+    copy = root / compiled.relative_to(compiled.parents[3])
+    copy.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
+    os.chmod(copy.parents[1], 0o700)
+    os.chmod(copy.parents[2], 0o700)
+    shutil.copytree(compiled, copy)
+    if not (copy.parents[1] / VERDICT_FILE).exists():
+        shutil.copyfile(compiled.parents[1] / VERDICT_FILE, copy.parents[1] / VERDICT_FILE)
+        shutil.copytree(compiled.parents[3] / "machine", root / "machine", dirs_exist_ok=True)
+    return copy
 
 
 @pytest.fixture
 def entry(compiled_entry, tmp_path):
     """A copy of the compiled entry in a cache of its own."""
-    copy = tmp_path / compiled_entry.relative_to(compiled_entry.parents[3])
-    copy.parent.mkdir(parents=True, mode=0o700)
-    os.chmod(copy.parents[1], 0o700)
-    os.chmod(copy.parents[2], 0o700)
-    shutil.copytree(compiled_entry, copy)
-    shutil.copyfile(compiled_entry.parents[1] / VERDICT_FILE, copy.parents[1] / VERDICT_FILE)
-    return copy
+    return copy_entry(compiled_entry, tmp_path)
 
 
 def run_abs(cache_dir, monkeypatch):
@@ -132,6 +150,102 @@ def counting(function, calls):
         return function(*args, **kwargs)
 
     return wrapper
+
+
+def replace_library(directory, library, redigest=True):
+    shutil.copyfile(library, directory / LIBRARY_FILE)
+    edit_entry_json(directory, redigest=redigest, sha256=sha256_of(directory / LIBRARY_FILE))
+
+
+# A child process calls FUNCTION(*ARGS) twice with OP enabled on CACHE_DIR,
+# compiling nothing (a set-aside entry runs eagerly), and saves the results
+# and stats; a crash shows in its exit code.
+CALL_IN_A_CHILD = """
+import sys, torch, aoti_eager
+op, function, cache_dir, saved = sys.argv[1:]
+args = torch.load(saved)
+aoti_eager.enable([op], devices=["cpu"], cache_dir=cache_dir, compile="never")
+results = [getattr(torch, function)(*args) for _ in range(2)]
+(stats,) = aoti_eager.stats().values()
+torch.save({"results": results, "stats": stats}, saved)
+"""
+
+
+def call_in_a_child(op, function, args, cache_dir, tmp_path):
+    saved = tmp_path / "call.pt"
+    torch.save(args, saved)
+    child = subprocess.run([sys.executable, "-c", CALL_IN_A_CHILD, op, function, str(cache_dir), str(saved)],
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, f"exit code {child.returncode}: {child.stderr[-3000:]}"
+    outcome = torch.load(saved)
+    expected = getattr(torch, function)(*args)
+    for result in outcome["results"]:
+        assert_same_as_eager(result, expected)
+    return outcome["stats"], child.stderr
+
+
+TWO = [X, torch.linspace(0, 1, 64)]
+
+
+@pytest.fixture(scope="module")
+def compiled_foreach_entry(shared_cache):
+    """An entry whose op returns a Tensor[]: output_counts [2]."""
+    return compile_entry(shared_cache, A._foreach_abs.default, [TWO])
+
+
+@pytest.fixture(scope="module")
+def compiled_mul_entry(shared_cache):
+    """A library of two inputs and one output."""
+    return compile_entry(shared_cache, A.mul.Tensor, [X, X])
+
+
+# Edits of entry.json that the cache sees on reading it, so `cache verify` reports them too.
+EDITS = {
+    "output_counts-too-long": (dict(output_counts=[-1, -1]), False, "does not match its recorded digest"),
+    "output_counts-too-long-redigested": (dict(output_counts=[-1, -1]), True, "does not describe the 1 returns of aten::abs"),
+    "output_counts-a-list-redigested": (dict(output_counts=[2]), True, "does not match the return"),
+    "library-elsewhere-redigested": (dict(library="../kernel.so"), True, "names the library '../kernel.so'"),
+    "compile_seconds": (dict(compile_seconds=0.25), False, "does not match its recorded digest"),
+}
+
+
+@pytest.mark.parametrize("edit", EDITS)
+def test_edited_entry_json_is_set_aside_and_reported_by_verify(edit, entry, tmp_path):
+    fields, redigest, problem = EDITS[edit]
+    edit_entry_json(entry, redigest, **fields)
+    (listing, reported), = inventory.verify(tmp_path)
+    assert listing.directory == entry and problem in reported, reported
+    stats, stderr = call_in_a_child("aten::abs.default", "abs", [X], tmp_path, tmp_path)
+    assert "set aside" in stderr and problem in stderr, stderr
+    assert (stats["hits"], stats["cache_loads"]) == (0, 0), stats
+    assert len(inventory.quarantined(tmp_path)) == 1 and not entry.exists()
+
+
+def test_output_counts_that_the_library_disagrees_with_never_reach_a_call(compiled_foreach_entry, tmp_path):
+    # A Tensor[] of 3 passes the schema; the library returns 2 tensors. The
+    # call used to read past them and abort the process.
+    entry = copy_entry(compiled_foreach_entry, tmp_path)
+    edit_entry_json(entry, redigest=True, output_counts=[3])
+    stats, stderr = call_in_a_child("aten::_foreach_abs.default", "_foreach_abs", [TWO], tmp_path, tmp_path)
+    assert "set aside" in stderr and "describes 3 outputs, its library returns 2" in stderr, stderr
+    assert (stats["hits"], stats["cache_loads"]) == (0, 0), stats
+    assert len(inventory.quarantined(tmp_path)) == 1
+
+
+def test_the_intact_tensor_list_entry_is_loaded(compiled_foreach_entry, tmp_path):
+    copy_entry(compiled_foreach_entry, tmp_path)
+    stats, _ = call_in_a_child("aten::_foreach_abs.default", "_foreach_abs", [TWO], tmp_path, tmp_path)
+    assert (stats["cache_loads"], stats["hits"], stats["fallbacks"]) == (1, 1, 0), stats
+
+
+def test_a_library_that_takes_other_inputs_than_the_call_never_runs(entry, compiled_mul_entry, tmp_path):
+    # A library of mul (two inputs) under abs's entry, its sha256 and digest
+    # recorded again: only the library's own answer tells.
+    replace_library(entry, compiled_mul_entry / LIBRARY_FILE)
+    stats, stderr = call_in_a_child("aten::abs.default", "abs", [X], tmp_path, tmp_path)
+    assert "set aside" in stderr and "its library takes 2 inputs" in stderr, stderr
+    assert (stats["hits"], stats["cache_loads"]) == (0, 0), stats
+    assert len(inventory.quarantined(tmp_path)) == 1
 
 
 def misplace_paths(root, entry):
