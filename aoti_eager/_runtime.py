@@ -26,7 +26,7 @@ from aoti_eager.cache import DamagedEntry, Entry, KernelCache, UntrustedEntry, i
 from aoti_eager.cache.store import TEMPORARY_PREFIX, set_aside
 from aoti_eager.kernels import CallSignature, CompileError, Unsupported, compile_call
 from aoti_eager.kernels.compile import call_op, compile_options, flat_tensor_inputs, sidecar_files
-from aoti_eager.kernels.load_probe import UnsafeToLoad, check_loads
+from aoti_eager.kernels.load_probe import UnsafeToLoad, check_loads, runtime_crashes
 from aoti_eager.kernels.speed import Timing, time_against_eager
 from aoti_eager.kernels.validate import Mismatch, check_matches_eager, clone_args
 from aoti_eager.manifest import ManifestEntry, Recorder
@@ -220,6 +220,9 @@ class Override:
         return None
 
     def _compile(self, cache: KernelCache, signature: CallSignature) -> Any:
+        crash = runtime_crashes(cache.directory)
+        if crash is not None:
+            return self._eager(_not_loaded(crash), signature)
         if self._too_many_variants(signature):
             return False
         # The original kernel runs first, on copies: it gives the result the
@@ -247,7 +250,7 @@ class Override:
         try:
             try:
                 loading = time.perf_counter()
-                kernel = self._load(artifact.library, artifact.output_counts, signature)
+                kernel = self._load(artifact.library, artifact.output_counts, signature, known_good=False)
                 artifact.seconds["load"] = time.perf_counter() - loading
                 check_matches_eager(kernel, signature, self.op, reference_args, expected)
                 if signature.runtime_arguments:
@@ -327,9 +330,9 @@ class Override:
         if entry.library is None:
             return self._eager(entry.reason or "decided eager", signature)
         try:
-            kernel = self._load(entry.library, entry.output_counts, signature)
+            kernel = self._load(entry.library, entry.output_counts, signature, known_good=True)
         except UnsafeToLoad as e:
-            return self._eager(f"cached kernel failed to load: {e}", signature)
+            return self._eager(_not_loaded(str(e)), signature)
         except DamagedEntry:
             raise
         except Exception as e:  # noqa: BLE001 - the entry's problem, not the environment's
@@ -342,11 +345,11 @@ class Override:
         self.decisions[signature.decision_key] = decision
         return decision
 
-    def _load(self, library: Path, output_counts: list[int], signature: CallSignature) -> Any:
+    def _load(self, library: Path, output_counts: list[int], signature: CallSignature, known_good: bool) -> Any:
         """The kernel of ``library``, checked against what the call will give it
         (its outputs against ``output_counts``: the C++ constructor checks them)."""
         device = signature.device
-        check_loads(self.cache(device).directory, library, str(device), output_counts)
+        check_loads(self.cache(device).directory, library, str(device), output_counts, known_good)
         kernel = _extension.load().CompiledKernel(str(library), str(device), output_counts, signature.runtime_arguments)
         inputs = len(flat_tensor_inputs(signature))
         if kernel.num_inputs != inputs:
@@ -382,6 +385,10 @@ class Override:
         if (self.name, self.device, reason) not in _logged:
             _logged.add((self.name, self.device, reason))
             log.warning("aoti_eager: %s on %s runs eagerly: %s", self.name, self.device, reason)
+
+
+def _not_loaded(crash: str) -> str:
+    return f"kernels of this cache environment are not loaded: {crash}"
 
 
 def _unusable_cache(root: Path, error: OSError) -> str:

@@ -16,10 +16,11 @@ import torch
 
 import aoti_eager
 from aoti_eager import _runtime
+from aoti_eager import cli
 from aoti_eager._ops import qualified_name
 from aoti_eager.cache import KernelCache, inventory
 from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE, sha256_of
-from aoti_eager.kernels import CallSignature, CompileError
+from aoti_eager.kernels import CallSignature, CompileError, load_probe
 from aoti_eager.kernels.compile import compile_options
 from aoti_eager.kernels.load_probe import VERDICT_FILE
 from helpers import assert_same_as_eager, edit_entry_json
@@ -246,6 +247,47 @@ def test_a_library_that_takes_other_inputs_than_the_call_never_runs(entry, compi
     assert "set aside" in stderr and "its library takes 2 inputs" in stderr, stderr
     assert (stats["hits"], stats["cache_loads"]) == (0, 0), stats
     assert len(inventory.quarantined(tmp_path)) == 1
+
+
+def test_a_library_that_fails_to_load_is_set_aside_not_the_environment(entry, compiled_entry, tmp_path, monkeypatch):
+    # Not a library at all, its sha256 and digest recorded again: the test
+    # process fails to load it (an error, no signal), and no environment
+    # verdict is taken before a kernel has loaded.
+    (entry.parents[1] / VERDICT_FILE).unlink()
+    bogus = tmp_path / "bogus.so"
+    bogus.write_bytes(b"not a shared library")
+    replace_library(entry, bogus)
+    stats, compiles = run_abs(tmp_path, monkeypatch)
+    assert (stats["cache_loads"], stats["hits"]) == (0, 0) and len(compiles) == 1, stats
+    assert len(inventory.quarantined(tmp_path)) == 1
+    assert not (entry.parents[1] / VERDICT_FILE).exists()
+
+    # Intact again (in place of the eager entry the failed compile left): the next process loads it.
+    shutil.rmtree(entry)
+    copy_entry(compiled_entry, tmp_path)
+    stats, compiles = run_abs(tmp_path, monkeypatch)
+    assert (stats["cache_loads"], stats["hits"], stats["fallbacks"]) == (1, 2, 0), stats
+    assert json.loads((entry.parents[1] / VERDICT_FILE).read_text())["loads"] is True
+
+
+def test_a_crash_loading_a_known_good_kernel_keeps_its_environment_eager_until_cache_clear(entry, tmp_path, monkeypatch, capsys):
+    (entry.parents[1] / VERDICT_FILE).unlink()
+    monkeypatch.setattr(load_probe, "_CHILD", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    stats, compiles = run_abs(tmp_path, monkeypatch)
+    assert (stats["cache_loads"], stats["hits"], stats["fallbacks"]) == (0, 0, 3), stats
+    assert "crashed a test process loading a known-good cpu kernel (signal 11)" in stats["fallback_reason"]
+    assert not compiles  # nothing compiled for an environment whose kernels crash the runtime
+    assert entry.exists()  # the entry is not at fault
+
+    assert cli.main(["--cache-dir", str(tmp_path), "doctor"]) == 1
+    out = capsys.readouterr().out
+    assert f"load probe {entry.parents[1].name}: crashes: AOTInductor's runtime crashed" in out, out
+
+    assert cli.main(["--cache-dir", str(tmp_path), "cache", "clear"]) == 0
+    assert not (entry.parents[1] / VERDICT_FILE).exists()
+    monkeypatch.undo()
+    cli.main(["--cache-dir", str(tmp_path), "doctor"])
+    assert "load probe none yet" in capsys.readouterr().out
 
 
 def misplace_paths(root, entry):
