@@ -24,10 +24,11 @@ from torch._ops import OpOverload
 
 from aoti_eager import _background, _extension
 from aoti_eager._ops import qualified_name
-from aoti_eager.cache import Entry, KernelCache, UntrustedEntry, inventory, layout
+from aoti_eager.cache import DamagedEntry, Entry, KernelCache, UntrustedEntry, inventory, layout
+from aoti_eager.cache.store import TEMPORARY_PREFIX, set_aside
 from aoti_eager.kernels import CallSignature, CompileError, Unsupported, compile_call
-from aoti_eager.kernels.compile import call_op, compile_options, sidecar_files
-from aoti_eager.kernels.load_probe import check_loads
+from aoti_eager.kernels.compile import call_op, compile_options, flat_tensor_inputs, sidecar_files
+from aoti_eager.kernels.load_probe import UnsafeToLoad, check_loads, runtime_crashes
 from aoti_eager.kernels.speed import Timing, time_against_eager
 from aoti_eager.kernels.validate import Mismatch, check_matches_eager, clone_args
 from aoti_eager.manifest import ManifestEntry, Recorder
@@ -170,8 +171,8 @@ class Override:
             known = self.decisions.get(signature.decision_key)
             if known is not None:
                 return known
-            cache = self.cache(signature.device)
             try:
+                cache = self.cache(signature.device)
                 queued = self._queued.get(signature.decision_key)
                 if queued is not None:
                     if not queued.done():
@@ -199,12 +200,20 @@ class Override:
             except filelock.Timeout:
                 self._log(f"waited over {lock_timeout():.0f} s for another process's compile; running eagerly meanwhile")
                 return None
+            except OSError as e:  # after the lock's Timeout, which is one
+                return self._eager(_unusable_cache(self.root, e), signature)
 
     def _from_cache(self, cache: KernelCache, signature: CallSignature) -> Any:
         """The decision a published entry holds, or None if there is none."""
         with cache.in_use(self.name, signature.key):
             entry = cache.lookup(self.name, signature.key)
-            return None if entry is None else self._adopt(signature, entry, loaded=True)
+            if entry is None:
+                return None
+            try:
+                return self._adopt(signature, entry, loaded=True)
+            except DamagedEntry as e:  # then compiled again, as a damaged entry is
+                set_aside(cache.root, cache.entry_dir(self.name, signature.key), str(e))
+                return None
 
     def report_unkeyable(self, args: list[Any]) -> None:
         """Records why the C++ side could not key a call (it runs eagerly)."""
@@ -247,6 +256,9 @@ class Override:
     def _compile(self, cache: KernelCache, signature: CallSignature) -> Any:
         if _compiler_failures.given_up is not None:
             return self._eager(f"the C++ compiler failed on several signatures in this process: {_compiler_failures.given_up}", signature)
+        crash = runtime_crashes(cache.directory)
+        if crash is not None:
+            return self._eager(_not_loaded(crash), signature)
         if self._too_many_variants(signature):
             return False
         # The original kernel runs first, on copies: it gives the result the
@@ -274,7 +286,7 @@ class Override:
         try:
             try:
                 loading = time.perf_counter()
-                kernel = self._load(artifact.library, artifact.output_counts, signature)
+                kernel = self._load(artifact.library, artifact.output_counts, signature, known_good=False)
                 artifact.seconds["load"] = time.perf_counter() - loading
                 check_matches_eager(kernel, signature, self.op, reference_args, expected)
                 if signature.runtime_arguments:
@@ -313,7 +325,11 @@ class Override:
         stages = ", ".join(f"{stage} {t:.1f} s" for stage, t in artifact.seconds.items())
         log.info("aoti_eager: compiled %s for (%s) in %.1f s (%s)", self.name, signature.short(), seconds, stages)
         with cache.in_use(self.name, signature.key):
-            decision = self._adopt(signature, entry, loaded=False)
+            try:
+                decision = self._adopt(signature, entry, loaded=False)
+            except DamagedEntry as e:
+                set_aside(cache.root, cache.entry_dir(self.name, signature.key), str(e))
+                decision = self._eager(f"its new cache entry is damaged: {e}", signature)
         self._keep_size_limit()
         return decision
 
@@ -350,9 +366,13 @@ class Override:
         if entry.library is None:
             return self._eager(entry.reason or "decided eager", signature)
         try:
-            kernel = self._load(entry.library, entry.output_counts, signature)
-        except Exception as e:  # noqa: BLE001
-            return self._eager(f"cached kernel failed to load: {e}", signature)
+            kernel = self._load(entry.library, entry.output_counts, signature, known_good=True)
+        except UnsafeToLoad as e:
+            return self._eager(_not_loaded(str(e)), signature)
+        except DamagedEntry:
+            raise
+        except Exception as e:  # noqa: BLE001 - the entry's problem, not the environment's
+            raise DamagedEntry(f"its kernel does not load: {e}") from e
         if loaded:
             self.stats.cache_loads += 1
         return self._remember(signature, kernel)
@@ -361,10 +381,16 @@ class Override:
         self.decisions[signature.decision_key] = decision
         return decision
 
-    def _load(self, library: Path, output_counts: list[int], signature: CallSignature) -> Any:
+    def _load(self, library: Path, output_counts: list[int], signature: CallSignature, known_good: bool) -> Any:
+        """The kernel of ``library``, checked against what the call will give it
+        (its outputs against ``output_counts``: the C++ constructor checks them)."""
         device = signature.device
-        check_loads(self.cache(device).directory, library, str(device))
-        return _extension.load().CompiledKernel(str(library), str(device), output_counts, signature.runtime_arguments)
+        check_loads(self.cache(device).directory, library, str(device), output_counts, known_good)
+        kernel = _extension.load().CompiledKernel(str(library), str(device), output_counts, signature.runtime_arguments)
+        inputs = len(flat_tensor_inputs(signature))
+        if kernel.num_inputs != inputs:
+            raise DamagedEntry(f"its library takes {kernel.num_inputs} inputs, a call ({signature.short()}) gives {inputs}")
+        return kernel
 
     def _publish_eager(self, signature: CallSignature, reason: str) -> bool:
         entry = Entry(op=self.name, signature=signature.to_json(), reason=reason)
@@ -395,6 +421,22 @@ class Override:
         if (self.name, self.device, reason) not in _logged:
             _logged.add((self.name, self.device, reason))
             log.warning("aoti_eager: %s on %s runs eagerly: %s", self.name, self.device, reason)
+
+
+def _not_loaded(crash: str) -> str:
+    return f"kernels of this cache environment are not loaded: {crash}"
+
+
+def _unusable_cache(root: Path, error: OSError) -> str:
+    """Why the cache at ``root`` failed a miss, and what to do about it."""
+    path = Path(error.filename) if error.filename else None
+    if path is not None and path.name.startswith(TEMPORARY_PREFIX):
+        path = path.parent  # a new name each time: say where it was made
+    where = f": {path}" if path is not None else ""
+    return (
+        f"the cache at {root} cannot be used ({error.strerror or error}{where}); make it writable, "
+        "or give enable(cache_dir=...) or AOTI_EAGER_CACHE_DIR a directory of your own"
+    )
 
 
 # (op, device, reason) already logged: one line per process, not per call.

@@ -192,6 +192,10 @@ def cache_clear(root: Path, args: argparse.Namespace) -> int:
     for path in inventory.abandoned_temporaries(root, args.op):
         store.remove_tree(root, path)
         abandoned += 1
+    if not args.op:
+        from aoti_eager.kernels.load_probe import forget_verdicts
+
+        forget_verdicts(root)
     if not args.json and quarantined:
         print(f"removed {quarantined} quarantined entries")
     if not args.json and abandoned:
@@ -283,6 +287,18 @@ def _cache_directory_report(root: Path) -> tuple[dict[str, Any], list[str]]:
     return report, problems
 
 
+def _load_probe_report(root: Path) -> tuple[dict[str, str | None], list[str]]:
+    """Per cache environment, why its kernels are not loaded (None: they load)."""
+    from aoti_eager.kernels.load_probe import recorded_verdicts
+
+    verdicts = recorded_verdicts(root)
+    return verdicts, [f"kernels of {env} run eagerly: {reason}" for env, reason in verdicts.items() if reason]
+
+
+def _load_probe_line(verdicts: dict[str, str | None]) -> str:
+    return "; ".join(f"{env}: {'loads' if reason is None else 'crashes: ' + reason}" for env, reason in verdicts.items()) or "none yet"
+
+
 def doctor(root: Path, args: argparse.Namespace) -> int:
     import torch
 
@@ -305,6 +321,8 @@ def doctor(root: Path, args: argparse.Namespace) -> int:
             report["cuda"]["devices"].append({"index": index, "name": torch.cuda.get_device_name(index), "arch": f"sm_{major}{minor}"})
     report["cache"], cache_problems = _cache_directory_report(root)
     problems += cache_problems
+    report["load_probe"], load_problems = _load_probe_report(root)
+    problems += load_problems
     report["settings"] = {
         "AOTI_EAGER_CACHE_SIZE": layout.size_limit(),
         "AOTI_EAGER_CACHE_GROUP": os.environ.get("AOTI_EAGER_CACHE_GROUP"),
@@ -337,6 +355,7 @@ def doctor(root: Path, args: argparse.Namespace) -> int:
         print(f"cuda       {report['cuda']['version'] or 'none'}; devices: {devices}")
         print(f"cache      {cache['path']} ({permissions})")
         print(f"extension  {'builds and loads' if report['extension']['loads'] else report['extension']['error']}")
+        print(f"load probe {_load_probe_line(report['load_probe'])}")
         for check in report["kernels"]:
             verdict = f"FAILED at the {check['failed_stage']} stage" if check["failed_stage"] else "compiled, loaded, ran: eager's result"
             print(f"kernel     {check['device']}: abs {verdict} ({check['seconds']:.1f} s to the first result)")

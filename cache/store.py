@@ -3,7 +3,9 @@
 An entry is a directory named by its signature digest. It is assembled under a
 temporary name inside the op's directory and published with one ``rename``, so
 a reader sees either no entry or a complete one; ``entry.json`` carries the
-artifact's sha256, checked before the library is loaded. Removal is a rename
+artifact's sha256 and a digest of its own fields, both checked before the
+library is loaded, and what the C++ side takes from it is checked against the
+op's schema. Removal is a rename
 to a temporary name too, and leaves alone an entry that a process is loading.
 """
 
@@ -56,11 +58,21 @@ class Entry:
     sha256: str | None = None
     timing: dict[str, float] | None = None
     created: float = dataclasses.field(default_factory=time.time)
+    # Of every other field as written in entry.json (see metadata_digest).
+    metadata_sha256: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["library"] = self.library.name if self.library else None
+        d["metadata_sha256"] = metadata_digest(d)
         return d
+
+
+def metadata_digest(data: dict[str, Any]) -> str:
+    """The sha256 of an entry's fields as ``entry.json`` holds them, but its own:
+    an edited or damaged ``entry.json`` no longer matches it."""
+    fields = {k: v for k, v in data.items() if k != "metadata_sha256"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
 def sha256_of(path: Path) -> str:
@@ -124,11 +136,17 @@ def read_entry(directory: Path, root: Path) -> Entry | None:
     try:
         entry = Entry(**{**data, "library": None})
         if data["library"] is not None:
-            entry.library = directory / data["library"]
+            if data["library"] != LIBRARY_FILE:
+                raise DamagedEntry(f"{ENTRY_FILE} names the library {data['library']!r}, not {LIBRARY_FILE!r}")
+            entry.library = directory / LIBRARY_FILE
             if sha256_of(entry.library) != entry.sha256:
                 raise DamagedEntry("artifact does not match its recorded sha256")
     except (OSError, TypeError, KeyError) as e:
         raise DamagedEntry(f"incomplete entry: {type(e).__name__}: {e}") from None
+    if entry.metadata_sha256 != metadata_digest(data):
+        raise DamagedEntry(f"{ENTRY_FILE} does not match its recorded digest (edited, or written by an older version)")
+    if entry.library is not None:
+        check_output_counts(entry.op, entry.output_counts)
     return entry
 
 
@@ -152,6 +170,38 @@ def remove_tree(root: Path, path: Path) -> None:
         path.unlink(missing_ok=True)
     else:
         shutil.rmtree(path, ignore_errors=True)  # by file descriptors: never follows a link inside
+
+
+def _overload(op: str) -> torch._ops.OpOverload | None:
+    """The overload named ``aten::add.Tensor`` (``aten::abs``: the default one), if this process has it."""
+    namespace, _, name = op.partition("::")
+    base, _, overload = name.partition(".")
+    try:
+        return getattr(getattr(getattr(torch.ops, namespace), base), overload or "default")
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def check_output_counts(op: str, output_counts: Any) -> None:
+    """Raises DamagedEntry unless ``output_counts`` describes the returns of
+    ``op``'s schema as the C++ side reads them (csrc/compiled_kernel.h): 0
+    for a return that hands back a mutated argument, -1 for a Tensor, N >= 0
+    for a Tensor[] of N tensors."""
+    overload = _overload(op)
+    if overload is None:
+        return  # an op this process cannot override: nothing will load it
+    returns = overload._schema.returns
+    if not isinstance(output_counts, list) or len(output_counts) != len(returns):
+        raise DamagedEntry(f"output_counts {output_counts!r} does not describe the {len(returns)} returns of {op}")
+    for ret, count in zip(returns, output_counts):
+        if ret.alias_info is not None and ret.alias_info.is_write:
+            valid = count == 0
+        elif isinstance(ret.type, torch.ListType):
+            valid = type(count) is int and count >= 0
+        else:
+            valid = count == -1
+        if type(count) is not int or not valid:
+            raise DamagedEntry(f"output_counts {output_counts!r} does not match the return {ret} of {op}")
 
 
 def set_aside(root: Path, directory: Path, reason: str) -> None:
@@ -328,7 +378,9 @@ class KernelCache:
             if entry.library is not None:
                 entry.sha256 = sha256_of(tmp / LIBRARY_FILE)
                 entry.library = Path(LIBRARY_FILE)
-            (tmp / ENTRY_FILE).write_text(json.dumps(entry.to_json(), indent=1))
+            metadata = entry.to_json()
+            entry.metadata_sha256 = metadata["metadata_sha256"]
+            (tmp / ENTRY_FILE).write_text(json.dumps(metadata, indent=1))
             if layout.shared_group() is not None:
                 for path in tmp.iterdir():
                     os.chmod(path, 0o640)

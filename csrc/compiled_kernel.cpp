@@ -72,6 +72,21 @@ AOTITorchError empty_strided(
   }
 }
 
+// The number of inputs the library's model container takes (the runner keeps
+// no entry point for it).
+size_t library_num_inputs(const std::string& library_path, AOTInductorModelContainerHandle container) {
+  void* library = dlopen(library_path.c_str(), RTLD_NOW | RTLD_NOLOAD);
+  TORCH_CHECK(library != nullptr, "aoti_eager: ", library_path, " is not loaded");
+  auto get_num_inputs = reinterpret_cast<decltype(&AOTInductorModelContainerGetNumInputs)>(
+      dlsym(library, "AOTInductorModelContainerGetNumInputs"));
+  size_t num_inputs = 0;
+  const AOTIRuntimeError error =
+      get_num_inputs != nullptr ? get_num_inputs(container, &num_inputs) : AOTI_RUNTIME_FAILURE;
+  dlclose(library);
+  TORCH_CHECK(error == AOTI_RUNTIME_SUCCESS, "aoti_eager: ", library_path, " does not report its number of inputs");
+  return num_inputs;
+}
+
 // A library whose wrapper was built in parts (kernels/wrapper_split.py)
 // allocates through a hook, left empty (the shim) until set here.
 void install_allocation_hook(const std::string& library_path) {
@@ -123,6 +138,19 @@ CompiledKernel::CompiledKernel(
   TORCH_CHECK(container_ != nullptr && run_func_ != nullptr, "aoti_eager: runner without a model container");
   AOTI_RUNTIME_ERROR_CODE_CHECK(
       RunnerInternals::num_outputs_func(*runner_)(container_, &num_outputs_));
+  num_inputs_ = library_num_inputs(library_path, container_);
+  // Once per load, so that no call reads past the outputs the library hands back.
+  size_t described = 0;
+  for (int64_t count : output_counts_) {
+    TORCH_CHECK(count >= -1, "aoti_eager: output count ", count, " describes no output");
+    described += count < 0 ? 1 : static_cast<size_t>(count);
+  }
+  TORCH_CHECK(
+      described == num_outputs_,
+      "aoti_eager: the kernel's metadata describes ",
+      described,
+      " outputs, its library returns ",
+      num_outputs_);
   install_allocation_hook(library_path);
 }
 

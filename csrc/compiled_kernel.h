@@ -23,6 +23,7 @@ class CompiledKernel {
   // (the kernel writes into that argument in place).
   // `runtime_arguments`: indices of the op's arguments that the kernel takes
   // as runtime numbers (0-d float64 CPU tensors) instead of compiled-in values.
+  // Throws unless `output_counts` describes as many outputs as the library has.
   CompiledKernel(
       const std::string& library_path,
       const std::string& device,
@@ -43,6 +44,15 @@ class CompiledKernel {
     return runtime_arguments_;
   }
 
+  // What the library itself says it takes and returns.
+  size_t num_inputs() const {
+    return num_inputs_;
+  }
+
+  size_t num_outputs() const {
+    return num_outputs_;
+  }
+
  private:
   c10::Device device_;
   std::unique_ptr<torch::inductor::AOTIModelContainerRunner> runner_;
@@ -50,6 +60,7 @@ class CompiledKernel {
   AOTInductorModelContainerHandle container_ = nullptr;
   AOTIProxyExecutorHandle proxy_executor_ = nullptr;
   decltype(&AOTInductorModelContainerRun) run_func_ = nullptr;
+  size_t num_inputs_ = 0;
   size_t num_outputs_ = 0;
   mutable std::mutex run_mutex_;
   std::vector<int64_t> output_counts_;

@@ -56,7 +56,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("output_counts", &CompiledKernel::output_counts)
-      .def_property_readonly("runtime_arguments", &CompiledKernel::runtime_arguments);
+      .def_property_readonly("runtime_arguments", &CompiledKernel::runtime_arguments)
+      .def_property_readonly("num_inputs", &CompiledKernel::num_inputs)
+      .def_property_readonly("num_outputs", &CompiledKernel::num_outputs);
 
   py::class_<Installed>(m, "Override")
       .def(

@@ -15,7 +15,7 @@ import torch
 
 from aoti_eager.cache import Entry, KernelCache, UntrustedEntry, inventory, layout
 from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE
-from helpers import SIGNATURE, publish_kernel
+from helpers import SIGNATURE, edit_entry_json, publish_kernel
 
 CPU = torch.device("cpu")
 
@@ -68,6 +68,14 @@ DAMAGES = {
     "altered-artifact": (lambda d: (d / LIBRARY_FILE).write_bytes(b"\x7fELF anotheR kernel"), "sha256"),
     "truncated-artifact": (lambda d: (d / LIBRARY_FILE).write_bytes(b"\x7fELF"), "sha256"),
     "missing-artifact": (lambda d: (d / LIBRARY_FILE).unlink(), "incomplete entry: FileNotFoundError"),
+    "edited-json": (lambda d: edit_entry_json(d, compile_seconds=0.5), "entry.json does not match its recorded digest"),
+    "json-without-digest": (lambda d: edit_entry_json(d, metadata_sha256=None), "does not match its recorded digest"),
+    # Edited with the digest recorded again: what the C++ side reads is checked against the op's schema.
+    "output-counts-of-two-returns": (lambda d: edit_entry_json(d, redigest=True, output_counts=[-1, -1]),
+                                     "does not describe the 1 returns of aten::abs"),
+    "output-counts-of-a-list": (lambda d: edit_entry_json(d, redigest=True, output_counts=[3]), "does not match the return"),
+    "library-outside-the-entry": (lambda d: edit_entry_json(d, redigest=True, library="../../kernel.so"),
+                                  "names the library '../../kernel.so'"),
 }
 
 

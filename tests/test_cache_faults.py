@@ -3,45 +3,62 @@ loads it, says why in a log line, and the call still gives eager's result."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import stat
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import aoti_eager
 from aoti_eager import _runtime
+from aoti_eager import cli
+from aoti_eager._ops import qualified_name
 from aoti_eager.cache import KernelCache, inventory
-from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE
-from aoti_eager.kernels import CallSignature, CompileError
+from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE, sha256_of
+from aoti_eager.kernels import CallSignature, CompileError, load_probe
 from aoti_eager.kernels.compile import compile_options
 from aoti_eager.kernels.load_probe import VERDICT_FILE
-from helpers import assert_same_as_eager
+from helpers import assert_same_as_eager, edit_entry_json
 
+A = torch.ops.aten
 X = torch.linspace(-3, 3, 128)
+
+
+def compile_entry(cache_dir, op, args):
+    """The cache entry of ``op`` called on ``args``, compiled if the cache lacks it."""
+    with aoti_eager.enabled([op], devices=["cpu"], cache_dir=cache_dir):
+        op(*args)
+    signature = CallSignature.of(op, "cpu", list(args))
+    return KernelCache(cache_dir, signature.device, compile_options("cpu")).entry_dir(qualified_name(op), signature.key)
 
 
 @pytest.fixture(scope="module")
 def compiled_entry(shared_cache):
     """The entry of ``abs`` on X, compiled once into the session's cache."""
-    with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=shared_cache):
-        torch.abs(X)
-    signature = CallSignature.of(torch.ops.aten.abs.default, "cpu", [X])
-    return KernelCache(shared_cache, signature.device, compile_options("cpu")).entry_dir("aten::abs", signature.key)
+    return compile_entry(shared_cache, A.abs.default, [X])
+
+
+def copy_entry(compiled, root):
+    """A copy of a compiled entry in the cache ``root``, with its environment's load-probe verdict."""
+    copy = root / compiled.relative_to(compiled.parents[3])
+    copy.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
+    os.chmod(copy.parents[1], 0o700)
+    os.chmod(copy.parents[2], 0o700)
+    shutil.copytree(compiled, copy)
+    if not (copy.parents[1] / VERDICT_FILE).exists():
+        shutil.copyfile(compiled.parents[1] / VERDICT_FILE, copy.parents[1] / VERDICT_FILE)
+    return copy
 
 
 @pytest.fixture
 def entry(compiled_entry, tmp_path):
     """A copy of the compiled entry in a cache of its own."""
-    copy = tmp_path / compiled_entry.relative_to(compiled_entry.parents[3])
-    copy.parent.mkdir(parents=True, mode=0o700)
-    os.chmod(copy.parents[1], 0o700)
-    os.chmod(copy.parents[2], 0o700)
-    shutil.copytree(compiled_entry, copy)
-    shutil.copyfile(compiled_entry.parents[1] / VERDICT_FILE, copy.parents[1] / VERDICT_FILE)
-    return copy
+    return copy_entry(compiled_entry, tmp_path)
 
 
 def run_abs(cache_dir, monkeypatch):
@@ -132,3 +149,185 @@ def counting(function, calls):
         return function(*args, **kwargs)
 
     return wrapper
+
+
+def replace_library(directory, library, redigest=True):
+    shutil.copyfile(library, directory / LIBRARY_FILE)
+    edit_entry_json(directory, redigest=redigest, sha256=sha256_of(directory / LIBRARY_FILE))
+
+
+# A child process calls FUNCTION(*ARGS) twice with OP enabled on CACHE_DIR,
+# compiling nothing (a set-aside entry runs eagerly), and saves the results
+# and stats; a crash shows in its exit code.
+CALL_IN_A_CHILD = """
+import sys, torch, aoti_eager
+op, function, cache_dir, saved = sys.argv[1:]
+args = torch.load(saved)
+aoti_eager.enable([op], devices=["cpu"], cache_dir=cache_dir, compile="never")
+results = [getattr(torch, function)(*args) for _ in range(2)]
+(stats,) = aoti_eager.stats().values()
+torch.save({"results": results, "stats": stats}, saved)
+"""
+
+
+def call_in_a_child(op, function, args, cache_dir, tmp_path):
+    saved = tmp_path / "call.pt"
+    torch.save(args, saved)
+    child = subprocess.run([sys.executable, "-c", CALL_IN_A_CHILD, op, function, str(cache_dir), str(saved)],
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, f"exit code {child.returncode}: {child.stderr[-3000:]}"
+    outcome = torch.load(saved)
+    expected = getattr(torch, function)(*args)
+    for result in outcome["results"]:
+        assert_same_as_eager(result, expected)
+    return outcome["stats"], child.stderr
+
+
+TWO = [X, torch.linspace(0, 1, 64)]
+
+
+@pytest.fixture(scope="module")
+def compiled_foreach_entry(shared_cache):
+    """An entry whose op returns a Tensor[]: output_counts [2]."""
+    return compile_entry(shared_cache, A._foreach_abs.default, [TWO])
+
+
+@pytest.fixture(scope="module")
+def compiled_mul_entry(shared_cache):
+    """A library of two inputs and one output."""
+    return compile_entry(shared_cache, A.mul.Tensor, [X, X])
+
+
+# Edits of entry.json that the cache sees on reading it, so `cache verify` reports them too.
+EDITS = {
+    "output_counts-too-long": (dict(output_counts=[-1, -1]), False, "does not match its recorded digest"),
+    "output_counts-too-long-redigested": (dict(output_counts=[-1, -1]), True, "does not describe the 1 returns of aten::abs"),
+    "output_counts-a-list-redigested": (dict(output_counts=[2]), True, "does not match the return"),
+    "library-elsewhere-redigested": (dict(library="../kernel.so"), True, "names the library '../kernel.so'"),
+    "compile_seconds": (dict(compile_seconds=0.25), False, "does not match its recorded digest"),
+}
+
+
+@pytest.mark.parametrize("edit", EDITS)
+def test_edited_entry_json_is_set_aside_and_reported_by_verify(edit, entry, tmp_path):
+    fields, redigest, problem = EDITS[edit]
+    edit_entry_json(entry, redigest, **fields)
+    (reported,) = inventory.verify(tmp_path)
+    assert reported.path == entry and problem in reported.problem, reported
+    stats, stderr = call_in_a_child("aten::abs.default", "abs", [X], tmp_path, tmp_path)
+    assert "set aside" in stderr and problem in stderr, stderr
+    assert (stats["hits"], stats["cache_loads"]) == (0, 0), stats
+    assert len(inventory.quarantined(tmp_path)) == 1 and not entry.exists()
+
+
+def test_output_counts_that_the_library_disagrees_with_never_reach_a_call(compiled_foreach_entry, tmp_path):
+    # A Tensor[] of 3 passes the schema; the library returns 2 tensors. The
+    # call used to read past them and abort the process.
+    entry = copy_entry(compiled_foreach_entry, tmp_path)
+    edit_entry_json(entry, redigest=True, output_counts=[3])
+    stats, stderr = call_in_a_child("aten::_foreach_abs.default", "_foreach_abs", [TWO], tmp_path, tmp_path)
+    assert "set aside" in stderr and "describes 3 outputs, its library returns 2" in stderr, stderr
+    assert (stats["hits"], stats["cache_loads"]) == (0, 0), stats
+    assert len(inventory.quarantined(tmp_path)) == 1
+
+
+def test_the_intact_tensor_list_entry_is_loaded(compiled_foreach_entry, tmp_path):
+    copy_entry(compiled_foreach_entry, tmp_path)
+    stats, _ = call_in_a_child("aten::_foreach_abs.default", "_foreach_abs", [TWO], tmp_path, tmp_path)
+    assert (stats["cache_loads"], stats["hits"], stats["fallbacks"]) == (1, 1, 0), stats
+
+
+def test_a_library_that_takes_other_inputs_than_the_call_never_runs(entry, compiled_mul_entry, tmp_path):
+    # A library of mul (two inputs) under abs's entry, its sha256 and digest
+    # recorded again: only the library's own answer tells.
+    replace_library(entry, compiled_mul_entry / LIBRARY_FILE)
+    stats, stderr = call_in_a_child("aten::abs.default", "abs", [X], tmp_path, tmp_path)
+    assert "set aside" in stderr and "its library takes 2 inputs" in stderr, stderr
+    assert (stats["hits"], stats["cache_loads"]) == (0, 0), stats
+    assert len(inventory.quarantined(tmp_path)) == 1
+
+
+def test_a_library_that_fails_to_load_is_set_aside_not_the_environment(entry, compiled_entry, tmp_path, monkeypatch):
+    # Not a library at all, its sha256 and digest recorded again: the test
+    # process fails to load it (an error, no signal), and no environment
+    # verdict is taken before a kernel has loaded.
+    (entry.parents[1] / VERDICT_FILE).unlink()
+    bogus = tmp_path / "bogus.so"
+    bogus.write_bytes(b"not a shared library")
+    replace_library(entry, bogus)
+    stats, compiles = run_abs(tmp_path, monkeypatch)
+    assert (stats["cache_loads"], stats["hits"]) == (0, 0) and len(compiles) == 1, stats
+    assert len(inventory.quarantined(tmp_path)) == 1
+    assert not (entry.parents[1] / VERDICT_FILE).exists()
+
+    # Intact again (in place of the eager entry the failed compile left): the next process loads it.
+    shutil.rmtree(entry)
+    copy_entry(compiled_entry, tmp_path)
+    stats, compiles = run_abs(tmp_path, monkeypatch)
+    assert (stats["cache_loads"], stats["hits"], stats["fallbacks"]) == (1, 2, 0), stats
+    assert json.loads((entry.parents[1] / VERDICT_FILE).read_text())["loads"] is True
+
+
+def test_a_crash_loading_a_known_good_kernel_keeps_its_environment_eager_until_cache_clear(entry, tmp_path, monkeypatch, capsys):
+    (entry.parents[1] / VERDICT_FILE).unlink()
+    monkeypatch.setattr(load_probe, "_CHILD", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    stats, compiles = run_abs(tmp_path, monkeypatch)
+    assert (stats["cache_loads"], stats["hits"], stats["fallbacks"]) == (0, 0, 3), stats
+    assert "crashed a test process loading a known-good cpu kernel (signal 11)" in stats["fallback_reason"]
+    assert not compiles  # nothing compiled for an environment whose kernels crash the runtime
+    assert entry.exists()  # the entry is not at fault
+
+    assert cli.main(["--cache-dir", str(tmp_path), "doctor"]) == 1
+    out = capsys.readouterr().out
+    assert f"load probe {entry.parents[1].name}: crashes: AOTInductor's runtime crashed" in out, out
+
+    assert cli.main(["--cache-dir", str(tmp_path), "cache", "clear"]) == 0
+    assert not (entry.parents[1] / VERDICT_FILE).exists()
+    monkeypatch.undo()
+    cli.main(["--cache-dir", str(tmp_path), "doctor"])
+    assert "load probe none yet" in capsys.readouterr().out
+
+
+def misplace_paths(root, entry):
+    """Blocks every write a miss makes, for any user: the lock of the cached
+    op is a directory, and the directory of another op a file."""
+    (entry.parent / ".lock").mkdir()
+    (entry.parents[1] / "aten.neg").write_bytes(b"")
+
+
+def make_read_only(root, entry):
+    for directory in [root, *(p for p in root.rglob("*") if p.is_dir())]:
+        os.chmod(directory, 0o555)
+
+
+@pytest.mark.parametrize(
+    "block",
+    [
+        misplace_paths,
+        pytest.param(make_read_only, marks=pytest.mark.skipif(
+            os.geteuid() == 0, reason="chmod does not stop root's writes (misplace_paths blocks them for root)")),
+    ],
+)
+def test_a_cache_that_cannot_be_written_serves_its_kernels_and_runs_misses_eagerly(block, entry, tmp_path, monkeypatch, caplog):
+    block(tmp_path, entry)
+    monkeypatch.setattr(_runtime, "compile_call", lambda *a, **k: pytest.fail("must not compile: the cache cannot be written"))
+    other = torch.linspace(-1, 1, 96)
+    try:
+        with caplog.at_level(logging.WARNING, logger="aoti_eager"):
+            with aoti_eager.enabled(["aten::abs.default", "aten::neg.default"], devices=["cpu"], cache_dir=tmp_path):
+                cached = [torch.abs(X) for _ in range(2)]
+                missed = [torch.abs(other) for _ in range(3)] + [torch.neg(X) for _ in range(3)]
+                stats = aoti_eager.stats()
+    finally:
+        for directory in [tmp_path, *(p for p in tmp_path.rglob("*") if p.is_dir())]:
+            os.chmod(directory, 0o700)
+    for result in cached:
+        assert_same_as_eager(result, X.abs())
+    for result, expected in zip(missed, [other.abs()] * 3 + [X.neg()] * 3):
+        assert_same_as_eager(result, expected)
+    assert (stats["aten::abs"]["cache_loads"], stats["aten::abs"]["hits"]) == (1, 1), stats
+    # Remembered: one miss per signature, not one per call.
+    assert (stats["aten::abs"]["misses"], stats["aten::neg"]["misses"]) == (2, 1), stats
+    warnings = [r for r in caplog.records if "cannot be used" in r.getMessage()]
+    assert sorted(r.getMessage().split()[1] for r in warnings) == ["aten::abs", "aten::neg"], caplog.text
+    assert not any(r.exc_info for r in caplog.records), caplog.text
