@@ -216,7 +216,7 @@ def compile_call(
     seconds: dict[str, float] = {}
     stage = "torch.export"
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), scratch.compiling_in(workdir.name):
             # Deprecation notices from PyTorch internals are not the user's concern.
             warnings.simplefilter("ignore")
             start = time.perf_counter()

@@ -8,6 +8,8 @@ line.
 
 Each compile has its own directory, named after its host and process, so that
 what a killed process left is removed by the next compile on that host.
+Inductor's own caches and the compiler's temporary files stay under the same
+root during a compile (see :func:`compiling_in`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import socket
 import tempfile
 from functools import lru_cache
 from pathlib import Path
+from typing import Iterator
 
 from aoti_eager.cache import layout
 
@@ -63,6 +66,45 @@ def root() -> Path:
         f"aoti_eager: no directory to compile in: {private} and the temporary directory have characters "
         "that compiler command lines split (set TMPDIR to a path of letters, digits and ._+-/)"
     )
+
+
+@contextlib.contextmanager
+def compiling_in(workdir: str) -> Iterator[None]:
+    """Within the block, what a compile writes besides its results stays in
+    this user's directories, so that a killed compile leaves nothing in the
+    shared temporary directory: Inductor's caches (generated sources,
+    precompiled headers, Triton's cache) in ``<scratch root>/inductor``, unless
+    ``$TORCHINDUCTOR_CACHE_DIR`` names another place, and the compiler's
+    temporary files in ``workdir`` (``TMPDIR`` of the processes it starts)."""
+    from torch._inductor import codecache
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    variables = {"TMPDIR": workdir}
+    attributes = {}
+    # Inductor writes its default into the variable when it first needs it:
+    # only another value is the user's choice.
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
+        inductor = root() / "inductor"
+        variables["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)
+        # Precompiled headers go to the default directory whatever the variable says.
+        if hasattr(codecache, "_HEADER_DIR") and hasattr(codecache, "_HEADER_LOCK_DIR"):
+            attributes = {"_HEADER_DIR": str(inductor / "precompiled_headers"),
+                          "_HEADER_LOCK_DIR": str(inductor / "precompiled_headers" / "locks")}
+    saved_variables = {name: os.environ.get(name) for name in variables}
+    saved_attributes = {name: getattr(codecache, name) for name in attributes}
+    os.environ.update(variables)
+    for name, value in attributes.items():
+        setattr(codecache, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved_attributes.items():
+            setattr(codecache, name, value)
+        for name, value in saved_variables.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _host() -> str:

@@ -35,6 +35,8 @@ def private_root(tmp_path, monkeypatch):
     from aoti_eager.kernels import scratch, toolchain
 
     _extension.load()
+    # Inductor's caches stay where other tests keep them: precompiled headers take seconds to build.
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(scratch.root() / "inductor")))
     remembered = (layout._vec_isas, layout.compiler_identity, toolchain.cpp_compiler, scratch.root)
     for function in remembered:
         function.cache_clear()

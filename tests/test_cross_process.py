@@ -4,6 +4,7 @@ the others; dead lock holders and killed compiles leave nothing wrong behind."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -83,8 +84,11 @@ torch.abs(torch.linspace(-3, 3, 24))
 """
 
 
-def test_kill_9_in_the_middle_of_a_compile_leaves_no_entry(tmp_path):
-    compiling = subprocess.Popen([sys.executable, "-c", COMPILE, str(tmp_path)])
+def test_kill_9_in_the_middle_of_a_compile_leaves_no_entry_and_no_scratch_files(tmp_path):
+    temporary = tmp_path / "tmp"  # where Inductor would keep its files by default
+    temporary.mkdir()
+    environment = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    compiling = subprocess.Popen([sys.executable, "-c", COMPILE, str(tmp_path / "cache")], env={**environment, "TMPDIR": str(temporary)})
 
     def left_behind():
         # The compile's scratch directory exists only while it runs, under the lock.
@@ -92,7 +96,8 @@ def test_kill_9_in_the_middle_of_a_compile_leaves_no_entry(tmp_path):
 
     try:
         deadline = time.monotonic() + 300
-        while not left_behind():
+        # Killed once Inductor is building the generated C++.
+        while not [path for directory in left_behind() for path in directory.rglob("*.cpp")]:
             assert compiling.poll() is None and time.monotonic() < deadline, "the compile never started"
             time.sleep(0.05)
         time.sleep(1)
@@ -100,18 +105,20 @@ def test_kill_9_in_the_middle_of_a_compile_leaves_no_entry(tmp_path):
         compiling.send_signal(signal.SIGKILL)
         compiling.wait()
     assert compiling.returncode == -signal.SIGKILL
-    assert inventory.entries(tmp_path) == [], "a killed compile published an entry"
+    assert inventory.entries(tmp_path / "cache") == [], "a killed compile published an entry"
     assert left_behind()
+    files = [path for path in temporary.rglob("*") if not path.is_dir()]
+    assert files == [], "a compile kept files outside the directories of this user's"
 
     # The next process compiles it and cleans up what the killed one left.
     x = torch.linspace(-3, 3, 24)
-    with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
+    with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path / "cache"):
         result = torch.abs(x)
         stats = aoti_eager.stats()["aten::abs"]
     assert_same_as_eager(result, x.abs())
     assert stats["compiles"] == 1, stats
     assert not left_behind() and not list(tmp_path.rglob(".tmp-*"))
-    assert len(inventory.entries(tmp_path)) == 1
+    assert len(inventory.entries(tmp_path / "cache")) == 1
 
 
 STRESS = r"""
