@@ -35,9 +35,9 @@ from aoti_eager._ops import OpSpec
 from aoti_eager.cache import default_root
 from aoti_eager.manifest import Recorder
 from aoti_eager._prewarm import prewarm
+from aoti_eager.version import __version__
 
 __all__ = ["cache_dir", "disable", "enable", "enabled", "prewarm", "stats"]
-__version__ = "0.1.0"
 
 log = logging.getLogger("aoti_eager")
 

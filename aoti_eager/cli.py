@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from aoti_eager.cache import bundle, default_root, inventory, layout, signing, store
+from aoti_eager.version import __version__
 
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -367,7 +368,7 @@ def doctor(root: Path, args: argparse.Namespace) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aoti-eager", description="Eager PyTorch with AOTInductor kernels.")
-    parser.add_argument("--version", action="version", version="aoti_eager 0.1.0")
+    parser.add_argument("--version", action="version", version=f"aoti_eager {__version__}")
     parser.add_argument("--cache-dir", type=Path, help="the cache (default: $AOTI_EAGER_CACHE_DIR, else the per-user cache dir)")
     parser.add_argument("--debug", action="store_true",
                         help="on a failure, raise with its traceback instead of one line on stderr (to report a bug)")

@@ -39,10 +39,11 @@ from typing import Any
 import platformdirs
 import torch
 
+from aoti_eager.version import __version__
+
 # v2: directory names are [A-Za-z0-9._+-] only (v1 put Inductor's ISA name,
 # which can hold a space, into the environment's directory name).
 LAYOUT_VERSION = "v2"
-PACKAGE_VERSION = "0.1.0"
 
 
 def default_root() -> Path:
@@ -251,7 +252,7 @@ def environment_fields(device: torch.device, compile_options: dict[str, Any] | N
         "device": device.type,
         "torch": torch.__version__,
         "torch_git": str(torch.version.git_version),
-        "aoti_eager": PACKAGE_VERSION,
+        "aoti_eager": __version__,
         "machine": platform.machine(),
         "compiler": compiler_identity((compile_options or {}).get("cpp.cxx", (None, None))[1]),
         "inductor_options": json.dumps(compile_options or {}, sort_keys=True),
