@@ -30,7 +30,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from aoti_eager import _ops, _runtime
+from aoti_eager import _ops, _runtime, settings
 from aoti_eager._ops import OpSpec
 from aoti_eager.cache import default_root
 from aoti_eager.manifest import Recorder
@@ -117,7 +117,7 @@ def enable(
     if compile not in ("now", "background", "never"):
         raise ValueError(f'aoti_eager: compile is "now", "background" or "never", not {compile!r}')
     if record is None:
-        record = os.environ.get("AOTI_EAGER_RECORD") or None
+        record = settings.record.get()
     recorder = Recorder(record) if record is not None else None
     devices = list(devices) if devices is not None else _default_devices()
     for device in devices:

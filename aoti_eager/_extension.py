@@ -30,6 +30,7 @@ from types import ModuleType
 import torch
 from filelock import FileLock
 
+from aoti_eager import settings
 from aoti_eager.cache import layout
 from aoti_eager.cache.store import sha256_of
 
@@ -123,7 +124,7 @@ def _build(directory: Path) -> None:
             sources=[str(s) for s in _SOURCES],
             extra_cflags=["-O3", "-std=c++17"],
             build_directory=str(directory),
-            verbose=os.environ.get("AOTI_EAGER_VERBOSE_BUILD") == "1",
+            verbose=settings.verbose_build.get(),
             # Only built here; imported below under its package name.
             is_python_module=False,
         )

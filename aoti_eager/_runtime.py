@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
-import os
 import re
 import threading
 import time
@@ -22,7 +21,7 @@ import filelock
 import torch
 from torch._ops import OpOverload
 
-from aoti_eager import _background, _extension
+from aoti_eager import _background, _extension, settings
 from aoti_eager._ops import qualified_name
 from aoti_eager.cache import DamagedEntry, Entry, KernelCache, UntrustedEntry, inventory, layout
 from aoti_eager.cache.store import TEMPORARY_PREFIX, set_aside
@@ -38,17 +37,12 @@ log = logging.getLogger("aoti_eager")
 DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 
 def max_value_variants() -> int:
-    """Compiles per op and signature shape that differ only in the values of
-    numbers (``$AOTI_EAGER_MAX_VALUE_VARIANTS``, default 8, like dynamo's cache
-    size limit); further values run eagerly instead of compiling forever."""
-    return int(os.environ.get("AOTI_EAGER_MAX_VALUE_VARIANTS", "8"))
+    """Like dynamo's cache size limit: further values run eagerly instead of compiling forever."""
+    return settings.max_value_variants.get()
 
 
 def keep_faster() -> bool:
-    """Whether a new kernel is timed against eager and the signature kept
-    eager where eager is clearly faster (``$AOTI_EAGER_KEEP_FASTER``, default
-    "1"; "0" turns the timing off, and every validated kernel is used)."""
-    return os.environ.get("AOTI_EAGER_KEEP_FASTER", "1") != "0"
+    return settings.keep_faster.get()
 
 
 # A kernel is set aside for eager only when it is this much slower, twice:
@@ -57,9 +51,7 @@ SLOWER_THAN_EAGER = 1.05
 
 
 def lock_timeout() -> float:
-    """Seconds a miss waits for another process compiling the same op
-    (``$AOTI_EAGER_LOCK_TIMEOUT``, default 900) before running eagerly."""
-    return float(os.environ.get("AOTI_EAGER_LOCK_TIMEOUT", "900"))
+    return settings.lock_timeout.get()
 
 
 # Inductor is not thread-safe: one compile at a time in a process (the cache's
@@ -351,11 +343,11 @@ class Override:
         return timing
 
     def _keep_size_limit(self) -> None:
-        eviction = inventory.evict(self.root, max_bytes=layout.size_limit())
+        eviction = inventory.evict(self.root, max_bytes=settings.cache_size.get())
         if eviction.removed:
             log.info(
                 "aoti_eager: evicted %d least recently used cache entries (%d bytes) to stay under %d bytes",
-                len(eviction.removed), sum(e.bytes for e in eviction.removed), layout.size_limit(),
+                len(eviction.removed), sum(e.bytes for e in eviction.removed), settings.cache_size.get(),
             )
 
     def _adopt(self, signature: CallSignature, entry: Entry, loaded: bool) -> Any:

@@ -7,12 +7,13 @@ does exactly that, through the public API, in a throwaway cache.
 
 from __future__ import annotations
 
-import os
 import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
+
+from aoti_eager import settings
 
 # The stage a miss failed in, by how the runtime's reason starts.
 _STAGES = (
@@ -44,22 +45,14 @@ def check_device(device: str) -> SelfCheck:
 
     x = torch.linspace(-2.0, 2.0, 37, device=device)
     expected = torch.abs(x)
-    keep_faster = os.environ.get("AOTI_EAGER_KEEP_FASTER")
     # Eager may well be faster on 37 numbers: the kernel is what is checked here.
-    os.environ["AOTI_EAGER_KEEP_FASTER"] = "0"
-    try:
-        with tempfile.TemporaryDirectory(prefix="aoti_eager-doctor-") as cache_dir:
-            start = time.perf_counter()
-            with aoti_eager.enabled(["aten::abs"], devices=[device], cache_dir=cache_dir, record=None, compile="now"):
-                first = torch.abs(x)
-                seconds = time.perf_counter() - start
-                second = torch.abs(x)
-                stats = aoti_eager.stats()["aten::abs"]
-    finally:
-        if keep_faster is None:
-            del os.environ["AOTI_EAGER_KEEP_FASTER"]
-        else:
-            os.environ["AOTI_EAGER_KEEP_FASTER"] = keep_faster
+    with settings.keep_faster.set_to("0"), tempfile.TemporaryDirectory(prefix="aoti_eager-doctor-") as cache_dir:
+        start = time.perf_counter()
+        with aoti_eager.enabled(["aten::abs"], devices=[device], cache_dir=cache_dir, record=None, compile="now"):
+            first = torch.abs(x)
+            seconds = time.perf_counter() - start
+            second = torch.abs(x)
+            stats = aoti_eager.stats()["aten::abs"]
     check = SelfCheck(device, round(seconds, 3))
     reason = stats["fallback_reason"]
     if stats["compiles"] != 1 or reason:

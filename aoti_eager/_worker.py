@@ -26,6 +26,7 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from aoti_eager import settings
 from aoti_eager.manifest import ManifestEntry
 
 # The command that runs a worker (tests replace it to make workers fail).
@@ -90,7 +91,7 @@ class Worker:
         self._stderr = None
 
     def _start(self) -> subprocess.Popen:
-        env = {k: v for k, v in os.environ.items() if k != "AOTI_EAGER_RECORD"}
+        env = {k: v for k, v in os.environ.items() if k != settings.record.name}
         # A file, not a pipe: a compiler's chatter must not fill a pipe that no
         # one reads while the child waits for its next entry.
         self._stderr = tempfile.TemporaryFile(prefix="aoti_eager-worker-")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import re
 import sys
@@ -19,6 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from aoti_eager import settings
 from aoti_eager.cache import bundle, default_root, inventory, layout, signing, store
 from aoti_eager.version import __version__
 
@@ -27,9 +27,9 @@ _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400
 
 def _size(text: str) -> int:
     try:
-        return layout.parse_size(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
+        return settings.parse_size(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {settings.SIZE.expected}") from None
 
 
 def _duration(text: str) -> float:
@@ -119,7 +119,7 @@ def cache_stats(root: Path, args: argparse.Namespace) -> int:
         "path": str(root),
         "entries": len(listed),
         "bytes": sum(listing.bytes for listing in listed),
-        "size_limit": layout.size_limit(),
+        "size_limit": settings.cache_size.get(),
         "quarantined": len(inventory.quarantined(root)),
         # Temporary directories of processes killed while compiling or publishing.
         "abandoned": len(abandoned),
@@ -180,7 +180,7 @@ def _report_eviction(eviction: inventory.Eviction, args: argparse.Namespace, **e
 
 
 def cache_prune(root: Path, args: argparse.Namespace) -> int:
-    max_size = args.max_size if args.max_size is not None else layout.size_limit()
+    max_size = args.max_size if args.max_size is not None else settings.cache_size.get()
     eviction = inventory.evict(root, max_bytes=max_size, older_than=args.older_than)
     return _report_eviction(eviction, args, old_layouts_removed=inventory.remove_old_layouts(root))
 
@@ -227,23 +227,23 @@ def cache_keygen(root: Path, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"private_key": str(args.file), "public_key": str(public), "fingerprint": key}, indent=1))
     else:
-        print(f"private key {args.file} (keep it with whoever builds bundles: export --sign-key or ${signing.SIGNING_KEY_VARIABLE})")
+        print(f"private key {args.file} (keep it with whoever builds bundles: export --sign-key or ${settings.signing_key.name})")
         print(f"public key  {public} ({key}): ship it, and trust it with import --trust-key "
-              f"or ${signing.TRUSTED_KEYS_VARIABLE}")
+              f"or ${settings.trusted_keys.name}")
     return 0
 
 
 def cache_export(root: Path, args: argparse.Namespace) -> int:
-    transfer = bundle.export_bundle(root, args.file, args.sign_key or signing.signing_key())
+    transfer = bundle.export_bundle(root, args.file, args.sign_key or settings.signing_key.get())
     if transfer.signed_by is None:
-        print(f"aoti-eager: warning: {args.file} is not signed (no --sign-key, no ${signing.SIGNING_KEY_VARIABLE}): "
+        print(f"aoti-eager: warning: {args.file} is not signed (no --sign-key, no ${settings.signing_key.name}): "
               "it imports only with --allow-unsigned", file=sys.stderr)
     _report_transfer(transfer, "exported", args)
     return 0
 
 
 def cache_import(root: Path, args: argparse.Namespace) -> int:
-    transfer = bundle.import_bundle(root, args.file, args.trust_key + signing.trusted_keys(), args.allow_unsigned)
+    transfer = bundle.import_bundle(root, args.file, args.trust_key + settings.trusted_keys.get(), args.allow_unsigned)
     if transfer.untrusted_because:
         print(f"aoti-eager: warning: imported {args.file} without a trusted signature ({transfer.untrusted_because}): "
               "its kernels are native code that will run in this user's processes", file=sys.stderr)
@@ -303,7 +303,7 @@ def _load_probe_line(verdicts: dict[str, str | None]) -> str:
 def doctor(root: Path, args: argparse.Namespace) -> int:
     import torch
 
-    from aoti_eager import _extension, _runtime, _selfcheck
+    from aoti_eager import _extension, _selfcheck
     from aoti_eager.kernels.toolchain import cpp_compiler
 
     problems: list[str] = []
@@ -325,9 +325,9 @@ def doctor(root: Path, args: argparse.Namespace) -> int:
     report["load_probe"], load_problems = _load_probe_report(root)
     problems += load_problems
     report["settings"] = {
-        "AOTI_EAGER_CACHE_SIZE": layout.size_limit(),
-        "AOTI_EAGER_CACHE_GROUP": os.environ.get("AOTI_EAGER_CACHE_GROUP"),
-        "AOTI_EAGER_LOCK_TIMEOUT": _runtime.lock_timeout(),
+        "AOTI_EAGER_CACHE_SIZE": settings.cache_size.get(),
+        "AOTI_EAGER_CACHE_GROUP": settings.cache_group.get(),
+        "AOTI_EAGER_LOCK_TIMEOUT": settings.lock_timeout.get(),
     }
     try:
         _extension.load()
@@ -399,12 +399,12 @@ def _parser() -> argparse.ArgumentParser:
     keygen.add_argument("file", type=Path)
     export = command(cache, "export", cache_export, "write every entry, with its key and checksum, into a signed bundle (tar)")
     export.add_argument("file", type=Path)
-    export.add_argument("--sign-key", type=Path, help=f"the private key to sign with (default: ${signing.SIGNING_KEY_VARIABLE})")
+    export.add_argument("--sign-key", type=Path, help=f"the private key to sign with (default: ${settings.signing_key.name})")
     imports = command(cache, "import", cache_import, "install a bundle's entries that fit this machine "
                       "(signature and checksums verified); report the rest")
     imports.add_argument("file", type=Path)
     imports.add_argument("--trust-key", type=Path, action="append", default=[], metavar="KEY.pub",
-                         help=f"a public key whose bundles are trusted (repeatable; also ${signing.TRUSTED_KEYS_VARIABLE}, "
+                         help=f"a public key whose bundles are trusted (repeatable; also ${settings.trusted_keys.name}, "
                               "paths separated by ':')")
     imports.add_argument("--allow-unsigned", action="store_true",
                          help="import a bundle that no trusted key signed: its native code will run in your processes")

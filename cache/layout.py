@@ -39,6 +39,7 @@ from typing import Any
 import platformdirs
 import torch
 
+from aoti_eager import settings
 from aoti_eager.version import __version__
 
 # v2: directory names are [A-Za-z0-9._+-] only (v1 put Inductor's ISA name,
@@ -48,10 +49,7 @@ LAYOUT_VERSION = "v2"
 
 def default_root() -> Path:
     """``$AOTI_EAGER_CACHE_DIR`` if set, else the platform's per-user cache dir."""
-    override = os.environ.get("AOTI_EAGER_CACHE_DIR")
-    if override:
-        return Path(override).expanduser()
-    return Path(platformdirs.user_cache_dir("aoti_eager"))
+    return settings.cache_dir.get() or Path(platformdirs.user_cache_dir("aoti_eager"))
 
 
 def private_root() -> Path:
@@ -96,52 +94,13 @@ def safe_name(text: str) -> str:
     return _UNSAFE_CHARACTER.sub("_", text)
 
 
-def size_limit() -> int:
-    """Bytes the kernel cache may hold before its least recently used entries
-    are evicted (``$AOTI_EAGER_CACHE_SIZE``, default 10 GiB)."""
-    try:
-        return parse_size(os.environ.get("AOTI_EAGER_CACHE_SIZE", "10GiB"))
-    except ValueError as e:
-        raise ValueError(f"AOTI_EAGER_CACHE_SIZE: {e}") from None
-
-
-_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """``"10GiB"``, ``"10G"``, ``"500MB"``, ``"4096"`` -> bytes (units are binary)."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgt]?)(?:i?b)?", text.strip().lower())
-    if match is None:
-        raise ValueError(f"not a size: {text!r} (e.g. 10GiB, 500M, 4096)")
-    return int(float(match[1]) * _SIZE_UNITS[match[2]])
-
-
-def shared_group() -> int | None:
-    """The group whose members may write a shared team cache
-    (``$AOTI_EAGER_CACHE_GROUP``, a group name or id).
-
-    None, the default, is a private cache: only this user may write it.
-    """
-    name = os.environ.get("AOTI_EAGER_CACHE_GROUP")
-    if not name:
-        return None
-    import grp
-
-    try:
-        return grp.getgrnam(name).gr_gid
-    except KeyError:
-        if name.isdigit():
-            return int(name)
-        raise ValueError(f"AOTI_EAGER_CACHE_GROUP={name!r} names no group") from None
-
-
 def make_cache_dirs(path: Path) -> None:
     """Creates ``path`` and its missing parents: mode 0700, or in a shared
     cache 2770 and owned by the shared group.
 
     (``Path.mkdir(parents=True)`` would create the parents with the default mode.)
     """
-    group = shared_group()
+    group = settings.cache_group.get()
     missing = []
     while not path.exists():
         missing.append(path)

@@ -23,9 +23,6 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-SIGNING_KEY_VARIABLE = "AOTI_EAGER_SIGNING_KEY"
-TRUSTED_KEYS_VARIABLE = "AOTI_EAGER_TRUSTED_KEYS"
-
 
 class SignatureError(Exception):
     """Why a manifest is not accepted: unsigned, signed by no trusted key, or a bad signature."""
@@ -33,17 +30,6 @@ class SignatureError(Exception):
 
 class KeyFileError(Exception):
     """A key file that cannot be read or is not an ed25519 key of the expected kind."""
-
-
-def signing_key() -> Path | None:
-    """The private key that signs by default: ``$AOTI_EAGER_SIGNING_KEY``, else None."""
-    path = os.environ.get(SIGNING_KEY_VARIABLE)
-    return Path(path).expanduser() if path else None
-
-
-def trusted_keys() -> list[Path]:
-    """The public keys trusted by default: ``$AOTI_EAGER_TRUSTED_KEYS``, paths separated by ``:``."""
-    return [Path(p).expanduser() for p in os.environ.get(TRUSTED_KEYS_VARIABLE, "").split(":") if p]
 
 
 def public_key_path(private_key: Path) -> Path:

@@ -29,6 +29,7 @@ from typing import Any, Iterator
 import torch
 from filelock import FileLock
 
+from aoti_eager import settings
 from aoti_eager.cache import layout
 
 log = logging.getLogger("aoti_eager")
@@ -94,9 +95,9 @@ class DamagedEntry(Exception):
 def check_trusted(path: Path, root: Path) -> None:
     """Raises UntrustedEntry unless ``path`` and every directory between it and
     ``root`` could only have been written by this user (or, in a shared cache,
-    by the shared group: see :func:`layout.shared_group`), and none of them is
+    by the shared group: ``$AOTI_EAGER_CACHE_GROUP``), and none of them is
     a symbolic link (the root itself may be one)."""
-    group = layout.shared_group()
+    group = settings.cache_group.get()
     current = path
     while True:
         st = current.stat() if current == root else current.lstat()
@@ -263,7 +264,7 @@ def remove_entry(root: Path, directory: Path) -> bool:
 def op_lock(op_dir: Path, timeout: float = -1) -> FileLock:
     """The lock held while an entry of the op in ``op_dir`` is compiled or
     published (see :meth:`KernelCache.lock`)."""
-    mode = 0o600 if layout.shared_group() is None else 0o660
+    mode = 0o600 if settings.cache_group.get() is None else 0o660
     return FileLock(str(op_dir / ".lock"), timeout=timeout, mode=mode)
 
 
@@ -381,7 +382,7 @@ class KernelCache:
             metadata = entry.to_json()
             entry.metadata_sha256 = metadata["metadata_sha256"]
             (tmp / ENTRY_FILE).write_text(json.dumps(metadata, indent=1))
-            if layout.shared_group() is not None:
+            if settings.cache_group.get() is not None:
                 for path in tmp.iterdir():
                     os.chmod(path, 0o640)
                 os.chmod(tmp, 0o2770)  # so that any member may evict it

@@ -46,6 +46,8 @@ from typing import Callable, Iterator
 
 from torch._inductor import cpp_builder
 
+from aoti_eager import settings
+
 
 log = logging.getLogger("aoti_eager")
 
@@ -61,10 +63,6 @@ static inline AOTITorchError aoti_eager_empty_strided(
   return allocate(ndim, sizes, strides, dtype, device_type, device_index, result);
 }
 """
-
-
-def enabled() -> bool:
-    return os.environ.get("AOTI_EAGER_SPLIT_WRAPPER", "1") != "0"
 
 
 class _Unsplittable(Exception):
@@ -101,7 +99,7 @@ def split_wrapper_builds(shared_dir: Path | None, seconds: dict[str, float]) -> 
             finish_pending()
             if shared_dir is not None:
                 _export_only_the_interface(builder)
-        if stage == "wrapper" and shared_dir is not None and enabled():
+        if stage == "wrapper" and shared_dir is not None and settings.split_wrapper.get():
             try:
                 pending.append(_start_split(tokens, shared_dir, builder, original, seconds))
                 return

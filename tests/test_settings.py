@@ -1,0 +1,108 @@
+"""aoti_eager.settings: each type's parsing, each bad value's message, and the
+README's table of settings against the declarations."""
+
+from __future__ import annotations
+
+import grp
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from aoti_eager import settings
+
+
+def _readme_rows() -> list[str]:
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("\n## Settings\n", 1)[1].split("\n## ", 1)[0]
+    return [line for line in section.splitlines() if line.startswith("| `AOTI_EAGER_")]
+
+
+def test_the_readme_lists_every_setting_as_declared():
+    declared = [f"| `{s.name}` | {s.type.name} | {f'`{s.default}`' if s.default else 'unset'} | {s.doc} |"
+                for s in settings.ALL]
+    assert _readme_rows() == declared, "the README's table of settings should read:\n" + "\n".join(declared)
+
+
+def test_every_variable_the_package_names_is_declared():
+    package = Path(settings.__file__).parents[1]
+    sources = [p for folder in ("aoti_eager", "kernels", "cache") for p in (package / folder).glob("*.py")]
+    named = {name for p in sources for name in re.findall(r"AOTI_EAGER_[A-Z_]+", p.read_text())}
+    assert named == {s.name for s in settings.ALL}
+
+
+@pytest.mark.parametrize("setting, text, value", [
+    (settings.cache_size, "10GiB", 10 << 30),
+    (settings.cache_size, "500M", 500 << 20),
+    (settings.cache_size, "1.5kb", 1536),
+    (settings.cache_size, "4096", 4096),
+    (settings.lock_timeout, "0.2", 0.2),
+    (settings.max_value_variants, "2", 2),
+    (settings.keep_faster, "0", False),
+    (settings.keep_faster, "true", True),
+    (settings.split_wrapper, "Off", False),
+    (settings.verbose_build, "yes", True),
+    (settings.cache_dir, "~/kernels", Path.home() / "kernels"),
+    (settings.trusted_keys, "/a.pub::~/b.pub", [Path("/a.pub"), Path.home() / "b.pub"]),
+    (settings.cache_group, str(os.getgid()), os.getgid()),
+    (settings.cache_group, grp.getgrgid(os.getgid()).gr_name, os.getgid()),
+])
+def test_a_value_from_the_environment(monkeypatch, setting, text, value):
+    monkeypatch.setenv(setting.name, text)
+    assert setting.get() == value and setting.is_set()
+
+
+@pytest.mark.parametrize("setting", settings.ALL, ids=lambda s: s.name)
+@pytest.mark.parametrize("text", [None, ""], ids=["unset", "empty"])
+def test_unset_or_empty_is_the_default(monkeypatch, setting, text):
+    if text is None:
+        monkeypatch.delenv(setting.name, raising=False)
+    else:
+        monkeypatch.setenv(setting.name, text)
+    assert setting.get() == setting.type.parse(setting.default) and not setting.is_set()
+
+
+def test_defaults(monkeypatch):
+    for setting in settings.ALL:
+        monkeypatch.delenv(setting.name, raising=False)
+    assert {s.name: s.get() for s in settings.ALL} == {
+        "AOTI_EAGER_CACHE_DIR": None, "AOTI_EAGER_CACHE_SIZE": 10 << 30, "AOTI_EAGER_CACHE_GROUP": None,
+        "AOTI_EAGER_LOCK_TIMEOUT": 900.0, "AOTI_EAGER_MAX_VALUE_VARIANTS": 8, "AOTI_EAGER_KEEP_FASTER": True,
+        "AOTI_EAGER_SPLIT_WRAPPER": True, "AOTI_EAGER_RECORD": None, "AOTI_EAGER_SIGNING_KEY": None,
+        "AOTI_EAGER_TRUSTED_KEYS": [], "AOTI_EAGER_VERBOSE_BUILD": False,
+    }
+
+
+def test_read_on_every_call(monkeypatch):
+    monkeypatch.setenv("AOTI_EAGER_MAX_VALUE_VARIANTS", "3")
+    assert settings.max_value_variants.get() == 3
+    monkeypatch.setenv("AOTI_EAGER_MAX_VALUE_VARIANTS", "5")
+    assert settings.max_value_variants.get() == 5
+
+
+@pytest.mark.parametrize("setting, text, message", [
+    (settings.cache_size, "abc", "AOTI_EAGER_CACHE_SIZE='abc' is not a size (e.g. 10GiB, 500M, 4096)"),
+    (settings.cache_size, "10 apples", "AOTI_EAGER_CACHE_SIZE='10 apples' is not a size (e.g. 10GiB, 500M, 4096)"),
+    (settings.lock_timeout, "soon", "AOTI_EAGER_LOCK_TIMEOUT='soon' is not a number of seconds (e.g. 900, 0.5)"),
+    (settings.max_value_variants, "2.5", "AOTI_EAGER_MAX_VALUE_VARIANTS='2.5' is not a count (a whole number, 0 or more)"),
+    (settings.max_value_variants, "-1", "AOTI_EAGER_MAX_VALUE_VARIANTS='-1' is not a count (a whole number, 0 or more)"),
+    (settings.keep_faster, "maybe", "AOTI_EAGER_KEEP_FASTER='maybe' is not a boolean (1 or 0)"),
+    (settings.cache_group, "nosuchgroup", "AOTI_EAGER_CACHE_GROUP='nosuchgroup' is not a group name or id on this machine"),
+])
+def test_a_bad_value_names_the_variable_its_value_and_what_is_expected(monkeypatch, setting, text, message):
+    monkeypatch.setenv(setting.name, text)
+    with pytest.raises(ValueError) as raised:
+        setting.get()
+    assert str(raised.value) == message
+
+
+def test_set_to_restores_the_environment(monkeypatch):
+    monkeypatch.delenv("AOTI_EAGER_RECORD", raising=False)
+    with settings.record.set_to("misses.jsonl"):
+        assert settings.record.get() == Path("misses.jsonl")
+    assert "AOTI_EAGER_RECORD" not in os.environ
+    monkeypatch.setenv("AOTI_EAGER_RECORD", "mine.jsonl")
+    with pytest.raises(KeyboardInterrupt), settings.record.set_to("other.jsonl"):
+        raise KeyboardInterrupt
+    assert os.environ["AOTI_EAGER_RECORD"] == "mine.jsonl"
