@@ -300,6 +300,14 @@ def _load_probe_line(verdicts: dict[str, str | None]) -> str:
     return "; ".join(f"{env}: {'loads' if reason is None else 'crashes: ' + reason}" for env, reason in verdicts.items()) or "none yet"
 
 
+def _settings_report() -> dict[str, dict[str, Any]]:
+    """Every setting as written (None: unset), and whether the environment set
+    it; each is parsed, so that a bad value fails here, naming it."""
+    for setting in settings.ALL:
+        setting.get()
+    return {setting.name: {"value": setting.text() or None, "set": setting.is_set()} for setting in settings.ALL}
+
+
 def doctor(root: Path, args: argparse.Namespace) -> int:
     import torch
 
@@ -324,11 +332,7 @@ def doctor(root: Path, args: argparse.Namespace) -> int:
     problems += cache_problems
     report["load_probe"], load_problems = _load_probe_report(root)
     problems += load_problems
-    report["settings"] = {
-        "AOTI_EAGER_CACHE_SIZE": settings.cache_size.get(),
-        "AOTI_EAGER_CACHE_GROUP": settings.cache_group.get(),
-        "AOTI_EAGER_LOCK_TIMEOUT": settings.lock_timeout.get(),
-    }
+    report["settings"] = _settings_report()
     try:
         _extension.load()
         report["extension"] = {"loads": True, "directory": str(_extension.build_directory())}
@@ -360,7 +364,9 @@ def doctor(root: Path, args: argparse.Namespace) -> int:
         for check in report["kernels"]:
             verdict = f"FAILED at the {check['failed_stage']} stage" if check["failed_stage"] else "compiled, loaded, ran: eager's result"
             print(f"kernel     {check['device']}: abs {verdict} ({check['seconds']:.1f} s to the first result)")
-        print("settings   " + ", ".join(f"{k}={v}" for k, v in report["settings"].items()))
+        for name, setting in report["settings"].items():
+            value = "unset" if setting["value"] is None else f"= {setting['value']}"
+            print(f"setting    {name} {value} ({'set' if setting['set'] else 'default'})")
         for problem in problems:
             print(f"PROBLEM: {problem}")
     return 1 if problems else 0

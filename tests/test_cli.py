@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from aoti_eager import settings
 from aoti_eager.cache import KernelCache, inventory, layout
 from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE
 from aoti_eager.cli import main
@@ -158,6 +159,8 @@ def test_doctor(cache, capsys):
     assert report["extension"]["loads"] and report["cache"]["mode"] == "700"
     assert report["cuda"]["available"] == torch.cuda.is_available()
     assert len(report["cuda"]["devices"]) == (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    assert list(report["settings"]) == [setting.name for setting in settings.ALL]
+    assert report["settings"]["AOTI_EAGER_KEEP_FASTER"] == {"value": "0", "set": True}  # by tests/conftest.py
     os.chmod(cache.root, 0o770)
     code, out = cli(cache, capsys, "doctor")
     assert code == 1 and "PROBLEM: cache directory" in out and "writable by group or others" in out
