@@ -178,7 +178,7 @@ def test_prewarm_reports_entries_it_cannot_compile(shared_cache, tmp_path):
     assert out.returncode == 1, out.stdout + out.stderr
     assert "FAILED aten::abs on cpu (self=float32[4, 4])" in out.stdout
     missing = aoti_eager_cli("--cache-dir", str(shared_cache), "prewarm", str(tmp_path / "none.jsonl"))
-    assert missing.returncode == 1 and "cannot prewarm" in missing.stderr
+    assert missing.returncode == 1 and missing.stderr.count("\n") == 1 and "none.jsonl" in missing.stderr, missing.stderr
 
 
 def _calls_until(predicate, call, timeout: float = 1200):
@@ -266,7 +266,7 @@ def test_export_then_import_into_an_empty_cache_compiles_nothing(shared_cache, t
     capsys.readouterr()
     assert main(["--cache-dir", str(imported), "cache", "import", str(bundle), "--trust-key", str(tmp_path / "key.pub"), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["imported"] and report["imported"] == sorted(
+    assert report["imported"] and sorted(report["imported"]) == sorted(
         "/".join(listing.directory.parts[-3:]) for listing in inventory.entries(imported)
     )
     assert inventory.verify(imported) == []
