@@ -1,4 +1,4 @@
-"""Call signatures: their keys and their JSON form."""
+"""Call signatures: their keys, their JSON form, and reading it back."""
 
 from __future__ import annotations
 
@@ -7,7 +7,15 @@ import json
 import pytest
 import torch
 
-from aoti_eager.kernels.signature import CallSignature
+from aoti_eager.kernels.signature import (
+    CallSignature,
+    NumberArg,
+    RuntimeNumberArg,
+    Unsupported,
+    argument_from_json,
+    is_wrapped_number,
+    short_form,
+)
 
 A = torch.ops.aten
 
@@ -71,3 +79,88 @@ def test_the_json_form_is_pinned_byte_for_byte():
         '"aligned": true}, {"name": "dim", "kind": "list", "items": [{"kind": "int", "value": 1}]}, '
         '{"name": "keepdim", "kind": "bool", "value": true}, {"name": "dtype", "kind": "dtype", "value": "torch.float64"}]'
     )
+
+
+@pytest.mark.parametrize("call", PINNED_KEYS)
+def test_the_json_form_reads_back_as_the_same_descriptions(call):
+    s = PINNED_KEYS[call][0]()
+    assert tuple(argument_from_json(d) for d in s.to_json()) == s.described
+    assert short_form(s.to_json()) == s.short()
+
+
+def test_a_wrapped_number_reads_back_with_its_dtype():
+    for text, dtype, value in (("2.5", "float64", 2.5), ("3", "int64", 3), ("True", "bool", True)):
+        described = {"kind": "number", "dtype": dtype, "value": text}
+        assert argument_from_json(described) == NumberArg(value, wrapped_dtype=dtype)
+        assert argument_from_json(described).to_json() == described
+    runtime = {"kind": "number", "dtype": "float64", "value": "2.5", "runtime": True}
+    assert argument_from_json(runtime) == RuntimeNumberArg(NumberArg(2.5, wrapped_dtype="float64"))
+    assert argument_from_json(runtime).to_json() == runtime
+
+
+def test_an_unknown_kind_is_unsupported():
+    with pytest.raises(Unsupported, match="'generator'"):
+        argument_from_json({"kind": "generator"})
+
+
+def test_a_zero_dim_tensor_is_not_a_wrapped_number():
+    assert not is_wrapped_number(torch.tensor(2.5))
+
+
+# add.Tensor(self=float32[4, 4], other=float32[4, 4], alpha=2), with one thing changed.
+BASE = (A.add.Tensor, lambda: zeros(4, 4), 2)
+CHANGES = {
+    "dtype": (A.add.Tensor, lambda: zeros(4, 4, dtype=torch.float64), 2),
+    "size": (A.add.Tensor, lambda: zeros(4, 5), 2),
+    "stride": (A.add.Tensor, lambda: zeros(4, 4).t(), 2),
+    "alignment": (A.add.Tensor, lambda: misaligned(4, 4), 2),
+    "op": (A.sub.Tensor, lambda: zeros(4, 4), 2),
+}
+
+
+def add_signature(op, make_self, alpha) -> CallSignature:
+    return signature(op, make_self(), zeros(4, 4), alpha)
+
+
+def test_equal_calls_have_equal_keys():
+    first, second = add_signature(*BASE), add_signature(*BASE)
+    assert first.args[0] is not second.args[0]
+    assert (first.key, first.shape_key, first.decision_key) == (second.key, second.shape_key, second.decision_key)
+    assert first.decision_key == (first.key, "cpu")
+
+
+@pytest.mark.parametrize("change", CHANGES)
+def test_a_change_of_a_field_changes_every_key(change):
+    base, changed = add_signature(*BASE), add_signature(*CHANGES[change])
+    assert changed.key != base.key
+    assert changed.shape_key != base.shape_key
+    assert changed.decision_key != base.decision_key
+
+
+def test_a_constant_number_changes_the_key_not_the_shape_key():
+    op, make_self, _ = BASE
+    base, changed = add_signature(*BASE), add_signature(op, make_self, 3)
+    assert changed.key != base.key and changed.shape_key == base.shape_key
+    floats = [CallSignature.of(op, "cpu", [zeros(4, 4), zeros(4, 4), alpha], runtime_numbers=False) for alpha in (0.5, 0.25)]
+    assert floats[0].key != floats[1].key and floats[0].shape_key == floats[1].shape_key
+    # Numbers only: a bool constant is part of the shape.
+    keepdims = [signature(A.sum.dim_IntList, zeros(4, 8), [1], keepdim, None) for keepdim in (True, False)]
+    assert keepdims[0].shape_key != keepdims[1].shape_key
+
+
+def test_a_runtime_number_is_left_out_of_the_key():
+    calls = [signature(A.add.Tensor, zeros(4), zeros(4), alpha) for alpha in (0.5, -0.25)]
+    assert [c.runtime_arguments for c in calls] == [[2], [2]]
+    assert calls[0].to_json() != calls[1].to_json()  # the value of this call is recorded...
+    assert calls[0].key == calls[1].key  # ...but names no other entry
+    assert calls[0].shape_key == calls[1].shape_key
+    constants = [c.with_constant_numbers() for c in calls]
+    assert constants[0].runtime_arguments == [] and constants[0].key != constants[1].key
+    assert constants[0].key != calls[0].key
+
+
+def test_other_numbers_change_the_values_not_the_key():
+    call = signature(A.add.Tensor, zeros(4), zeros(4), 0.5)
+    other = call.with_other_numbers()
+    assert other.args[2] == other.described[2].number.value == 0.375
+    assert other.key == call.key
