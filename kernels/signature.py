@@ -6,6 +6,54 @@ strides and alignment; a number by its value, compiled into the kernel, unless
 the kernel takes it as an input at run time; any other argument by its value.
 It is stored as JSON beside the kernel (:meth:`CallSignature.to_json`, read
 back by :func:`argument_from_json`), and its digest names the cache entry.
+
+Keys
+----
+A call is keyed on both paths, from the same arguments:
+
+- C++, on every call: ``compute_call_key`` (csrc/call_key.cpp) appends 64-bit
+  words to ``CallKey.words`` and hashes them. The key finds a loaded kernel in
+  one override's table (one op, one dispatch key) and lives with the process.
+- Python, on a miss: :attr:`CallSignature.key`, the first 24 hex digits of the
+  sha256 of ``[str(schema), to_json()]`` as JSON with sorted keys, each runtime
+  number's ``"value"`` left out. It names the cache entry on disk: what it
+  hashes changes only with a new cache layout (tests/test_signature.py pins it).
+
+What each side hashes, argument by argument:
+
+==================  ==================================  ==========================================
+argument            C++ words                           Python JSON
+==================  ==================================  ==========================================
+(the op)            none: one table per override        the schema string
+tensor              tag, dtype, device type and index,  ``TensorArg``: dtype, device type, sizes,
+                    rank, sizes, strides, 16-byte       strides, aligned (to ``ALIGNMENT`` bytes);
+                    alignment                           the index is in ``decision_key`` only
+undefined tensor    tag                                 ``NoneArg`` (Python receives None)
+int, float          tag, value (a double's bits)        ``NumberArg``: value (a float's ``repr``)
+a number given for  tag, dtype, value: the dispatcher   ``NumberArg``: as an int or float, which
+a Tensor argument   passes a wrapped number             Python receives for a wrapped number; a
+                                                        wrapped tensor: its dtype and value's repr
+runtime number      as a constant: a new value misses   ``RuntimeNumberArg``: as a number, without
+                    once, and Python hands over the     its value
+                    kernel it already holds
+bool                tag, value                          ``ConstantArg``: value
+str                 tag, length, ``std::hash``          ``ConstantArg``: the string
+dtype, layout,      tag of an int (the stack holds      ``ConstantArg``: kind, ``str`` of the value
+memory format       them as ints), value
+device              tag, type, index                    ``ConstantArg``: ``str``, e.g. ``cuda:0``
+None                tag                                 ``NoneArg``
+list                tag, length, each item              ``ListArg``: each item
+anything else       no key: the call runs eagerly       raises ``Unsupported``: eagerly too
+==================  ==================================  ==========================================
+
+Both refuse a call of an op that writes into an argument when two of its
+tensors share memory.
+
+:attr:`CallSignature.shape_key` is the Python key without the value of any
+number (an int, a float, a wrapped or a runtime number): calls that share it
+differ only in values compiled into the kernel, whose compiles a process
+counts. :attr:`CallSignature.decision_key` adds the device with its index: a
+process loads a kernel once per device.
 """
 
 from __future__ import annotations
@@ -316,8 +364,7 @@ class CallSignature:
 
     @property
     def key(self) -> str:
-        """The digest that names this signature's cache entry: runtime numbers
-        count by kind, not value."""
+        """The digest that names this signature's cache entry (see Keys, above)."""
         named = [{"name": a.name, **_key_form(d)} for a, d in zip(self.op._schema.arguments, self.described)]
         return _digest([str(self.op._schema), named])
 
