@@ -29,6 +29,8 @@ struct CallKeyHash {
 // Fills `key` from the op's arguments. Returns false when an argument is of a
 // kind no kernel is compiled for, or when an op that `mutates` its arguments
 // gets two tensors sharing memory (the call then runs the original kernel).
+// What it hashes, argument by argument, beside what the Python key of a cache
+// entry hashes: the Keys section of kernels/signature.py.
 bool compute_call_key(
     c10::ArrayRef<c10::IValue> args,
     bool mutates,

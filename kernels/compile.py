@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from aoti_eager.kernels import scratch
-from aoti_eager.kernels.signature import CallSignature
+from aoti_eager.kernels.signature import Arg, CallSignature, ListArg, NumberArg, RuntimeNumberArg, TensorArg, tensors_in
 from aoti_eager.kernels.toolchain import cpp_compiler, known_vec_isas
 from aoti_eager.kernels.wrapper_split import split_wrapper_builds
 
@@ -121,12 +121,10 @@ def flat_tensor_inputs(signature: CallSignature, args: tuple[Any, ...] | list[An
     """The tensors of ``args`` (default: the call's) in schema order: the kernel's inputs."""
     flat: list[torch.Tensor] = []
     for value, described in zip(signature.args if args is None else args, signature.described):
-        if described.get("runtime"):
+        if isinstance(described, RuntimeNumberArg):
             flat.append(runtime_number_input(value))
-        elif described["kind"] == "tensor":
-            flat.append(value)
-        elif described["kind"] == "list":
-            flat.extend(v for v, d in zip(value, described["items"]) if d["kind"] == "tensor")
+        else:
+            flat.extend(tensors_in(value, described))
     return flat
 
 
@@ -150,15 +148,15 @@ class _OpCall(torch.nn.Module):
     def _arguments(self, tensors: list[torch.Tensor]) -> list[Any]:
         it = iter(tensors)
 
-        def rebuild(value: Any, described: dict[str, Any]) -> Any:
-            if described.get("runtime"):
+        def rebuild(value: Any, described: Arg) -> Any:
+            if isinstance(described, RuntimeNumberArg):
                 return next(it).item()  # traced as a number read at run time
-            if described["kind"] == "tensor":
+            if isinstance(described, TensorArg):
                 return next(it)
-            if described["kind"] == "number":
-                return value.item()
-            if described["kind"] == "list":
-                return [rebuild(v, d) for v, d in zip(value, described["items"])]
+            if isinstance(described, NumberArg):
+                return described.value  # a Python number, also where a wrapped number was given
+            if isinstance(described, ListArg):
+                return [rebuild(v, d) for v, d in zip(value, described.items)]
             return value
 
         return [rebuild(v, d) for v, d in zip(self.signature.args, self.signature.described)]

@@ -13,31 +13,32 @@ from typing import Any
 
 import torch
 
-from aoti_eager.kernels.signature import ALIGNMENT, Unsupported
+from aoti_eager.kernels.signature import (
+    ALIGNMENT,
+    Arg,
+    ListArg,
+    NoneArg,
+    RuntimeNumberArg,
+    TensorArg,
+    Unsupported,
+    argument_from_json,
+)
 
-_NAMED_VALUES = {
-    "dtype": lambda text: getattr(torch, text.removeprefix("torch.")),
-    "layout": lambda text: getattr(torch, text.removeprefix("torch.")),
-    "memory_format": lambda text: getattr(torch, text.removeprefix("torch.")),
-    "device": torch.device,
-}
 
-
-def example_tensor(described: dict[str, Any], device: torch.device) -> torch.Tensor:
+def example_tensor(described: TensorArg, device: torch.device) -> torch.Tensor:
     """A tensor with ``described``'s dtype, sizes, strides and alignment.
 
     Example::
 
-        >>> t = example_tensor({"kind": "tensor", "dtype": "float32", "sizes": [2, 3],
-        ...                     "strides": [1, 2], "aligned": True}, torch.device("cpu"))
+        >>> t = example_tensor(TensorArg("float32", "cpu", (2, 3), (1, 2), aligned=True), torch.device("cpu"))
         >>> t.shape, t.stride()
         (torch.Size([2, 3]), (1, 2))
     """
-    dtype = getattr(torch, described["dtype"])
-    sizes, strides = described["sizes"], described["strides"]
+    dtype = getattr(torch, described.dtype)
+    sizes, strides = described.sizes, described.strides
     # A storage offset of one element is the simplest way to be misaligned;
     # the signature records alignment, not the offset.
-    offset = 0 if described.get("aligned", True) else 1
+    offset = 0 if described.aligned else 1
     if offset and dtype.itemsize % ALIGNMENT == 0:
         raise Unsupported(f"a misaligned {dtype} tensor cannot be rebuilt")
     extent = 1 + sum((n - 1) * s for n, s in zip(sizes, strides)) if all(sizes) else 0
@@ -51,28 +52,18 @@ def example_tensor(described: dict[str, Any], device: torch.device) -> torch.Ten
     return storage.as_strided(sizes, strides, offset)
 
 
-def example_value(described: dict[str, Any], device: torch.device) -> Any:
+def example_value(described: Arg, device: torch.device) -> Any:
     """One argument as the user passes it: a Python number where the dispatcher
     received a wrapped number, so that the call is keyed like the recorded one."""
-    kind = described["kind"]
-    if kind == "tensor":
+    if isinstance(described, TensorArg):
         return example_tensor(described, device)
-    if kind == "number":
-        text = described["value"]
-        if described["dtype"] == "bool":
-            return text == "True"
-        return int(text) if described["dtype"].startswith(("int", "uint")) else float(text)
-    if kind == "none":
+    if isinstance(described, ListArg):
+        return [example_value(item, device) for item in described.items]
+    if isinstance(described, NoneArg):
         return None
-    if kind == "float":
-        return float(described["value"])
-    if kind in ("bool", "int", "str"):
-        return described["value"]
-    if kind in _NAMED_VALUES:
-        return _NAMED_VALUES[kind](described["value"])
-    if kind == "list":
-        return [example_value(item, device) for item in described["items"]]
-    raise Unsupported(f"no example for an argument of kind {kind!r}")
+    if isinstance(described, RuntimeNumberArg):
+        return described.number.value
+    return described.value  # a number or another constant
 
 
 def example_arguments(signature: list[dict[str, Any]], device: torch.device) -> list[Any]:
@@ -80,4 +71,4 @@ def example_arguments(signature: list[dict[str, Any]], device: torch.device) -> 
 
     Raises Unsupported for an argument that cannot be rebuilt.
     """
-    return [example_value(described, device) for described in signature]
+    return [example_value(argument_from_json(described), device) for described in signature]

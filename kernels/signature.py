@@ -1,9 +1,59 @@
 """The static input signature of one op call.
 
 A signature describes every argument the way the compiled kernel depends on
-it: a tensor by dtype, device, sizes, strides and alignment; any other
-argument by its value (compiled into the kernel). It is stored as JSON beside
-the kernel and its digest names the cache entry.
+it, as one of the frozen descriptions below: a tensor by dtype, device, sizes,
+strides and alignment; a number by its value, compiled into the kernel, unless
+the kernel takes it as an input at run time; any other argument by its value.
+It is stored as JSON beside the kernel (:meth:`CallSignature.to_json`, read
+back by :func:`argument_from_json`), and its digest names the cache entry.
+
+Keys
+----
+A call is keyed on both paths, from the same arguments:
+
+- C++, on every call: ``compute_call_key`` (csrc/call_key.cpp) appends 64-bit
+  words to ``CallKey.words`` and hashes them. The key finds a loaded kernel in
+  one override's table (one op, one dispatch key) and lives with the process.
+- Python, on a miss: :attr:`CallSignature.key`, the first 24 hex digits of the
+  sha256 of ``[str(schema), to_json()]`` as JSON with sorted keys, each runtime
+  number's ``"value"`` left out. It names the cache entry on disk: what it
+  hashes changes only with a new cache layout (tests/test_signature.py pins it).
+
+What each side hashes, argument by argument:
+
+==================  ==================================  ==========================================
+argument            C++ words                           Python JSON
+==================  ==================================  ==========================================
+(the op)            none: one table per override        the schema string
+tensor              tag, dtype, device type and index,  ``TensorArg``: dtype, device type, sizes,
+                    rank, sizes, strides, 16-byte       strides, aligned (to ``ALIGNMENT`` bytes);
+                    alignment                           the index is in ``decision_key`` only
+undefined tensor    tag                                 ``NoneArg`` (Python receives None)
+int, float          tag, value (a double's bits)        ``NumberArg``: value (a float's ``repr``)
+a number given for  tag, dtype, value: the dispatcher   ``NumberArg``: as an int or float, which
+a Tensor argument   passes a wrapped number             Python receives for a wrapped number; a
+                                                        wrapped tensor: its dtype and value's repr
+runtime number      as a constant: a new value misses   ``RuntimeNumberArg``: as a number, without
+                    once, and Python hands over the     its value
+                    kernel it already holds
+bool                tag, value                          ``ConstantArg``: value
+str                 tag, length, ``std::hash``          ``ConstantArg``: the string
+dtype, layout,      tag of an int (the stack holds      ``ConstantArg``: kind, ``str`` of the value
+memory format       them as ints), value
+device              tag, type, index                    ``ConstantArg``: ``str``, e.g. ``cuda:0``
+None                tag                                 ``NoneArg``
+list                tag, length, each item              ``ListArg``: each item
+anything else       no key: the call runs eagerly       raises ``Unsupported``: eagerly too
+==================  ==================================  ==========================================
+
+Both refuse a call of an op that writes into an argument when two of its
+tensors share memory.
+
+:attr:`CallSignature.shape_key` is the Python key without the value of any
+number (an int, a float, a wrapped or a runtime number): calls that share it
+differ only in values compiled into the kernel, whose compiles a process
+counts. :attr:`CallSignature.decision_key` adds the device with its index: a
+process loads a kernel once per device.
 """
 
 from __future__ import annotations
@@ -12,7 +62,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Iterator, Union
 
 import torch
 
@@ -23,53 +73,191 @@ class Unsupported(Exception):
     """An argument that no kernel is compiled for; the call runs eagerly."""
 
 
-def _is_wrapped_number(t: torch.Tensor) -> bool:
+def is_wrapped_number(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a Python number that a Tensor argument received as a
+    0-d tensor: it promotes like a scalar, not like a tensor."""
     from aoti_eager import _extension
 
     return _extension.load().is_wrapped_number(t)
 
 
-def describe_tensor(t: torch.Tensor, device: torch.device) -> dict[str, Any]:
-    if t.layout != torch.strided:
-        raise Unsupported(f"{t.layout} tensors")
-    if t.is_conj() or t.is_neg():
-        raise Unsupported("tensors with a lazy conjugate or negative bit")
-    if t.device != device:
-        raise Unsupported(f"a {t.device} tensor in a call on {device}")
-    return {
-        "kind": "tensor",
-        "dtype": str(t.dtype).removeprefix("torch."),
-        "device": t.device.type,
-        "sizes": list(t.shape),
-        "strides": list(t.stride()),
-        "aligned": t.data_ptr() % ALIGNMENT == 0,
-    }
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
-def _describe(value: Any, device: torch.device) -> dict[str, Any]:
+@dataclass(frozen=True)
+class TensorArg:
+    """A tensor the kernel takes as an input, compiled for exactly these sizes and strides."""
+
+    dtype: str  # e.g. "float32"
+    device: str  # the device type: "cpu" or "cuda"
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    aligned: bool  # its data pointer is a multiple of ALIGNMENT bytes
+
+    @classmethod
+    def of(cls, t: torch.Tensor, device: torch.device) -> "TensorArg":
+        if t.layout != torch.strided:
+            raise Unsupported(f"{t.layout} tensors")
+        if t.is_conj() or t.is_neg():
+            raise Unsupported("tensors with a lazy conjugate or negative bit")
+        if t.device != device:
+            raise Unsupported(f"a {t.device} tensor in a call on {device}")
+        return cls(_dtype_name(t.dtype), t.device.type, tuple(t.shape), t.stride(), t.data_ptr() % ALIGNMENT == 0)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": "tensor",
+            "dtype": self.dtype,
+            "device": self.device,
+            "sizes": list(self.sizes),
+            "strides": list(self.strides),
+            "aligned": self.aligned,
+        }
+
+    def short(self) -> str:
+        return f"{self.dtype}{list(self.sizes)}"
+
+
+@dataclass(frozen=True)
+class NumberArg:
+    """A number compiled into the kernel: a Python int or float, or, with
+    ``wrapped_dtype``, a wrapped number (see :func:`is_wrapped_number`)."""
+
+    value: int | float | bool  # a bool only as a wrapped number
+    wrapped_dtype: str | None = None
+
+    @property
+    def can_be_runtime(self) -> bool:
+        """Whether a kernel may take it as an input instead: ints and bools
+        pick kernels (integer math, masks); inf and nan stay constants."""
+        return type(self.value) is float and math.isfinite(self.value)
+
+    def to_json(self) -> dict[str, Any]:
+        if self.wrapped_dtype is not None:
+            return {"kind": "number", "dtype": self.wrapped_dtype, "value": repr(self.value)}
+        if isinstance(self.value, float):
+            return {"kind": "float", "value": repr(self.value)}
+        return {"kind": "int", "value": self.value}
+
+    def short(self) -> str:
+        return repr(self.value)
+
+
+@dataclass(frozen=True)
+class RuntimeNumberArg:
+    """A float the kernel takes as an input (see
+    :func:`aoti_eager.kernels.compile.runtime_number_input`), so that one
+    kernel serves every value; ``number`` holds this call's value."""
+
+    number: NumberArg
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.number.to_json(), "runtime": True}
+
+    def short(self) -> str:
+        return self.number.short()
+
+
+@dataclass(frozen=True)
+class ListArg:
+    """A list (``int[]``, ``Tensor[]``, ``Tensor?[]``, ``Scalar[]``), item by item."""
+
+    items: tuple[Arg, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "list", "items": [item.to_json() for item in self.items]}
+
+    def short(self) -> str:
+        return "[" + ", ".join(item.short() for item in self.items) + "]"
+
+
+@dataclass(frozen=True)
+class NoneArg:
+    """None given for an optional argument (an undefined tensor included)."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"kind": "none"}
+
+    def short(self) -> str:
+        return "None"
+
+
+_CONSTANT_TYPES = (bool, str, torch.dtype, torch.layout, torch.memory_format, torch.device)
+
+
+@dataclass(frozen=True)
+class ConstantArg:
+    """Any other argument, compiled into the kernel: a bool, a string, a
+    dtype, a layout, a memory format or a device."""
+
+    value: bool | str | torch.dtype | torch.layout | torch.memory_format | torch.device
+
+    def to_json(self) -> dict[str, Any]:
+        value = self.value if isinstance(self.value, (bool, str)) else str(self.value)
+        return {"kind": type(self.value).__name__, "value": value}
+
+    def short(self) -> str:
+        return str(self.value)
+
+
+Arg = Union[TensorArg, NumberArg, RuntimeNumberArg, ListArg, NoneArg, ConstantArg]
+
+
+def argument_from_json(d: dict[str, Any]) -> Arg:
+    """The description whose ``to_json()`` is ``d``, as a cache entry or a
+    manifest holds it. Raises Unsupported for a kind it does not know."""
+    kind = d["kind"]
+    if kind == "tensor":
+        return TensorArg(d["dtype"], d["device"], tuple(d["sizes"]), tuple(d["strides"]), d["aligned"])
+    if kind == "list":
+        return ListArg(tuple(argument_from_json(item) for item in d["items"]))
+    if kind == "none":
+        return NoneArg()
+    if kind in ("bool", "str"):
+        return ConstantArg(d["value"])
+    if kind in ("dtype", "layout", "memory_format"):
+        return ConstantArg(getattr(torch, d["value"].removeprefix("torch.")))
+    if kind == "device":
+        return ConstantArg(torch.device(d["value"]))
+    if kind == "int":
+        number = NumberArg(d["value"])
+    elif kind == "float":
+        number = NumberArg(float(d["value"]))
+    elif kind == "number":
+        text, dtype = d["value"], d["dtype"]
+        value = text == "True" if dtype == "bool" else int(text) if dtype.startswith(("int", "uint")) else float(text)
+        number = NumberArg(value, wrapped_dtype=dtype)
+    else:
+        raise Unsupported(f"arguments of kind {kind!r}")
+    return RuntimeNumberArg(number) if d.get("runtime") else number
+
+
+def _describe(value: Any, device: torch.device) -> Arg:
     if isinstance(value, torch.Tensor):
-        if _is_wrapped_number(value):
+        if is_wrapped_number(value):
             if value.is_complex():
                 raise Unsupported("complex Python numbers")
-            # A Python number the op received as a 0-d tensor: it promotes like
-            # a scalar, and its value is compiled into the kernel.
-            return {"kind": "number", "dtype": str(value.dtype).removeprefix("torch."), "value": repr(value.item())}
-        return describe_tensor(value, device)
+            return NumberArg(value.item(), wrapped_dtype=_dtype_name(value.dtype))
+        return TensorArg.of(value, device)
     if value is None:
-        return {"kind": "none"}
-    if isinstance(value, bool):
-        return {"kind": "bool", "value": value}
-    if isinstance(value, int):
-        return {"kind": "int", "value": value}
-    if isinstance(value, float):
-        return {"kind": "float", "value": repr(value)}
-    if isinstance(value, str):
-        return {"kind": "str", "value": value}
-    if isinstance(value, (torch.dtype, torch.layout, torch.memory_format, torch.device)):
-        return {"kind": type(value).__name__, "value": str(value)}
+        return NoneArg()
+    if isinstance(value, _CONSTANT_TYPES):  # before int: a bool is an int too
+        return ConstantArg(value)
+    if isinstance(value, (int, float)):
+        return NumberArg(value)
     if isinstance(value, (list, tuple)):
-        return {"kind": "list", "items": [_describe(v, device) for v in value]}
+        return ListArg(tuple(_describe(v, device) for v in value))
     raise Unsupported(f"arguments of type {type(value).__name__}")
+
+
+def tensors_in(value: Any, described: Arg) -> Iterator[torch.Tensor]:
+    """The tensors the kernel takes from one argument, ``value``, in order."""
+    if isinstance(described, TensorArg):
+        yield value
+    elif isinstance(described, ListArg):
+        for item, d in zip(value, described.items):
+            yield from tensors_in(item, d)
 
 
 # CUDA kernels compile their values in. With torch 2.11 on an H100, a kernel
@@ -91,22 +279,11 @@ def _takes_runtime_number(argument: torch._C.Argument) -> bool:
     return isinstance(declared, (torch._C.FloatType, torch._C.NumberType, torch._C.TensorType))
 
 
-def _runtime_number(value: Any) -> float | None:
-    """``value`` as a kernel's runtime number, or None if it stays a constant."""
-    if isinstance(value, torch.Tensor):
-        if not (_is_wrapped_number(value) and value.is_floating_point()):
-            return None
-        value = value.item()
-    if type(value) is not float or not math.isfinite(value):
-        return None  # ints and bools pick kernels (integer math, masks); inf and nan stay constants
-    return value
-
-
 def _call_device(device_type: str, args: list[Any]) -> torch.device:
     """The device the call runs on: its first tensor's, or its device argument's."""
 
     def find(value: Any) -> torch.device | None:
-        if isinstance(value, torch.Tensor) and value.device.type == device_type and not _is_wrapped_number(value):
+        if isinstance(value, torch.Tensor) and value.device.type == device_type and not is_wrapped_number(value):
             return value.device
         if isinstance(value, torch.device) and value.type == device_type:
             return value
@@ -122,18 +299,8 @@ def _call_device(device_type: str, args: list[Any]) -> torch.device:
     return device
 
 
-def _share_memory(args: list[Any], described: tuple[dict[str, Any], ...]) -> bool:
-    storages = []
-
-    def collect(value: Any, d: dict[str, Any]) -> None:
-        if d["kind"] == "tensor":
-            storages.append(value.untyped_storage()._cdata)
-        elif d["kind"] == "list":
-            for v, item in zip(value, d["items"]):
-                collect(v, item)
-
-    for value, d in zip(args, described):
-        collect(value, d)
+def _share_memory(args: list[Any], described: tuple[Arg, ...]) -> bool:
+    storages = [t.untyped_storage()._cdata for value, d in zip(args, described) for t in tensors_in(value, d)]
     return len(storages) != len(set(storages))
 
 
@@ -147,7 +314,7 @@ class CallSignature:
     op: torch._ops.OpOverload
     device: torch.device  # where the call runs; only its type is part of the key
     args: tuple[Any, ...]
-    described: tuple[dict[str, Any], ...]
+    described: tuple[Arg, ...]
 
     @classmethod
     def of(
@@ -156,16 +323,16 @@ class CallSignature:
         """The signature of a call that the dispatcher sent to ``device_type``'s kernel.
 
         With ``runtime_numbers``, finite floats given for numeric arguments are
-        kernel inputs (marked ``"runtime"``; their values are left out of the
-        key), so that one kernel serves every value; otherwise, and for other
-        numbers, values are compiled in.
+        kernel inputs (:class:`RuntimeNumberArg`, whose values are left out of
+        the key), so that one kernel serves every value; otherwise, and for
+        other numbers, values are compiled in.
         """
         device = _call_device(device_type, args)
         described = tuple(_describe(a, device) for a in args)
         if runtime_numbers and device.type in _RUNTIME_NUMBER_DEVICES:
             described = tuple(
-                {**d, "runtime": True} if _takes_runtime_number(arg) and _runtime_number(value) is not None else d
-                for arg, value, d in zip(op._schema.arguments, args, described)
+                RuntimeNumberArg(d) if isinstance(d, NumberArg) and d.can_be_runtime and _takes_runtime_number(arg) else d
+                for arg, d in zip(op._schema.arguments, described)
             )
         if op._schema.is_mutable and _share_memory(args, described):
             raise Unsupported("an op that writes into an argument, given arguments that share memory")
@@ -174,48 +341,38 @@ class CallSignature:
     @property
     def runtime_arguments(self) -> list[int]:
         """Indices of the arguments that the kernel takes as runtime numbers."""
-        return [i for i, d in enumerate(self.described) if d.get("runtime")]
+        return [i for i, d in enumerate(self.described) if isinstance(d, RuntimeNumberArg)]
 
     def with_constant_numbers(self) -> "CallSignature":
         """The same call with every number compiled into the kernel."""
-        return replace(self, described=tuple({k: v for k, v in d.items() if k != "runtime"} for d in self.described))
+        return replace(self, described=tuple(d.number if isinstance(d, RuntimeNumberArg) else d for d in self.described))
 
     def with_other_numbers(self) -> "CallSignature":
         """The same call with other values for its runtime numbers: a kernel that
         takes them as inputs must match eager on these too."""
-        args = list(self.args)
+        args, described = list(self.args), list(self.described)
         for i in self.runtime_arguments:
-            value = _runtime_number(args[i])
+            number = described[i].number
+            other = number.value * 0.75 if number.value else 0.5
             # A Python float: where the op takes a Tensor, it wraps it as a number again.
-            args[i] = value * 0.75 if value else 0.5
-        return replace(self, args=tuple(args))
+            args[i] = other
+            described[i] = RuntimeNumberArg(replace(number, value=other))
+        return replace(self, args=tuple(args), described=tuple(described))
 
     def to_json(self) -> list[dict[str, Any]]:
-        return [{"name": a.name, **d} for a, d in zip(self.op._schema.arguments, self.described)]
+        return [{"name": a.name, **d.to_json()} for a, d in zip(self.op._schema.arguments, self.described)]
 
     @property
     def key(self) -> str:
-        """The digest that names this signature's cache entry: runtime numbers
-        count by kind, not value."""
-
-        def strip(d: dict[str, Any]) -> dict[str, Any]:
-            return {k: v for k, v in d.items() if k != "value"} if d.get("runtime") else d
-
-        text = json.dumps([str(self.op._schema), [strip(d) for d in self.to_json()]], sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:24]
+        """The digest that names this signature's cache entry (see Keys, above)."""
+        named = [{"name": a.name, **_key_form(d)} for a, d in zip(self.op._schema.arguments, self.described)]
+        return _digest([str(self.op._schema), named])
 
     @property
     def shape_key(self) -> str:
         """The key without the values of numbers: signatures that share it
         differ only in values compiled into the kernel (``alpha``, ``lr``, ...)."""
-
-        def strip(d: dict[str, Any]) -> dict[str, Any]:
-            if d["kind"] == "list":
-                return {**d, "items": [strip(i) for i in d["items"]]}
-            return {k: v for k, v in d.items() if not (k == "value" and d["kind"] in ("number", "int", "float"))}
-
-        text = json.dumps([str(self.op._schema), [strip(d) for d in self.described]], sort_keys=True)
-        return hashlib.sha256(text.encode()).hexdigest()[:24]
+        return _digest([str(self.op._schema), [_without_number_value(d) for d in self.described]])
 
     @property
     def decision_key(self) -> tuple[str, str]:
@@ -224,20 +381,31 @@ class CallSignature:
 
     def short(self) -> str:
         """A one-line form for logs, e.g. ``self=float32[64, 64], other=float32[64, 64], alpha=2``."""
-        return short_form(self.to_json())
+        return ", ".join(f"{a.name}={d.short()}" for a, d in zip(self.op._schema.arguments, self.described))
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _key_form(described: Arg) -> dict[str, Any]:
+    """One argument as :attr:`CallSignature.key` hashes it: a runtime number without its value."""
+    form = described.to_json()
+    if isinstance(described, RuntimeNumberArg):
+        del form["value"]
+    return form
+
+
+def _without_number_value(described: Arg) -> dict[str, Any]:
+    """One argument as :attr:`CallSignature.shape_key` hashes it: any number without its value."""
+    if isinstance(described, ListArg):
+        return {"kind": "list", "items": [_without_number_value(item) for item in described.items]}
+    form = described.to_json()
+    if isinstance(described, (NumberArg, RuntimeNumberArg)):
+        del form["value"]
+    return form
 
 
 def short_form(signature: list[dict[str, Any]]) -> str:
     """:meth:`CallSignature.short` of a signature as kept in a cache entry."""
-    return ", ".join(f"{d['name']}={_short(d)}" for d in signature)
-
-
-def _short(d: dict[str, Any]) -> str:
-    kind = d["kind"]
-    if kind == "tensor":
-        return f"{d['dtype']}{d['sizes']}"
-    if kind == "list":
-        return "[" + ", ".join(_short(i) for i in d["items"]) + "]"
-    if kind == "none":
-        return "None"
-    return str(d["value"])
+    return ", ".join(f"{d['name']}={argument_from_json(d).short()}" for d in signature)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from aoti_eager.kernels.compile import flat_tensor_inputs, mutated_arguments, return_alias_indices
-from aoti_eager.kernels.signature import CallSignature
+from aoti_eager.kernels.signature import CallSignature, is_wrapped_number
 
 
 class Mismatch(Exception):
@@ -30,18 +30,12 @@ def clone_args(args: tuple[Any, ...] | list[Any]) -> list[Any]:
 
     def clone(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
-            return value if _is_number(value) else clone_exact(value)
+            return value if is_wrapped_number(value) else clone_exact(value)
         if isinstance(value, (list, tuple)):
             return type(value)(clone(v) for v in value)
         return value
 
     return [clone(a) for a in args]
-
-
-def _is_number(t: torch.Tensor) -> bool:
-    from aoti_eager import _extension
-
-    return _extension.load().is_wrapped_number(t)
 
 
 def _compare(what: str, actual: Any, expected: Any) -> None:

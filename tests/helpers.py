@@ -12,7 +12,7 @@ import torch
 from aoti_eager.cache import Entry, KernelCache
 from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE, metadata_digest
 
-SIGNATURE = [{"name": "self", "kind": "tensor", "dtype": "float32", "sizes": [4], "strides": [1]}]
+SIGNATURE = [{"name": "self", "kind": "tensor", "dtype": "float32", "device": "cpu", "sizes": [4], "strides": [1], "aligned": True}]
 
 
 def publish_kernel(cache: KernelCache, tmp_path: Path, key: str = "sig", content: bytes = b"\x7fELF kernel", op: str = "aten::abs") -> Entry:
