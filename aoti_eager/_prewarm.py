@@ -71,8 +71,9 @@ def _in_cache(entry: ManifestEntry, root: Path) -> _worker.Outcome | None:
 
     from aoti_eager.cache import KernelCache, UntrustedEntry
     from aoti_eager.kernels.compile import compile_options
+    from aoti_eager.kernels.toolchain import environment_name
 
-    cache = KernelCache(root, torch.device(entry.device), compile_options(entry.device))
+    cache = KernelCache(root, environment_name(torch.device(entry.device), compile_options(entry.device)))
     try:
         published = cache.lookup(entry.op, entry.key)
     except UntrustedEntry as e:

@@ -23,12 +23,13 @@ from torch._ops import OpOverload
 
 from aoti_eager import _background, _extension, settings
 from aoti_eager._ops import qualified_name
-from aoti_eager.cache import DamagedEntry, Entry, KernelCache, UntrustedEntry, inventory, layout
+from aoti_eager.cache import DamagedEntry, Entry, KernelCache, UntrustedEntry, inventory
 from aoti_eager.cache.store import TEMPORARY_PREFIX, set_aside
 from aoti_eager.kernels import CallSignature, CompileError, Unsupported, compile_call
 from aoti_eager.kernels.compile import call_op, compile_options, flat_tensor_inputs, sidecar_files
 from aoti_eager.kernels.load_probe import UnsafeToLoad, check_loads, runtime_crashes
 from aoti_eager.kernels.speed import Timing, time_against_eager
+from aoti_eager.kernels.toolchain import environment_name, usable_vec_isas
 from aoti_eager.kernels.validate import Mismatch, check_matches_eager, clone_args
 from aoti_eager.manifest import ManifestEntry, Recorder
 
@@ -135,7 +136,7 @@ class Override:
     def cache(self, device: torch.device) -> KernelCache:
         """The cache of kernels for ``device`` (keyed by its capability, not its index)."""
         if str(device) not in self._caches:
-            self._caches[str(device)] = KernelCache(self.root, device, compile_options(device.type))
+            self._caches[str(device)] = KernelCache(self.root, environment_name(device, compile_options(device.type)))
         return self._caches[str(device)]
 
     def decide(self, args: list[Any]) -> Any:
@@ -267,7 +268,7 @@ class Override:
         start = time.perf_counter()
         try:
             artifact = compile_call(
-                signature, expected, cache.compile_options, shared_dir=cache.shared_directory(), vec_isas=layout.usable_vec_isas()
+                signature, expected, compile_options(signature.device.type), shared_dir=cache.shared_directory(), vec_isas=usable_vec_isas()
             )
         except CompileError as e:
             log.debug("aoti_eager: compiling %s failed", self.name, exc_info=e.__cause__)

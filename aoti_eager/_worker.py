@@ -52,6 +52,7 @@ def warm(entry: ManifestEntry, root: Path) -> Outcome:
     from aoti_eager.cache import KernelCache
     from aoti_eager.kernels.compile import call_op, compile_options
     from aoti_eager.kernels.examples import example_arguments
+    from aoti_eager.kernels.toolchain import environment_name
 
     op = _ops.overload_named(entry.op)
     device = torch.device(entry.device)
@@ -64,7 +65,7 @@ def warm(entry: ManifestEntry, root: Path) -> Outcome:
         stats = aoti_eager.stats()[entry.op]
     finally:
         aoti_eager.disable()
-    published = KernelCache(root, device, compile_options(device.type)).lookup(entry.op, entry.key)
+    published = KernelCache(root, environment_name(device, compile_options(device.type))).lookup(entry.op, entry.key)
     if published is None:
         reason = stats["fallback_reason"] or "the rebuilt call did not produce the recorded cache entry"
         return Outcome("failed", reason)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from aoti_eager import settings
-from aoti_eager.cache import bundle, default_root, inventory, layout, signing, store
+from aoti_eager.cache import bundle, default_root, inventory, signing, store
 from aoti_eager.version import __version__
 
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -243,7 +243,14 @@ def cache_export(root: Path, args: argparse.Namespace) -> int:
 
 
 def cache_import(root: Path, args: argparse.Namespace) -> int:
-    transfer = bundle.import_bundle(root, args.file, args.trust_key + settings.trusted_keys.get(), args.allow_unsigned)
+    import torch
+
+    from aoti_eager.kernels.compile import compile_options
+    from aoti_eager.kernels.toolchain import environment_name
+
+    devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+    here = [environment_name(torch.device(d), compile_options(d)) for d in devices]
+    transfer = bundle.import_bundle(root, args.file, here, args.trust_key + settings.trusted_keys.get(), args.allow_unsigned)
     if transfer.untrusted_because:
         print(f"aoti-eager: warning: imported {args.file} without a trusted signature ({transfer.untrusted_because}): "
               "its kernels are native code that will run in this user's processes", file=sys.stderr)
@@ -312,7 +319,7 @@ def doctor(root: Path, args: argparse.Namespace) -> int:
     import torch
 
     from aoti_eager import _extension, _selfcheck
-    from aoti_eager.kernels.toolchain import cpp_compiler
+    from aoti_eager.kernels import toolchain
 
     problems: list[str] = []
     report: dict[str, Any] = {
@@ -320,8 +327,8 @@ def doctor(root: Path, args: argparse.Namespace) -> int:
         "platform": platform.platform(),
         "torch": torch.__version__,
         "torch_git": str(torch.version.git_version),
-        "compiler": layout.compiler_identity(cpp_compiler()),
-        "cpu_isa": layout.cpu_isa(),
+        "compiler": toolchain.compiler_identity(toolchain.cpp_compiler()),
+        "cpu_isa": toolchain.cpu_isa(),
         "cuda": {"available": torch.cuda.is_available(), "version": torch.version.cuda, "devices": []},
     }
     if torch.cuda.is_available():

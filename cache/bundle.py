@@ -31,7 +31,7 @@ import tarfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import BinaryIO, Iterable, Iterator
 
 from aoti_eager.cache import signing
 from aoti_eager.cache.inventory import entries
@@ -242,19 +242,12 @@ def _check_signature(contents: _Contents, trusted_keys: list[Path]) -> str:
     return signer
 
 
-def local_caches(root: Path) -> dict[str, KernelCache]:
-    """This machine's caches under ``root`` by environment name, one per device type here."""
-    import torch
-
-    from aoti_eager.kernels.compile import compile_options
-
-    devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
-    caches = [KernelCache(root, torch.device(d), compile_options(d)) for d in devices]
-    return {cache.directory.name: cache for cache in caches}
-
-
-def import_bundle(root: Path, path: Path, trusted_keys: list[Path], allow_unsigned: bool = False) -> Transfer:
-    """Publishes the entries of the bundle ``path`` that fit this machine into the cache at ``root``.
+def import_bundle(
+    root: Path, path: Path, environments: Iterable[str], trusted_keys: list[Path], allow_unsigned: bool = False
+) -> Transfer:
+    """Publishes the entries of the bundle ``path`` that fit this machine into
+    the cache at ``root``: those of ``environments``, the names of this
+    machine's environments (see :func:`aoti_eager.kernels.toolchain.environment_name`).
 
     The bundle must be signed by one of ``trusted_keys`` (public key files),
     every member matching the signed manifest, unless ``allow_unsigned``
@@ -275,7 +268,7 @@ def import_bundle(root: Path, path: Path, trusted_keys: list[Path], allow_unsign
                             "would run in this user's processes: import only bundles signed by a key you trust "
                             "(--trust-key KEY.pub, or $AOTI_EAGER_TRUSTED_KEYS), or pass --allow-unsigned") from None
                     transfer.untrusted_because = str(e)
-                caches = local_caches(root)
+                caches = {environment: KernelCache(root, environment) for environment in environments}
                 for name, files in contents.entries.items():
                     cache = caches.get(name.split("/")[0])
                     if cache is None:

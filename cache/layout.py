@@ -1,4 +1,5 @@
-"""Where the cache lives and what its keys are made of.
+"""Where the cache lives: its roots, the user's private directory, and the
+names, directories and files the store makes there.
 
 Layout under the root::
 
@@ -7,40 +8,33 @@ Layout under the root::
     <root>/v2/<environment>/<op>/.lock                    one compile of this op at a time
 
 ``<environment>`` names everything that shapes an artifact besides the call
-itself (device kind and capability, torch build, this package's version), so a
-kernel is only ever found by a process that could have produced it. Every name
-the package derives is made of ``[A-Za-z0-9._+-]`` (see :func:`safe_name`).
+itself (device kind and capability, compiler, torch build, this package's
+version), so a kernel is only ever found by a process that could have produced
+it. The store takes it as an opaque name; the compiler side derives it
+(:func:`aoti_eager.kernels.toolchain.environment_name`). Every name the package
+derives is made of ``[A-Za-z0-9._+-]`` (see :func:`safe_name`).
 
 Apart from any cache root, each user has a private directory
 (:func:`private_root`, never shared) for what is about this machine rather than
 about kernels::
 
-    <private>/machine/<cpu>-torch<version>.json           the CPU ISA, probed once
-    <private>/machine/compiler-*.json                     the C++ compiler's choice and version
-    <private>/extension/torch-<version>-<digest>/_C.so    the C++ extension, built once per torch build
-    <private>/scratch/compile-<host>-<pid>-*/             compiles in progress
+    <private>/machine/<cpu>-torch<version>.json           the CPU ISA, probed once (kernels/toolchain.py)
+    <private>/machine/compiler-*.json                     the C++ compiler's choice and version (kernels/toolchain.py)
+    <private>/shared/<environment>/                       what every compile of an environment shares (kernels/wrapper_split.py)
+    <private>/extension/torch-<version>-<digest>/_C.so    the C++ extension, built once per torch build (aoti_eager/_extension.py)
+    <private>/scratch/compile-<host>-<pid>-*/             compiles in progress (kernels/scratch.py)
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import platform
 import re
-import shutil
 import stat
-import subprocess
-import sys
-from functools import lru_cache
 from pathlib import Path
-from typing import Any
 
 import platformdirs
-import torch
 
 from aoti_eager import settings
-from aoti_eager.version import __version__
 
 # v2: directory names are [A-Za-z0-9._+-] only (v1 put Inductor's ISA name,
 # which can hold a space, into the environment's directory name).
@@ -121,122 +115,3 @@ def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-def _cpu_identity() -> str:
-    """The CPU model and feature flags: what the vector ISA probe depends on."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [l for l in f if l.startswith(("model name", "flags"))]
-        text = "".join(sorted(set(lines)))
-    except OSError:
-        text = platform.processor() + platform.machine()
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def cpu_isa() -> str:
-    """The vector ISA Inductor compiles for on this CPU.
-
-    Inductor's probe compiles test programs and loads each in a new Python
-    process, seconds in all, so its answer is remembered in the user's
-    private directory per CPU identity and torch build.
-    """
-    return _vec_isas(torch.__version__)["isa"]
-
-
-def usable_vec_isas() -> list[str]:
-    """The vector ISAs Inductor's probe found usable on this CPU, in its order
-    of preference (remembered as :func:`cpu_isa` is)."""
-    return _vec_isas(torch.__version__)["usable"]
-
-
-def machine_record(name: str) -> Path:
-    """Where a fact about this machine is remembered (in the private directory)."""
-    return private_directory("machine") / name
-
-
-@lru_cache(maxsize=None)
-def _vec_isas(torch_version: str) -> dict:
-    record = machine_record(f"{_cpu_identity()}-torch{safe_name(torch_version)}.json")
-    try:
-        probed = json.loads(record.read_text())
-        if isinstance(probed["isa"], str) and isinstance(probed["usable"], list):
-            return probed
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
-    from torch._inductor import cpu_vec_isa
-
-    probed = {"isa": str(cpu_vec_isa.pick_vec_isa()) or "scalar", "usable": [str(i) for i in cpu_vec_isa.valid_vec_isa_list()]}
-    atomic_write_text(record, json.dumps(probed))
-    return probed
-
-
-@lru_cache(maxsize=None)
-def compiler_identity(compiler: str | None = None) -> str:
-    """``compiler`` (by default Inductor's: ``$CXX``, else g++) and its version.
-
-    Asking the compiler takes milliseconds, which a warm process's first call
-    must not pay: the answer is kept on disk per compiler binary (path, size,
-    modification time), so an upgrade asks again.
-    """
-    compiler = compiler or os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
-    try:
-        binary = os.path.realpath(shutil.which(compiler) or compiler)
-        stat = os.stat(binary)
-        fingerprint = f"{binary}:{stat.st_size}:{stat.st_mtime_ns}"
-    except OSError:
-        fingerprint = compiler
-    record = machine_record(f"compiler-version-{hashlib.sha256(fingerprint.encode()).hexdigest()[:16]}.json")
-    try:
-        return json.loads(record.read_text())["identity"]
-    except (OSError, ValueError, KeyError):
-        pass
-    try:
-        out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        out = ""
-    identity = f"{compiler}: {(out.splitlines() or ['unknown version'])[0]}"
-    atomic_write_text(record, json.dumps({"identity": identity}))
-    return identity
-
-
-def environment_fields(device: torch.device, compile_options: dict[str, Any] | None = None) -> dict[str, str]:
-    """Everything besides the call that shapes a kernel compiled for ``device``
-    with the given Inductor options.
-
-    Never the device index: a kernel compiled on ``cuda:0`` serves ``cuda:1``
-    of the same architecture.
-    """
-    fields = {
-        "device": device.type,
-        "torch": torch.__version__,
-        "torch_git": str(torch.version.git_version),
-        "aoti_eager": __version__,
-        "machine": platform.machine(),
-        "compiler": compiler_identity((compile_options or {}).get("cpp.cxx", (None, None))[1]),
-        "inductor_options": json.dumps(compile_options or {}, sort_keys=True),
-    }
-    if device.type == "cpu":
-        fields["isa"] = cpu_isa()
-        # Inductor compiles with -march=native: the exact CPU model matters.
-        fields["cpu"] = _cpu_identity()
-    elif device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        fields["arch"] = f"sm_{major}{minor}"
-        fields["cuda"] = str(torch.version.cuda)
-        try:
-            import triton
-
-            fields["triton"] = triton.__version__
-        except ImportError:
-            fields["triton"] = "none"
-    return fields
-
-
-def environment_key(device: torch.device, compile_options: dict[str, Any] | None = None) -> str:
-    """A directory name for :func:`environment_fields`: readable, then a digest
-    of every field, which keeps the key exact where :func:`safe_name` is not."""
-    fields = environment_fields(device, compile_options)
-    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
-    capability = fields.get("isa") or fields.get("arch") or "generic"
-    return safe_name(f"{device.type}-{capability}-torch{fields['torch']}-{digest}")

@@ -277,13 +277,12 @@ def op_of_dirname(name: str) -> str:
 
 
 class KernelCache:
-    """The entries of one cache root for one device."""
+    """The entries of one cache root for one environment: a directory name
+    that the compiler side derives from everything that shapes a kernel
+    besides the call (see :func:`aoti_eager.kernels.toolchain.environment_name`)."""
 
-    def __init__(self, root: Path, device: torch.device, compile_options: dict[str, Any] | None = None):
+    def __init__(self, root: Path, environment: str):
         self.root = Path(root)
-        self.device = device
-        self.compile_options = compile_options or {}
-        environment = layout.environment_key(device, self.compile_options)
         self.directory = self.root / layout.LAYOUT_VERSION / environment
 
     def _op_dir(self, op: str) -> Path:

@@ -1,4 +1,7 @@
-"""The C++ compiler that kernels are built with, and the vector ISA it targets.
+"""What kernels are built with on this machine: the C++ compiler, the CPU and
+the vector ISA it targets, and the environment that names all of it in the
+cache (:func:`environment_name`). Answers that take a probe are remembered in
+the user's private directory (:func:`machine_record`).
 
 Inductor builds with ``$CXX``, else ``g++``. Some compilers link libstdc++
 statically into every shared library they build (custom GCC builds do). Such a
@@ -17,17 +20,19 @@ import hashlib
 import json
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
 from aoti_eager.cache import layout
+from aoti_eager.version import __version__
 
 log = logging.getLogger("aoti_eager")
 
@@ -84,7 +89,7 @@ def cpp_compiler() -> str:
     """
     found = candidates()
     digest = hashlib.sha256(json.dumps([found, torch.__version__]).encode()).hexdigest()[:16]
-    record = layout.machine_record(f"compiler-choice-{digest}.json")
+    record = machine_record(f"compiler-choice-{digest}.json")
     try:
         remembered = json.loads(record.read_text())["compiler"]
         if remembered in found:
@@ -106,7 +111,7 @@ def cpp_compiler() -> str:
 @contextlib.contextmanager
 def known_vec_isas(names: list[str] | None) -> Iterator[None]:
     """Within the block, Inductor takes ``names`` (its own earlier answer, see
-    :func:`aoti_eager.cache.layout.usable_vec_isas`) as the vector ISAs this CPU
+    :func:`usable_vec_isas`) as the vector ISAs this CPU
     runs, instead of probing again.
 
     Inductor's probe builds a test program per ISA and loads each in a new
@@ -130,3 +135,123 @@ def known_vec_isas(names: list[str] | None) -> Iterator[None]:
         yield
     finally:
         cpu_vec_isa.valid_vec_isa_list = original
+
+
+def _cpu_identity() -> str:
+    """The CPU model and feature flags: what the vector ISA probe depends on."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [l for l in f if l.startswith(("model name", "flags"))]
+        text = "".join(sorted(set(lines)))
+    except OSError:
+        text = platform.processor() + platform.machine()
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cpu_isa() -> str:
+    """The vector ISA Inductor compiles for on this CPU.
+
+    Inductor's probe compiles test programs and loads each in a new Python
+    process, seconds in all, so its answer is remembered in the user's
+    private directory per CPU identity and torch build.
+    """
+    return _vec_isas(torch.__version__)["isa"]
+
+
+def usable_vec_isas() -> list[str]:
+    """The vector ISAs Inductor's probe found usable on this CPU, in its order
+    of preference (remembered as :func:`cpu_isa` is)."""
+    return _vec_isas(torch.__version__)["usable"]
+
+
+def machine_record(name: str) -> Path:
+    """Where a fact about this machine is remembered (in the private directory)."""
+    return layout.private_directory("machine") / name
+
+
+@lru_cache(maxsize=None)
+def _vec_isas(torch_version: str) -> dict:
+    record = machine_record(f"{_cpu_identity()}-torch{layout.safe_name(torch_version)}.json")
+    try:
+        probed = json.loads(record.read_text())
+        if isinstance(probed["isa"], str) and isinstance(probed["usable"], list):
+            return probed
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    from torch._inductor import cpu_vec_isa
+
+    probed = {"isa": str(cpu_vec_isa.pick_vec_isa()) or "scalar", "usable": [str(i) for i in cpu_vec_isa.valid_vec_isa_list()]}
+    layout.atomic_write_text(record, json.dumps(probed))
+    return probed
+
+
+@lru_cache(maxsize=None)
+def compiler_identity(compiler: str | None = None) -> str:
+    """``compiler`` (by default Inductor's: ``$CXX``, else g++) and its version.
+
+    Asking the compiler takes milliseconds, which a warm process's first call
+    must not pay: the answer is kept on disk per compiler binary (path, size,
+    modification time), so an upgrade asks again.
+    """
+    compiler = compiler or os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+    try:
+        binary = os.path.realpath(shutil.which(compiler) or compiler)
+        stat = os.stat(binary)
+        fingerprint = f"{binary}:{stat.st_size}:{stat.st_mtime_ns}"
+    except OSError:
+        fingerprint = compiler
+    record = machine_record(f"compiler-version-{hashlib.sha256(fingerprint.encode()).hexdigest()[:16]}.json")
+    try:
+        return json.loads(record.read_text())["identity"]
+    except (OSError, ValueError, KeyError):
+        pass
+    try:
+        out = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    identity = f"{compiler}: {(out.splitlines() or ['unknown version'])[0]}"
+    layout.atomic_write_text(record, json.dumps({"identity": identity}))
+    return identity
+
+
+def environment_fields(device: torch.device, compile_options: dict[str, Any] | None = None) -> dict[str, str]:
+    """Everything besides the call that shapes a kernel compiled for ``device``
+    with the given Inductor options.
+
+    Never the device index: a kernel compiled on ``cuda:0`` serves ``cuda:1``
+    of the same architecture.
+    """
+    fields = {
+        "device": device.type,
+        "torch": torch.__version__,
+        "torch_git": str(torch.version.git_version),
+        "aoti_eager": __version__,
+        "machine": platform.machine(),
+        "compiler": compiler_identity((compile_options or {}).get("cpp.cxx", (None, None))[1]),
+        "inductor_options": json.dumps(compile_options or {}, sort_keys=True),
+    }
+    if device.type == "cpu":
+        fields["isa"] = cpu_isa()
+        # Inductor compiles with -march=native: the exact CPU model matters.
+        fields["cpu"] = _cpu_identity()
+    elif device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        fields["arch"] = f"sm_{major}{minor}"
+        fields["cuda"] = str(torch.version.cuda)
+        try:
+            import triton
+
+            fields["triton"] = triton.__version__
+        except ImportError:
+            fields["triton"] = "none"
+    return fields
+
+
+def environment_name(device: torch.device, compile_options: dict[str, Any] | None = None) -> str:
+    """A directory name for :func:`environment_fields`: readable, then a digest
+    of every field, which keeps the name exact where
+    :func:`aoti_eager.cache.layout.safe_name` is not."""
+    fields = environment_fields(device, compile_options)
+    digest = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:12]
+    capability = fields.get("isa") or fields.get("arch") or "generic"
+    return layout.safe_name(f"{device.type}-{capability}-torch{fields['torch']}-{digest}")

@@ -37,7 +37,7 @@ def private_root(tmp_path, monkeypatch):
     _extension.load()
     # Inductor's caches stay where other tests keep them: precompiled headers take seconds to build.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(scratch.root() / "inductor")))
-    remembered = (layout._vec_isas, layout.compiler_identity, toolchain.cpp_compiler, scratch.root)
+    remembered = (toolchain._vec_isas, toolchain.compiler_identity, toolchain.cpp_compiler, scratch.root)
     for function in remembered:
         function.cache_clear()
     monkeypatch.setattr(layout, "private_root", lambda: tmp_path / "private")

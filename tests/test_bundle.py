@@ -16,11 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from aoti_eager.cache import KernelCache, bundle, inventory, layout, signing
+from aoti_eager.cache import KernelCache, bundle, inventory, signing
 from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE
 from aoti_eager.cli import main
 from aoti_eager.kernels import compile as compile_module
+from aoti_eager.kernels import toolchain
 from aoti_eager.kernels.compile import compile_options
+from aoti_eager.kernels.toolchain import environment_name
 from helpers import publish_kernel
 
 
@@ -28,7 +30,7 @@ from helpers import publish_kernel
 def _no_probes(monkeypatch):
     """Every new cache directory would probe the CPU ISA and check the C++
     compiler (seconds each); both sides of a bundle agree on stand-ins."""
-    monkeypatch.setattr(layout, "cpu_isa", lambda: "avx2")
+    monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx2")
     monkeypatch.setattr(compile_module, "cpp_compiler", lambda: "g++")
 
 
@@ -36,7 +38,7 @@ def _no_probes(monkeypatch):
 def stand_in_cache(tmp_path):
     """A cache of this machine's environment holding one stand-in kernel."""
     root = tmp_path / "source"
-    cache = KernelCache(root, torch.device("cpu"), compile_options("cpu"))
+    cache = KernelCache(root, environment_name(torch.device("cpu"), compile_options("cpu")))
     publish_kernel(cache, tmp_path, "0123abcd", content=b"kernel bytes")
     return cache
 
@@ -111,7 +113,7 @@ def test_a_bundle_signed_by_a_trusted_key_imports(stand_in_cache, key, tmp_path,
     assert code == 0, err
     report = json.loads(out)
     assert len(report["imported"]) == 1 and report["signed_by"].startswith("ed25519:")
-    cache = KernelCache(target, torch.device("cpu"), compile_options("cpu"))
+    cache = KernelCache(target, environment_name(torch.device("cpu"), compile_options("cpu")))
     assert cache.lookup("aten::abs", "0123abcd").library.read_bytes() == b"kernel bytes"
 
 
@@ -193,8 +195,8 @@ def test_signing_says_why_a_manifest_is_refused(key, tmp_path):
 
 def test_import_skips_entries_of_another_environment(tmp_path, key, monkeypatch, capsys):
     with monkeypatch.context() as another_machine:
-        another_machine.setattr(layout, "cpu_isa", lambda: "another-isa")
-        foreign = KernelCache(tmp_path / "foreign", torch.device("cpu"), compile_options("cpu"))
+        another_machine.setattr(toolchain, "cpu_isa", lambda: "another-isa")
+        foreign = KernelCache(tmp_path / "foreign", environment_name(torch.device("cpu"), compile_options("cpu")))
     publish_kernel(foreign, tmp_path, "0123abcd")
     path = export(capsys, foreign, tmp_path / "foreign.tar.gz", "--sign-key", key)
     code, out, _ = import_into(capsys, tmp_path / "here", path, "--trust-key", f"{key}.pub")

@@ -15,6 +15,8 @@ import torch
 
 from aoti_eager.cache import Entry, KernelCache, UntrustedEntry, inventory, layout
 from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE
+from aoti_eager.kernels import toolchain
+from aoti_eager.kernels.toolchain import environment_name
 from helpers import SIGNATURE, edit_entry_json, publish_kernel
 
 CPU = torch.device("cpu")
@@ -22,8 +24,8 @@ CPU = torch.device("cpu")
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(layout, "cpu_isa", lambda: "avx2")
-    return KernelCache(tmp_path, CPU)
+    monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx2")
+    return KernelCache(tmp_path, environment_name(CPU))
 
 
 def test_publish_then_lookup(cache, tmp_path):
@@ -123,23 +125,38 @@ def test_concurrent_publishers_leave_one_complete_entry(cache, tmp_path):
 
 @pytest.mark.parametrize("recorded", ["torch-version", "isa"])
 def test_an_entry_of_another_torch_or_isa_is_never_found(tmp_path, monkeypatch, recorded):
-    monkeypatch.setattr(layout, "cpu_isa", lambda: "avx512")
+    monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx512")
     monkeypatch.setattr(torch, "__version__", "2.99.0")
-    publish_kernel(KernelCache(tmp_path, CPU), tmp_path)
-    assert KernelCache(tmp_path, CPU).lookup("aten::abs", "sig") is not None
+    publish_kernel(KernelCache(tmp_path, environment_name(CPU)), tmp_path)
+    assert KernelCache(tmp_path, environment_name(CPU)).lookup("aten::abs", "sig") is not None
     if recorded == "isa":
-        monkeypatch.setattr(layout, "cpu_isa", lambda: "avx2")
+        monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx2")
     else:
         monkeypatch.setattr(torch, "__version__", "2.98.0")
-    assert KernelCache(tmp_path, CPU).lookup("aten::abs", "sig") is None
+    assert KernelCache(tmp_path, environment_name(CPU)).lookup("aten::abs", "sig") is None
 
 
-def test_environment_key_names_the_compiler_and_the_inductor_options(tmp_path, monkeypatch):
-    monkeypatch.setattr(layout, "cpu_isa", lambda: "avx2")
-    base = layout.environment_key(CPU, {"cpp.min_chunk_size": 32768})
-    assert layout.environment_key(CPU, {"cpp.min_chunk_size": 1}) != base
-    monkeypatch.setattr(layout, "compiler_identity", lambda compiler=None: "g++: g++ 99.0")
-    assert layout.environment_key(CPU, {"cpp.min_chunk_size": 32768}) != base
+def test_environment_name_names_the_compiler_and_the_inductor_options(tmp_path, monkeypatch):
+    monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx2")
+    base = toolchain.environment_name(CPU, {"cpp.min_chunk_size": 32768})
+    assert toolchain.environment_name(CPU, {"cpp.min_chunk_size": 1}) != base
+    monkeypatch.setattr(toolchain, "compiler_identity", lambda compiler=None: "g++: g++ 99.0")
+    assert toolchain.environment_name(CPU, {"cpp.min_chunk_size": 32768}) != base
+
+
+def test_environment_names_are_those_of_cache_layout_v2(monkeypatch):
+    """Directory names of existing caches: the same inputs must keep naming
+    the same environment (these were computed before the names' code moved)."""
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    monkeypatch.setattr(torch.version, "git_version", "0123abc")
+    monkeypatch.setattr(toolchain.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(toolchain, "__version__", "0.9.0")
+    monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx512 avx512_vnni")
+    monkeypatch.setattr(toolchain, "_cpu_identity", lambda: "cpu0123456789abc")
+    monkeypatch.setattr(toolchain, "compiler_identity", lambda compiler=None: f"{compiler}: g++ (GCC) 13.2.0")
+    options = {"cpp.min_chunk_size": 32768, "cpp.cxx": (None, "/usr/bin/g++")}
+    assert environment_name(CPU) == "cpu-avx512_avx512_vnni-torch2.13.0+cpu-24a5972abebb"
+    assert environment_name(CPU, options) == "cpu-avx512_avx512_vnni-torch2.13.0+cpu-80f91319226b"
 
 
 def test_what_dead_publications_left_is_removed_under_the_lock(cache, tmp_path):
@@ -155,8 +172,8 @@ def test_what_dead_publications_left_is_removed_under_the_lock(cache, tmp_path):
 
 
 def test_device_index_is_not_in_the_key(tmp_path, monkeypatch):
-    monkeypatch.setattr(layout, "cpu_isa", lambda: "avx2")
-    assert layout.environment_key(torch.device("cpu")) == layout.environment_key(torch.device("cpu", 0))
+    monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx2")
+    assert toolchain.environment_name(torch.device("cpu")) == toolchain.environment_name(torch.device("cpu", 0))
 
 
 def test_isa_probe_is_remembered_on_disk(private_root, monkeypatch):
@@ -165,9 +182,9 @@ def test_isa_probe_is_remembered_on_disk(private_root, monkeypatch):
     calls = []
     monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: calls.append(1) or "avx512")
     monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: ["avx512", "avx2"])
-    assert layout.cpu_isa() == "avx512"
-    layout._vec_isas.cache_clear()
-    assert (layout.cpu_isa(), layout.usable_vec_isas()) == ("avx512", ["avx512", "avx2"])
+    assert toolchain.cpu_isa() == "avx512"
+    toolchain._vec_isas.cache_clear()
+    assert (toolchain.cpu_isa(), toolchain.usable_vec_isas()) == ("avx512", ["avx512", "avx2"])
     assert calls == [1]
 
 
@@ -230,8 +247,8 @@ def test_a_shared_cache_trusts_the_group_it_names(cache, tmp_path, monkeypatch):
 
 def test_a_shared_cache_is_created_for_the_group(tmp_path, monkeypatch):
     monkeypatch.setenv("AOTI_EAGER_CACHE_GROUP", str(os.getgid()))
-    monkeypatch.setattr(layout, "cpu_isa", lambda: "avx2")
-    cache = KernelCache(tmp_path / "team", CPU)
+    monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx2")
+    cache = KernelCache(tmp_path / "team", environment_name(CPU))
     published = publish_kernel(cache, tmp_path)
     for path in (published.library.parent, published.library.parent.parent, tmp_path / "team"):
         assert stat.S_IMODE(path.stat().st_mode) == 0o2770 and path.stat().st_gid == os.getgid(), path

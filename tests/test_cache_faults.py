@@ -23,6 +23,7 @@ from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE, sha256_of
 from aoti_eager.kernels import CallSignature, CompileError, load_probe
 from aoti_eager.kernels.compile import compile_options
 from aoti_eager.kernels.load_probe import VERDICT_FILE
+from aoti_eager.kernels.toolchain import environment_name
 from helpers import assert_same_as_eager, edit_entry_json
 
 A = torch.ops.aten
@@ -34,7 +35,7 @@ def compile_entry(cache_dir, op, args):
     with aoti_eager.enabled([op], devices=["cpu"], cache_dir=cache_dir):
         op(*args)
     signature = CallSignature.of(op, "cpu", list(args))
-    return KernelCache(cache_dir, signature.device, compile_options("cpu")).entry_dir(qualified_name(op), signature.key)
+    return KernelCache(cache_dir, environment_name(signature.device, compile_options("cpu"))).entry_dir(qualified_name(op), signature.key)
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,15 @@ import torch
 from aoti_eager.cache import KernelCache, inventory, layout
 from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE
 from aoti_eager.cli import main
+from aoti_eager.kernels import toolchain
+from aoti_eager.kernels.toolchain import environment_name
 from helpers import publish_kernel
 
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(layout, "cpu_isa", lambda: "avx2")
-    cache = KernelCache(tmp_path / "cache", torch.device("cpu"))
+    monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx2")
+    cache = KernelCache(tmp_path / "cache", environment_name(torch.device("cpu")))
     publish_kernel(cache, tmp_path, "sig")
     return cache
 

@@ -13,9 +13,11 @@ import pytest
 import torch
 
 from aoti_eager import settings
-from aoti_eager.cache import KernelCache, inventory, layout
+from aoti_eager.cache import KernelCache, inventory
 from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE
 from aoti_eager.cli import main
+from aoti_eager.kernels import toolchain
+from aoti_eager.kernels.toolchain import environment_name
 from helpers import publish_kernel
 
 
@@ -38,8 +40,8 @@ def test_unknown_command_exits_2():
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     """A cache with two entries of abs (the older one used a day ago) and one of add."""
-    monkeypatch.setattr(layout, "cpu_isa", lambda: "avx2")
-    cache = KernelCache(tmp_path / "cache", torch.device("cpu"))
+    monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx2")
+    cache = KernelCache(tmp_path / "cache", environment_name(torch.device("cpu")))
     publish_kernel(cache, tmp_path, "old", content=b"old kernel")
     os.utime(cache.entry_dir("aten::abs", "old"), (time.time() - 86400,) * 2)
     publish_kernel(cache, tmp_path, "new", content=b"new kernel")
@@ -221,8 +223,6 @@ FAILURES = [
 @pytest.mark.parametrize("json_output", [False, True], ids=["text", "json"])
 @pytest.mark.parametrize("argv, settings", FAILURES, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
 def test_every_failure_is_one_line_never_a_traceback(cache, tmp_path, capsys, monkeypatch, argv, settings, json_output):
-    from aoti_eager.kernels import toolchain
-
     monkeypatch.setattr(toolchain, "cpp_compiler", lambda: "g++")  # doctor: no compiler check
     (tmp_path / "a-dir").mkdir()
     names = {"dir": tmp_path / "a-dir", "file": _regular_file(tmp_path), "cut": _truncated_bundle(tmp_path),

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import aoti_eager
-from aoti_eager.cache import KernelCache, inventory, layout
-from aoti_eager.kernels import scratch
+from aoti_eager.cache import KernelCache, inventory
+from aoti_eager.kernels import scratch, toolchain
+from aoti_eager.kernels.toolchain import environment_name
 from helpers import assert_same_as_eager
 
 
@@ -51,8 +52,8 @@ def test_second_process_makes_no_compile(tmp_path):
 def test_a_lock_whose_holder_died_is_taken_over(tmp_path, monkeypatch):
     # The lock is an flock(2): the kernel drops it with its holder's last file
     # descriptor, however the holder dies. That is how a dead holder is detected.
-    monkeypatch.setattr(layout, "cpu_isa", lambda: "avx2")
-    cache = KernelCache(tmp_path, torch.device("cpu"))
+    monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx2")
+    cache = KernelCache(tmp_path, environment_name(torch.device("cpu")))
     lock_path = cache.lock("aten::abs").lock_file
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLD_LOCK, lock_path], stdout=subprocess.PIPE, text=True

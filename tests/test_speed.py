@@ -18,6 +18,7 @@ from aoti_eager.kernels import speed
 from aoti_eager.kernels.compile import compile_options
 from aoti_eager.kernels.signature import CallSignature
 from aoti_eager.kernels.speed import Timing
+from aoti_eager.kernels.toolchain import environment_name
 from helpers import assert_same_as_eager
 
 A = torch.ops.aten
@@ -45,7 +46,7 @@ class FixedTimings:
 def published(tmp_path, op, device: str, args) -> dict:
     """The cache entry of ``op``'s call with ``args``, as entry.json holds it."""
     signature = CallSignature.of(op, device, list(args))
-    cache = KernelCache(tmp_path, torch.device(device), compile_options(device))
+    cache = KernelCache(tmp_path, environment_name(torch.device(device), compile_options(device)))
     return json.loads((cache.entry_dir(_runtime.qualified_name(op), signature.key) / "entry.json").read_text())
 
 

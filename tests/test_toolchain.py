@@ -10,7 +10,6 @@ import torch
 from torch._inductor import cpu_vec_isa
 
 import aoti_eager
-from aoti_eager.cache import layout
 from aoti_eager.kernels import toolchain
 from helpers import assert_same_as_eager
 
@@ -74,7 +73,7 @@ def test_known_vec_isas_stand_in_for_inductors_probe():
 
 
 def test_a_compile_does_not_probe_the_vec_isa_again(shared_cache, monkeypatch):
-    layout.usable_vec_isas()  # the one probe per machine, if no earlier test made it
+    toolchain.usable_vec_isas()  # the one probe per machine, if no earlier test made it
     probes = []
     original = cpu_vec_isa.valid_vec_isa_list
     monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: probes.append(1) or original())

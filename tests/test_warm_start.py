@@ -20,12 +20,13 @@ import torch
 import aoti_eager
 from aoti_eager import _worker
 from aoti_eager._ops import overload_named, qualified_name
-from aoti_eager.cache import KernelCache, inventory, layout, signing
+from aoti_eager.cache import KernelCache, inventory, signing
 from aoti_eager.cache.store import LIBRARY_FILE
 from aoti_eager.cli import main
 from aoti_eager.kernels.compile import call_op, compile_options
 from aoti_eager.kernels.examples import example_arguments
 from aoti_eager.kernels.signature import CallSignature
+from aoti_eager.kernels.toolchain import environment_name
 from aoti_eager.manifest import ManifestEntry, read_manifest
 from helpers import assert_same_as_eager, publish_kernel
 
@@ -145,7 +146,7 @@ def test_prewarm_with_two_jobs_then_a_new_process_compiles_nothing(shared_cache,
 def test_interrupted_prewarm_leaves_the_cache_consistent_and_resumes(shared_cache, tmp_path):
     manifest = tmp_path / "misses.jsonl"
     first, second = manifest_of(manifest, [(A.abs.default, [torch.randn(6, n)]) for n in (3, 2)])
-    cache = KernelCache(shared_cache, torch.device("cpu"), compile_options("cpu"))
+    cache = KernelCache(shared_cache, environment_name(torch.device("cpu"), compile_options("cpu")))
     prewarm = subprocess.Popen(
         [sys.executable, "-m", "aoti_eager", "--cache-dir", str(shared_cache), "prewarm", str(manifest), "--jobs", "1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
