@@ -30,9 +30,10 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from aoti_eager import _ops, _runtime, settings
+from aoti_eager import _extension, _ops, _runtime, settings
 from aoti_eager._ops import OpSpec
 from aoti_eager.cache import default_root
+from aoti_eager.kernels import signature as _signature
 from aoti_eager.manifest import Recorder
 from aoti_eager._prewarm import prewarm
 from aoti_eager.version import __version__
@@ -40,6 +41,10 @@ from aoti_eager.version import __version__
 __all__ = ["cache_dir", "disable", "enable", "enabled", "prewarm", "stats"]
 
 log = logging.getLogger("aoti_eager")
+
+# kernels/ is a layer below the C++ extension's loader: the one answer it needs
+# of the extension is handed down. The extension is built on first use, not here.
+_signature.use_wrapped_number_test(lambda t: _extension.load().is_wrapped_number(t))
 
 _root: Path | None = None
 

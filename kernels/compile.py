@@ -20,7 +20,9 @@ from typing import Any
 import torch
 
 from aoti_eager.kernels import scratch
-from aoti_eager.kernels.signature import Arg, CallSignature, ListArg, NumberArg, RuntimeNumberArg, TensorArg, tensors_in
+from aoti_eager.kernels.signature import (
+    Arg, CallSignature, ListArg, NumberArg, RuntimeNumberArg, TensorArg, clone_args, tensors_in,
+)
 from aoti_eager.kernels.toolchain import cpp_compiler, known_vec_isas
 from aoti_eager.kernels.wrapper_split import split_wrapper_builds
 
@@ -205,8 +207,6 @@ def compile_call(
     """
     module = _OpCall(signature)
     # Fresh copies: tracing an in-place op must not touch the caller's tensors.
-    from aoti_eager.kernels.validate import clone_args
-
     example = tuple(flat_tensor_inputs(signature, clone_args(signature.args)))
     if workdir is None:
         workdir = scratch.compile_directory()

@@ -62,7 +62,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Iterator, Union
+from typing import Any, Callable, Iterator, Union
 
 import torch
 
@@ -73,12 +73,44 @@ class Unsupported(Exception):
     """An argument that no kernel is compiled for; the call runs eagerly."""
 
 
+# Only C++ can read a tensor's wrapped-number flag, and the C++ extension is
+# the runtime's, a layer above: it hands its test down (aoti_eager/__init__.py).
+_wrapped_number_test: Callable[[torch.Tensor], bool] | None = None
+
+
+def use_wrapped_number_test(test: Callable[[torch.Tensor], bool]) -> None:
+    """Makes ``test`` the answer of :func:`is_wrapped_number`."""
+    global _wrapped_number_test
+    _wrapped_number_test = test
+
+
 def is_wrapped_number(t: torch.Tensor) -> bool:
     """Whether ``t`` is a Python number that a Tensor argument received as a
     0-d tensor: it promotes like a scalar, not like a tensor."""
-    from aoti_eager import _extension
+    if _wrapped_number_test is None:
+        raise RuntimeError("aoti_eager.kernels: no test for wrapped numbers (import aoti_eager, which gives it)")
+    return _wrapped_number_test(t)
 
-    return _extension.load().is_wrapped_number(t)
+
+def clone_exact(t: torch.Tensor) -> torch.Tensor:
+    """A copy with the same sizes, strides, storage offset and dtype."""
+    with torch.no_grad():
+        copy = torch.empty(0, dtype=t.dtype, device=t.device)
+        copy.set_(t.untyped_storage().clone(), t.storage_offset(), t.size(), t.stride())
+    return copy
+
+
+def clone_args(args: tuple[Any, ...] | list[Any]) -> list[Any]:
+    """Copies every tensor argument (wrapped numbers stay, they are not inputs)."""
+
+    def clone(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return value if is_wrapped_number(value) else clone_exact(value)
+        if isinstance(value, (list, tuple)):
+            return type(value)(clone(v) for v in value)
+        return value
+
+    return [clone(a) for a in args]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

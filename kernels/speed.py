@@ -23,8 +23,7 @@ from typing import Any, Callable
 import torch
 
 from aoti_eager.kernels.compile import flat_tensor_inputs, split_arguments
-from aoti_eager.kernels.signature import CallSignature
-from aoti_eager.kernels.validate import clone_args
+from aoti_eager.kernels.signature import CallSignature, clone_args
 
 # Seconds one measurement may take (both sides, warm-up excluded) for calls
 # that are cheap; a call that takes longer than the budget allows still gets

@@ -10,32 +10,11 @@ from typing import Any
 import torch
 
 from aoti_eager.kernels.compile import flat_tensor_inputs, mutated_arguments, return_alias_indices
-from aoti_eager.kernels.signature import CallSignature, is_wrapped_number
+from aoti_eager.kernels.signature import CallSignature, clone_args
 
 
 class Mismatch(Exception):
     """The compiled kernel's result differs from eager's."""
-
-
-def clone_exact(t: torch.Tensor) -> torch.Tensor:
-    """A copy with the same sizes, strides, storage offset and dtype."""
-    with torch.no_grad():
-        copy = torch.empty(0, dtype=t.dtype, device=t.device)
-        copy.set_(t.untyped_storage().clone(), t.storage_offset(), t.size(), t.stride())
-    return copy
-
-
-def clone_args(args: tuple[Any, ...] | list[Any]) -> list[Any]:
-    """Copies every tensor argument (wrapped numbers stay, they are not inputs)."""
-
-    def clone(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return value if is_wrapped_number(value) else clone_exact(value)
-        if isinstance(value, (list, tuple)):
-            return type(value)(clone(v) for v in value)
-        return value
-
-    return [clone(a) for a in args]
 
 
 def _compare(what: str, actual: Any, expected: Any) -> None:
