@@ -258,7 +258,7 @@ def cache_import(root: Path, args: argparse.Namespace) -> int:
     return 0
 
 
-def prewarm(root: Path, args: argparse.Namespace) -> int:
+def prewarm_command(root: Path, args: argparse.Namespace) -> int:
     from aoti_eager._prewarm import prewarm, summary
 
     try:
@@ -421,7 +421,7 @@ def _parser() -> argparse.ArgumentParser:
                               "paths separated by ':')")
     imports.add_argument("--allow-unsigned", action="store_true",
                          help="import a bundle that no trusted key signed: its native code will run in your processes")
-    warm = command(commands, "prewarm", prewarm,
+    warm = command(commands, "prewarm", prewarm_command,
                    "compile every entry of a manifest (recorded with AOTI_EAGER_RECORD) that the cache lacks")
     warm.add_argument("manifest", type=Path, help="recorded with enable(record=...) or $AOTI_EAGER_RECORD")
     warm.add_argument("--jobs", "-j", type=int, help="compiles at once (default: from cores and memory)")

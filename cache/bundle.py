@@ -230,7 +230,7 @@ def _check_signature(contents: _Contents, trusted_keys: list[Path]) -> str:
     member matching it; SignatureError saying why not."""
     if contents.manifest is None:
         raise signing.SignatureError("it is not signed (no manifest)")
-    signer = signing.verify(contents.manifest, contents.signature, trusted_keys)
+    signer = signing.trusted_signer(contents.manifest, contents.signature, trusted_keys)
     try:
         manifest = json.loads(contents.manifest)
         listed = manifest["members"] if manifest["format"] == MANIFEST_FORMAT else None

@@ -79,7 +79,7 @@ class Walk:
     temporaries: list[Path] = dataclasses.field(default_factory=list)
 
 
-def _scan(directory: Path, links: list[Path]) -> list[os.DirEntry]:
+def _children(directory: Path, links: list[Path]) -> list[os.DirEntry]:
     """What ``directory`` holds, less symbolic links, which go to ``links``."""
     try:
         with os.scandir(directory) as scanned:
@@ -98,16 +98,16 @@ def walk(root: Path, op: str | None = None) -> Walk:
     if top.is_symlink():
         found.links.append(top)
         return found
-    for environment in _scan(top, found.links if op is None else []):
+    for environment in _children(top, found.links if op is None else []):
         if not environment.is_dir(follow_symlinks=False):
             continue
         op_links: list[Path] = []
-        for op_dir in _scan(Path(environment.path), op_links):
+        for op_dir in _children(Path(environment.path), op_links):
             if op_dir.name.startswith(".") or not op_dir.is_dir(follow_symlinks=False):
                 continue  # .shared, probe verdicts
             if op is not None and not _names_op(op, op_of_dirname(op_dir.name)):
                 continue
-            for child in _scan(Path(op_dir.path), found.links):
+            for child in _children(Path(op_dir.path), found.links):
                 if child.name.startswith(TEMPORARY_PREFIX):
                     found.temporaries.append(Path(child.path))
                 elif not child.name.startswith(".") and child.is_dir(follow_symlinks=False):
@@ -133,7 +133,7 @@ def quarantined(root: Path) -> list[Path]:
     directory = root / "quarantine"
     if directory.is_symlink():
         return [directory]
-    return [Path(child.path) for child in _scan(directory, links)] + links
+    return [Path(child.path) for child in _children(directory, links)] + links
 
 
 def abandoned_temporaries(root: Path, op: str | None = None) -> Iterator[Path]:

@@ -104,7 +104,7 @@ def signer(signature: bytes) -> str:
     return fingerprint(_parse(signature)[0])
 
 
-def verify(manifest: bytes, signature: bytes | None, trusted: Iterable[Path]) -> str:
+def trusted_signer(manifest: bytes, signature: bytes | None, trusted: Iterable[Path]) -> str:
     """Returns the fingerprint of the trusted key that signed ``manifest``.
 
     Raises SignatureError saying why it is not accepted (``signature`` None:

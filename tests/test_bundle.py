@@ -181,7 +181,7 @@ def test_a_manifest_changed_after_signing_is_refused(stand_in_cache, key, tmp_pa
 
 def test_signing_says_why_a_manifest_is_refused(key, tmp_path):
     signature = signing.sign(b"manifest", key)
-    assert signing.verify(b"manifest", signature, [Path(f"{key}.pub")]) == signing.signer(signature)
+    assert signing.trusted_signer(b"manifest", signature, [Path(f"{key}.pub")]) == signing.signer(signature)
     signing.generate_key_pair(tmp_path / "other")
     for manifest, signature_given, trusted, why in [
         (b"manifest", None, [Path(f"{key}.pub")], "not signed"),
@@ -190,7 +190,7 @@ def test_signing_says_why_a_manifest_is_refused(key, tmp_path):
         (b"manifest", b"{}", [Path(f"{key}.pub")], "unreadable"),
     ]:
         with pytest.raises(signing.SignatureError, match=why):
-            signing.verify(manifest, signature_given, trusted)
+            signing.trusted_signer(manifest, signature_given, trusted)
 
 
 def test_import_skips_entries_of_another_environment(tmp_path, key, monkeypatch, capsys):
