@@ -17,14 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import filelock
 import torch
 from torch._ops import OpOverload
 
 from aoti_eager import _background, _extension, settings
 from aoti_eager._ops import qualified_name
-from aoti_eager.cache import DamagedEntry, Entry, KernelCache, UntrustedEntry, inventory, layout
-from aoti_eager.cache.store import TEMPORARY_PREFIX, set_aside
+from aoti_eager.cache import DamagedEntry, Entry, KernelCache, UntrustedEntry, layout
+from aoti_eager.cache.entry_store import EntryStore
+from aoti_eager.cache.store import TEMPORARY_PREFIX
 from aoti_eager.kernels import CallSignature, CompileError, Unsupported, compile_call
 from aoti_eager.kernels.compile import call_op, compile_options, flat_tensor_inputs, sidecar_files
 from aoti_eager.kernels.load_probe import UnsafeToLoad, check_loads, runtime_crashes
@@ -119,7 +119,7 @@ class Override:
     stats: OpStats = field(default_factory=OpStats)
     # CallSignature.decision_key -> loaded kernel, or False for "eager".
     decisions: dict[tuple[str, str], Any] = field(default_factory=dict)
-    _caches: dict[str, KernelCache] = field(default_factory=dict)
+    _caches: dict[str, EntryStore] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     # CallSignature.shape_key -> compiles attempted for it in this process.
     _value_variants: dict[str, int] = field(default_factory=dict)
@@ -132,7 +132,7 @@ class Override:
     def name(self) -> str:
         return qualified_name(self.op)
 
-    def cache(self, device: torch.device) -> KernelCache:
+    def cache(self, device: torch.device) -> EntryStore:
         """The cache of kernels for ``device`` (keyed by its capability, not its index)."""
         if str(device) not in self._caches:
             self._caches[str(device)] = KernelCache(self.root, device, compile_options(device.type))
@@ -180,8 +180,7 @@ class Override:
                         return self._remember(signature, False)
                     if self.compile == "background":
                         return self._queue(signature)
-                    with _compile_lock, cache.lock(self.name, timeout=lock_timeout()):
-                        cache.remove_abandoned(self.name)
+                    with _compile_lock, cache.lock_signature(self.name, signature.key, timeout=lock_timeout()):
                         # Another process may have compiled it while we waited.
                         decision = self._from_cache(cache, signature)
                         if decision is None:
@@ -189,23 +188,19 @@ class Override:
                 return decision
             except UntrustedEntry as e:
                 return self._eager(f"refused an untrusted cache entry: {e}", signature)
-            except filelock.Timeout:
+            except TimeoutError:
                 self._log(f"waited over {lock_timeout():.0f} s for another process's compile; running eagerly meanwhile")
                 return None
-            except OSError as e:  # after the lock's Timeout, which is one
+            except OSError as e:  # after TimeoutError, which is one
                 return self._eager(_unusable_cache(self.root, e), signature)
 
-    def _from_cache(self, cache: KernelCache, signature: CallSignature) -> Any:
+    def _from_cache(self, cache: EntryStore, signature: CallSignature) -> Any:
         """The decision a published entry holds, or None if there is none."""
-        with cache.in_use(self.name, signature.key):
-            entry = cache.lookup(self.name, signature.key)
-            if entry is None:
-                return None
-            try:
-                return self._adopt(signature, entry, loaded=True)
-            except DamagedEntry as e:  # then compiled again, as a damaged entry is
-                set_aside(cache.root, cache.entry_dir(self.name, signature.key), str(e))
-                return None
+        try:
+            with cache.hold(self.name, signature.key) as entry:
+                return None if entry is None else self._adopt(signature, entry, loaded=True)
+        except DamagedEntry:  # set aside: compiled again, as a damaged entry is
+            return None
 
     def report_unkeyable(self, args: list[Any]) -> None:
         """Records why the C++ side could not key a call (it runs eagerly)."""
@@ -245,7 +240,7 @@ class Override:
         log.info("aoti_eager: compiling %s for (%s) in the background", self.name, signature.short())
         return None
 
-    def _compile(self, cache: KernelCache, signature: CallSignature) -> Any:
+    def _compile(self, cache: EntryStore, signature: CallSignature) -> Any:
         if _compiler_failures.given_up is not None:
             return self._eager(f"the C++ compiler failed on several signatures in this process: {_compiler_failures.given_up}", signature)
         crash = runtime_crashes(cache.directory)
@@ -267,7 +262,7 @@ class Override:
         start = time.perf_counter()
         try:
             artifact = compile_call(
-                signature, expected, cache.compile_options, shared_dir=cache.shared_directory(), vec_isas=layout.usable_vec_isas()
+                signature, expected, compile_options(signature.device.type), shared_dir=cache.shared_directory(), vec_isas=layout.usable_vec_isas()
             )
         except CompileError as e:
             log.debug("aoti_eager: compiling %s failed", self.name, exc_info=e.__cause__)
@@ -309,20 +304,23 @@ class Override:
                     compile_seconds=round(seconds, 3),
                     timing=timing.to_json() if timing is not None else None,
                 )
-            entry = cache.publish(signature.key, entry, sidecar_files(artifact) if entry.library else None)
+            cache.publish(signature.key, entry, sidecar_files(artifact) if entry.library else None)
         finally:
             artifact.workdir.cleanup()
         self.stats.compiles += 1
         self.stats.compile_seconds += seconds
         stages = ", ".join(f"{stage} {t:.1f} s" for stage, t in artifact.seconds.items())
         log.info("aoti_eager: compiled %s for (%s) in %.1f s (%s)", self.name, signature.short(), seconds, stages)
-        with cache.in_use(self.name, signature.key):
-            try:
-                decision = self._adopt(signature, entry, loaded=False)
-            except DamagedEntry as e:
-                set_aside(cache.root, cache.entry_dir(self.name, signature.key), str(e))
-                decision = self._eager(f"its new cache entry is damaged: {e}", signature)
-        self._keep_size_limit()
+        try:
+            # What the store holds now: this entry, or another process's that won the race.
+            with cache.hold(self.name, signature.key) as published:
+                if published is None:  # removed or set aside meanwhile
+                    decision = self._eager("its new cache entry is gone", signature)
+                else:
+                    decision = self._adopt(signature, published, loaded=False)
+        except DamagedEntry as e:
+            decision = self._eager(f"its new cache entry is damaged: {e}", signature)
+        self._keep_size_limit(cache)
         return decision
 
     def _time(self, kernel: Any, signature: CallSignature) -> Timing | None:
@@ -342,12 +340,12 @@ class Override:
                   timing.kernel_seconds * 1e6, timing.eager_seconds * 1e6)
         return timing
 
-    def _keep_size_limit(self) -> None:
-        eviction = inventory.evict(self.root, max_bytes=settings.cache_size.get())
-        if eviction.removed:
+    def _keep_size_limit(self, cache: EntryStore) -> None:
+        removed, freed = cache.trim(settings.cache_size.get())
+        if removed:
             log.info(
                 "aoti_eager: evicted %d least recently used cache entries (%d bytes) to stay under %d bytes",
-                len(eviction.removed), sum(e.bytes for e in eviction.removed), settings.cache_size.get(),
+                removed, freed, settings.cache_size.get(),
             )
 
     def _adopt(self, signature: CallSignature, entry: Entry, loaded: bool) -> Any:
