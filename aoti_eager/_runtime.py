@@ -3,6 +3,12 @@
 The C++ kernel (csrc/op_override.cpp) serves every call whose signature it has
 seen. On a new signature it calls :func:`_on_miss`, which decides once per
 signature: a kernel from the persistent cache, a fresh compile, or eager.
+
+The decision is one of :class:`UseKernel`, :class:`RunEagerly` and
+:class:`RetryLater`. The C++ side reads every one the same way, through two
+attributes: ``remember`` (bool: keep the decision for the signature's key, or
+run this call eagerly and ask again on the next) and ``kernel`` (the
+CompiledKernel to run, or None for the original kernel).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Union
 
 import torch
 from torch._ops import OpOverload
@@ -91,6 +97,36 @@ class _CompilerFailures:
 _compiler_failures = _CompilerFailures()
 
 
+@dataclass(frozen=True)
+class UseKernel:
+    """Calls of the signature run ``kernel``."""
+
+    kernel: Any  # a CompiledKernel (csrc/compiled_kernel.h)
+    remember: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class RunEagerly:
+    """Calls of the signature run the original kernel, for good in this process."""
+
+    reason: str
+    kernel: ClassVar[None] = None
+    remember: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class RetryLater:
+    """This call runs the original kernel; the next call of the signature asks again
+    (a compile elsewhere has not ended, or a CUDA graph is being captured)."""
+
+    reason: str
+    kernel: ClassVar[None] = None
+    remember: ClassVar[bool] = False
+
+
+Decision = Union[UseKernel, RunEagerly, RetryLater]
+
+
 @dataclass
 class OpStats:
     """What happened to one op overload on one device since it was enabled."""
@@ -117,8 +153,8 @@ class Override:
     # worker process, while calls run eagerly; "never": misses run eagerly.
     compile: str = "now"
     stats: OpStats = field(default_factory=OpStats)
-    # CallSignature.decision_key -> loaded kernel, or False for "eager".
-    decisions: dict[tuple[str, str], Any] = field(default_factory=dict)
+    # CallSignature.decision_key -> what its calls run (never RetryLater).
+    decisions: dict[tuple[str, str], Decision] = field(default_factory=dict)
     _caches: dict[str, EntryStore] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     # CallSignature.shape_key -> compiles attempted for it in this process.
@@ -138,27 +174,29 @@ class Override:
             self._caches[str(device)] = KernelCache(self.root, device, compile_options(device.type))
         return self._caches[str(device)]
 
-    def decide(self, args: list[Any]) -> Any:
-        """The miss path: a CompiledKernel, False (eager, remembered) or None (eager, this call)."""
+    def decide(self, args: list[Any]) -> Decision:
+        """The miss path: what calls of the signature of ``args`` run."""
         try:
             signature = CallSignature.of(self.op, self.device, args)
         except Unsupported as e:
             return self._eager(f"unsupported input: {e}")
         decision = self._decide(signature)
-        if signature.decision_key in self._eager_faster:
-            return False  # a kernel with the numbers compiled in would be no faster
-        if decision is False and signature.runtime_arguments and self.compile != "never":
+        if (
+            isinstance(decision, RunEagerly) and signature.runtime_arguments and self.compile != "never"
+            # Where eager was measured faster, a kernel with the numbers compiled in would be no faster.
+            and signature.decision_key not in self._eager_faster
+        ):
             # No kernel takes these numbers as inputs: compile their values in.
             # (A recording run records the first form only: compiling it tries both.)
             decision = self._decide(signature.with_constant_numbers())
         return decision
 
-    def _decide(self, signature: CallSignature) -> Any:
+    def _decide(self, signature: CallSignature) -> Decision:
         known = self.decisions.get(signature.decision_key)
         if known is not None:
             return known
         if signature.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None  # no compile or load inside CUDA graph capture; eager until it ends
+            return RetryLater("no compile or load inside CUDA graph capture")
         with self._lock:  # threads that miss the same signature decide it once
             known = self.decisions.get(signature.decision_key)
             if known is not None:
@@ -168,7 +206,7 @@ class Override:
                 queued = self._queued.get(signature.decision_key)
                 if queued is not None:
                     if not queued.done():
-                        return None
+                        return RetryLater("compiling in the background")
                     del self._queued[signature.decision_key]
                     outcome = queued.result()
                     if outcome.status == "failed":
@@ -177,7 +215,7 @@ class Override:
                 if decision is None:
                     self._record(signature)
                     if self.compile == "never":
-                        return self._remember(signature, False)
+                        return self._remember(signature, RunEagerly("compile='never'"))
                     if self.compile == "background":
                         return self._queue(signature)
                     with _compile_lock, cache.lock_signature(self.name, signature.key, timeout=lock_timeout()):
@@ -189,12 +227,13 @@ class Override:
             except UntrustedEntry as e:
                 return self._eager(f"refused an untrusted cache entry: {e}", signature)
             except TimeoutError:
-                self._log(f"waited over {lock_timeout():.0f} s for another process's compile; running eagerly meanwhile")
-                return None
+                reason = f"waited over {lock_timeout():.0f} s for another process's compile; running eagerly meanwhile"
+                self._log(reason)
+                return RetryLater(reason)
             except OSError as e:  # after TimeoutError, which is one
                 return self._eager(_unusable_cache(self.root, e), signature)
 
-    def _from_cache(self, cache: EntryStore, signature: CallSignature) -> Any:
+    def _from_cache(self, cache: EntryStore, signature: CallSignature) -> Decision | None:
         """The decision a published entry holds, or None if there is none."""
         try:
             with cache.hold(self.name, signature.key) as entry:
@@ -218,44 +257,47 @@ class Override:
     def _manifest_entry(self, signature: CallSignature) -> ManifestEntry:
         return ManifestEntry(self.name, self.device, signature.key, signature.to_json())
 
-    def _too_many_variants(self, signature: CallSignature) -> bool:
-        """Counts a compile of ``signature``; True (and eager) past the limit."""
+    def _too_many_variants(self, signature: CallSignature) -> RunEagerly | None:
+        """Counts a compile of ``signature``; eager past the limit."""
         variants = self._value_variants.get(signature.shape_key, 0)
         if variants >= max_value_variants():
-            self._eager(
+            return self._eager(
                 f"{variants} kernels already compiled for new values of its numeric arguments "
                 f"(AOTI_EAGER_MAX_VALUE_VARIANTS={max_value_variants()}); further values run eagerly",
                 signature,
             )
-            return True
         self._value_variants[signature.shape_key] = variants + 1
-        return False
+        return None
 
-    def _queue(self, signature: CallSignature) -> Any:
+    def _queue(self, signature: CallSignature) -> Decision:
         """Starts a background compile; this call and those until it ends run eagerly."""
-        if self._too_many_variants(signature):
-            return False
+        if (too_many := self._too_many_variants(signature)) is not None:
+            return too_many
         self._queued[signature.decision_key] = _background.submit(self._manifest_entry(signature), self.root)
         self.stats.queued += 1
         log.info("aoti_eager: compiling %s for (%s) in the background", self.name, signature.short())
-        return None
+        return RetryLater("compiling in the background")
 
-    def _compile(self, cache: EntryStore, signature: CallSignature) -> Any:
+    def _compile(self, cache: EntryStore, signature: CallSignature) -> Decision:
+        """Compile, validate against eager, time against eager, publish; then
+        what the store holds for the signature (another process's entry if it
+        published first)."""
         if _compiler_failures.given_up is not None:
             return self._eager(f"the C++ compiler failed on several signatures in this process: {_compiler_failures.given_up}", signature)
         crash = runtime_crashes(cache.directory)
         if crash is not None:
             return self._eager(_not_loaded(crash), signature)
-        if self._too_many_variants(signature):
-            return False
+        if (too_many := self._too_many_variants(signature)) is not None:
+            return too_many
         # The original kernel runs first, on copies: it gives the result the
         # compiled kernel must match, and eager's own error for a bad call.
         reference_args = clone_args(signature.args)
         try:
             expected = call_op(self.op, reference_args)
-        except Exception:  # noqa: BLE001 - eager raises it again for the caller
+        except Exception as e:  # noqa: BLE001 - eager raises it again for the caller
+            reason = f"eager raised {type(e).__name__}"
             # An error of these values, not of the signature, when numbers are inputs.
-            return None if signature.runtime_arguments else self._remember(signature, False)
+            return RetryLater(reason) if signature.runtime_arguments else self._remember(signature, RunEagerly(reason))
         if not keep_faster():
             # A verdict on speed, if _adopt passed one over, makes way for the kernel.
             cache.remove(self.name, signature.key)
@@ -317,7 +359,8 @@ class Override:
                 if published is None:  # removed or set aside meanwhile
                     decision = self._eager("its new cache entry is gone", signature)
                 else:
-                    decision = self._adopt(signature, published, loaded=False)
+                    # None: another process won with a verdict on speed, which is not kept here.
+                    decision = self._adopt(signature, published, loaded=False) or RetryLater("eager was measured faster")
         except DamagedEntry as e:
             decision = self._eager(f"its new cache entry is damaged: {e}", signature)
         self._keep_size_limit(cache)
@@ -348,7 +391,8 @@ class Override:
                 removed, freed, settings.cache_size.get(),
             )
 
-    def _adopt(self, signature: CallSignature, entry: Entry, loaded: bool) -> Any:
+    def _adopt(self, signature: CallSignature, entry: Entry, loaded: bool) -> Decision | None:
+        """What ``entry`` decides; None for a verdict on speed that is not kept (compile again)."""
         if entry.library is None and entry.timing is not None:
             if not keep_faster():
                 return None  # a verdict on speed, which the timing's switch turned off: compile
@@ -365,9 +409,9 @@ class Override:
             raise DamagedEntry(f"its kernel does not load: {e}") from e
         if loaded:
             self.stats.cache_loads += 1
-        return self._remember(signature, kernel)
+        return self._remember(signature, UseKernel(kernel))
 
-    def _remember(self, signature: CallSignature, decision: Any) -> Any:
+    def _remember(self, signature: CallSignature, decision: Decision) -> Decision:
         self.decisions[signature.decision_key] = decision
         return decision
 
@@ -382,30 +426,31 @@ class Override:
             raise DamagedEntry(f"its library takes {kernel.num_inputs} inputs, a call ({signature.short()}) gives {inputs}")
         return kernel
 
-    def _publish_eager(self, signature: CallSignature, reason: str) -> bool:
+    def _publish_eager(self, signature: CallSignature, reason: str) -> RunEagerly:
         entry = Entry(op=self.name, signature=signature.to_json(), reason=reason)
         self.cache(signature.device).publish(signature.key, entry)
         return self._eager(reason, signature)
 
-    def _keep_eager(self, signature: CallSignature, reason: str) -> bool:
+    def _keep_eager(self, signature: CallSignature, reason: str) -> RunEagerly:
         """Eager for good, where it was measured faster than the kernel: for
         every value of the signature's runtime numbers too."""
-        self._remember(signature, False)
         self._eager_faster.add(signature.decision_key)
         self.stats.last_fallback_reason = reason
         log.info("aoti_eager: %s on %s keeps eager for (%s): %s", self.name, self.device, signature.short(), reason)
-        return False
+        return self._remember(signature, RunEagerly(reason))
 
-    def _eager(self, reason: str, signature: CallSignature | None = None) -> bool:
+    def _eager(self, reason: str, signature: CallSignature | None = None) -> RunEagerly:
+        """Eager for the signature (remembered, if given) and logged, once."""
+        decision = RunEagerly(reason)
         if signature is not None:
-            self._remember(signature, False)
+            self._remember(signature, decision)
             if signature.runtime_arguments:
                 # Not final: decide() tries the call next with its numbers compiled in.
                 log.debug("aoti_eager: %s on %s takes no runtime numbers: %s", self.name, self.device, reason)
-                return False
+                return decision
         self.stats.last_fallback_reason = reason
         self._log(reason)
-        return False
+        return decision
 
     def _log(self, reason: str) -> None:
         if (self.name, self.device, reason) not in _logged:
@@ -437,17 +482,20 @@ _installed: dict[tuple[OpOverload, str], Override] = {}
 _handler_set = False
 
 
-def _on_miss(token: int, args: list[Any], decide: bool) -> Any:
+def _on_miss(token: int, args: list[Any], decide: bool) -> Decision:
+    """The miss handler of csrc/op_override.h. With ``decide`` false the call
+    could not be keyed: it runs eagerly, and only why is recorded."""
     override = _by_token.get(token)
     if override is None:
-        return None
+        return RetryLater("the override was removed")
     try:
         if not decide:
-            return override.report_unkeyable(args)
+            override.report_unkeyable(args)
+            return RetryLater("arguments the C++ call key does not cover")
         return override.decide(args)
     except Exception:  # noqa: BLE001 - never let a miss take the user's call down
         log.exception("aoti_eager: internal error while handling a call of %s; running it eagerly", override.name)
-        return None
+        return RetryLater("internal error")
 
 
 def install(
