@@ -3,6 +3,12 @@
 The C++ kernel (csrc/op_override.cpp) serves every call whose signature it has
 seen. On a new signature it calls :func:`_on_miss`, which decides once per
 signature: a kernel from the persistent cache, a fresh compile, or eager.
+
+The decision is one of :class:`UseKernel`, :class:`RunEagerly` and
+:class:`RetryLater`. The C++ side reads every one the same way, through two
+attributes: ``remember`` (bool: keep the decision for the signature's key, or
+run this call eagerly and ask again on the next) and ``kernel`` (the
+CompiledKernel to run, or None for the original kernel).
 """
 
 from __future__ import annotations
@@ -15,16 +21,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Union
 
-import filelock
 import torch
 from torch._ops import OpOverload
 
 from aoti_eager import _background, _extension, settings
 from aoti_eager._ops import qualified_name
 from aoti_eager.cache import DamagedEntry, Entry, KernelCache, UntrustedEntry, inventory
-from aoti_eager.cache.store import TEMPORARY_PREFIX, set_aside
+from aoti_eager.cache.entry_store import EntryStore
+from aoti_eager.cache.store import TEMPORARY_PREFIX
 from aoti_eager.kernels import CallSignature, CompileError, Unsupported, compile_call
 from aoti_eager.kernels.compile import call_op, compile_options, flat_tensor_inputs, sidecar_files
 from aoti_eager.kernels.load_probe import UnsafeToLoad, check_loads, runtime_crashes
@@ -92,6 +98,36 @@ class _CompilerFailures:
 _compiler_failures = _CompilerFailures()
 
 
+@dataclass(frozen=True)
+class UseKernel:
+    """Calls of the signature run ``kernel``."""
+
+    kernel: Any  # a CompiledKernel (csrc/compiled_kernel.h)
+    remember: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class RunEagerly:
+    """Calls of the signature run the original kernel, for good in this process."""
+
+    reason: str
+    kernel: ClassVar[None] = None
+    remember: ClassVar[bool] = True
+
+
+@dataclass(frozen=True)
+class RetryLater:
+    """This call runs the original kernel; the next call of the signature asks again
+    (a compile elsewhere has not ended, or a CUDA graph is being captured)."""
+
+    reason: str
+    kernel: ClassVar[None] = None
+    remember: ClassVar[bool] = False
+
+
+Decision = Union[UseKernel, RunEagerly, RetryLater]
+
+
 @dataclass
 class OpStats:
     """What happened to one op overload on one device since it was enabled."""
@@ -118,9 +154,9 @@ class Override:
     # worker process, while calls run eagerly; "never": misses run eagerly.
     compile: str = "now"
     stats: OpStats = field(default_factory=OpStats)
-    # CallSignature.decision_key -> loaded kernel, or False for "eager".
-    decisions: dict[tuple[str, str], Any] = field(default_factory=dict)
-    _caches: dict[str, KernelCache] = field(default_factory=dict)
+    # CallSignature.decision_key -> what its calls run (never RetryLater).
+    decisions: dict[tuple[str, str], Decision] = field(default_factory=dict)
+    _caches: dict[str, EntryStore] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     # CallSignature.shape_key -> compiles attempted for it in this process.
     _value_variants: dict[str, int] = field(default_factory=dict)
@@ -133,33 +169,35 @@ class Override:
     def name(self) -> str:
         return qualified_name(self.op)
 
-    def cache(self, device: torch.device) -> KernelCache:
+    def cache(self, device: torch.device) -> EntryStore:
         """The cache of kernels for ``device`` (keyed by its capability, not its index)."""
         if str(device) not in self._caches:
             self._caches[str(device)] = KernelCache(self.root, environment_name(device, compile_options(device.type)))
         return self._caches[str(device)]
 
-    def decide(self, args: list[Any]) -> Any:
-        """The miss path: a CompiledKernel, False (eager, remembered) or None (eager, this call)."""
+    def decide(self, args: list[Any]) -> Decision:
+        """The miss path: what calls of the signature of ``args`` run."""
         try:
             signature = CallSignature.of(self.op, self.device, args)
         except Unsupported as e:
             return self._eager(f"unsupported input: {e}")
         decision = self._decide(signature)
-        if signature.decision_key in self._eager_faster:
-            return False  # a kernel with the numbers compiled in would be no faster
-        if decision is False and signature.runtime_arguments and self.compile != "never":
+        if (
+            isinstance(decision, RunEagerly) and signature.runtime_arguments and self.compile != "never"
+            # Where eager was measured faster, a kernel with the numbers compiled in would be no faster.
+            and signature.decision_key not in self._eager_faster
+        ):
             # No kernel takes these numbers as inputs: compile their values in.
             # (A recording run records the first form only: compiling it tries both.)
             decision = self._decide(signature.with_constant_numbers())
         return decision
 
-    def _decide(self, signature: CallSignature) -> Any:
+    def _decide(self, signature: CallSignature) -> Decision:
         known = self.decisions.get(signature.decision_key)
         if known is not None:
             return known
         if signature.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None  # no compile or load inside CUDA graph capture; eager until it ends
+            return RetryLater("no compile or load inside CUDA graph capture")
         with self._lock:  # threads that miss the same signature decide it once
             known = self.decisions.get(signature.decision_key)
             if known is not None:
@@ -169,7 +207,7 @@ class Override:
                 queued = self._queued.get(signature.decision_key)
                 if queued is not None:
                     if not queued.done():
-                        return None
+                        return RetryLater("compiling in the background")
                     del self._queued[signature.decision_key]
                     outcome = queued.result()
                     if outcome.status == "failed":
@@ -178,11 +216,10 @@ class Override:
                 if decision is None:
                     self._record(signature)
                     if self.compile == "never":
-                        return self._remember(signature, False)
+                        return self._remember(signature, RunEagerly("compile='never'"))
                     if self.compile == "background":
                         return self._queue(signature)
-                    with _compile_lock, cache.lock(self.name, timeout=lock_timeout()):
-                        cache.remove_abandoned(self.name)
+                    with _compile_lock, cache.lock_signature(self.name, signature.key, timeout=lock_timeout()):
                         # Another process may have compiled it while we waited.
                         decision = self._from_cache(cache, signature)
                         if decision is None:
@@ -190,23 +227,20 @@ class Override:
                 return decision
             except UntrustedEntry as e:
                 return self._eager(f"refused an untrusted cache entry: {e}", signature)
-            except filelock.Timeout:
-                self._log(f"waited over {lock_timeout():.0f} s for another process's compile; running eagerly meanwhile")
-                return None
-            except OSError as e:  # after the lock's Timeout, which is one
+            except TimeoutError:
+                reason = f"waited over {lock_timeout():.0f} s for another process's compile; running eagerly meanwhile"
+                self._log(reason)
+                return RetryLater(reason)
+            except OSError as e:  # after TimeoutError, which is one
                 return self._eager(_unusable_cache(self.root, e), signature)
 
-    def _from_cache(self, cache: KernelCache, signature: CallSignature) -> Any:
+    def _from_cache(self, cache: EntryStore, signature: CallSignature) -> Decision | None:
         """The decision a published entry holds, or None if there is none."""
-        with cache.in_use(self.name, signature.key):
-            entry = cache.lookup(self.name, signature.key)
-            if entry is None:
-                return None
-            try:
-                return self._adopt(signature, entry, loaded=True)
-            except DamagedEntry as e:  # then compiled again, as a damaged entry is
-                set_aside(cache.root, cache.entry_dir(self.name, signature.key), str(e))
-                return None
+        try:
+            with cache.hold(self.name, signature.key) as entry:
+                return None if entry is None else self._adopt(signature, entry, loaded=True)
+        except DamagedEntry:  # set aside: compiled again, as a damaged entry is
+            return None
 
     def report_unkeyable(self, args: list[Any]) -> None:
         """Records why the C++ side could not key a call (it runs eagerly)."""
@@ -224,44 +258,47 @@ class Override:
     def _manifest_entry(self, signature: CallSignature) -> ManifestEntry:
         return ManifestEntry(self.name, self.device, signature.key, signature.to_json())
 
-    def _too_many_variants(self, signature: CallSignature) -> bool:
-        """Counts a compile of ``signature``; True (and eager) past the limit."""
+    def _too_many_variants(self, signature: CallSignature) -> RunEagerly | None:
+        """Counts a compile of ``signature``; eager past the limit."""
         variants = self._value_variants.get(signature.shape_key, 0)
         if variants >= max_value_variants():
-            self._eager(
+            return self._eager(
                 f"{variants} kernels already compiled for new values of its numeric arguments "
                 f"(AOTI_EAGER_MAX_VALUE_VARIANTS={max_value_variants()}); further values run eagerly",
                 signature,
             )
-            return True
         self._value_variants[signature.shape_key] = variants + 1
-        return False
+        return None
 
-    def _queue(self, signature: CallSignature) -> Any:
+    def _queue(self, signature: CallSignature) -> Decision:
         """Starts a background compile; this call and those until it ends run eagerly."""
-        if self._too_many_variants(signature):
-            return False
+        if (too_many := self._too_many_variants(signature)) is not None:
+            return too_many
         self._queued[signature.decision_key] = _background.submit(self._manifest_entry(signature), self.root)
         self.stats.queued += 1
         log.info("aoti_eager: compiling %s for (%s) in the background", self.name, signature.short())
-        return None
+        return RetryLater("compiling in the background")
 
-    def _compile(self, cache: KernelCache, signature: CallSignature) -> Any:
+    def _compile(self, cache: EntryStore, signature: CallSignature) -> Decision:
+        """Compile, validate against eager, time against eager, publish; then
+        what the store holds for the signature (another process's entry if it
+        published first)."""
         if _compiler_failures.given_up is not None:
             return self._eager(f"the C++ compiler failed on several signatures in this process: {_compiler_failures.given_up}", signature)
         crash = runtime_crashes(cache.directory)
         if crash is not None:
             return self._eager(_not_loaded(crash), signature)
-        if self._too_many_variants(signature):
-            return False
+        if (too_many := self._too_many_variants(signature)) is not None:
+            return too_many
         # The original kernel runs first, on copies: it gives the result the
         # compiled kernel must match, and eager's own error for a bad call.
         reference_args = clone_args(signature.args)
         try:
             expected = call_op(self.op, reference_args)
-        except Exception:  # noqa: BLE001 - eager raises it again for the caller
+        except Exception as e:  # noqa: BLE001 - eager raises it again for the caller
+            reason = f"eager raised {type(e).__name__}"
             # An error of these values, not of the signature, when numbers are inputs.
-            return None if signature.runtime_arguments else self._remember(signature, False)
+            return RetryLater(reason) if signature.runtime_arguments else self._remember(signature, RunEagerly(reason))
         if not keep_faster():
             # A verdict on speed, if _adopt passed one over, makes way for the kernel.
             cache.remove(self.name, signature.key)
@@ -310,19 +347,23 @@ class Override:
                     compile_seconds=round(seconds, 3),
                     timing=timing.to_json() if timing is not None else None,
                 )
-            entry = cache.publish(signature.key, entry, sidecar_files(artifact) if entry.library else None)
+            cache.publish(signature.key, entry, sidecar_files(artifact) if entry.library else None)
         finally:
             artifact.workdir.cleanup()
         self.stats.compiles += 1
         self.stats.compile_seconds += seconds
         stages = ", ".join(f"{stage} {t:.1f} s" for stage, t in artifact.seconds.items())
         log.info("aoti_eager: compiled %s for (%s) in %.1f s (%s)", self.name, signature.short(), seconds, stages)
-        with cache.in_use(self.name, signature.key):
-            try:
-                decision = self._adopt(signature, entry, loaded=False)
-            except DamagedEntry as e:
-                set_aside(cache.root, cache.entry_dir(self.name, signature.key), str(e))
-                decision = self._eager(f"its new cache entry is damaged: {e}", signature)
+        try:
+            # What the store holds now: this entry, or another process's that won the race.
+            with cache.hold(self.name, signature.key) as published:
+                if published is None:  # removed or set aside meanwhile
+                    decision = self._eager("its new cache entry is gone", signature)
+                else:
+                    # None: another process won with a verdict on speed, which is not kept here.
+                    decision = self._adopt(signature, published, loaded=False) or RetryLater("eager was measured faster")
+        except DamagedEntry as e:
+            decision = self._eager(f"its new cache entry is damaged: {e}", signature)
         self._keep_size_limit()
         return decision
 
@@ -344,14 +385,18 @@ class Override:
         return timing
 
     def _keep_size_limit(self) -> None:
+        # The size limit is the whole root's, every environment of it: housekeeping
+        # of the local cache, not an operation of one store.
         eviction = inventory.evict(self.root, max_bytes=settings.cache_size.get())
-        if eviction.removed:
+        removed, freed = len(eviction.removed), sum(listing.bytes for listing in eviction.removed)
+        if removed:
             log.info(
                 "aoti_eager: evicted %d least recently used cache entries (%d bytes) to stay under %d bytes",
-                len(eviction.removed), sum(e.bytes for e in eviction.removed), settings.cache_size.get(),
+                removed, freed, settings.cache_size.get(),
             )
 
-    def _adopt(self, signature: CallSignature, entry: Entry, loaded: bool) -> Any:
+    def _adopt(self, signature: CallSignature, entry: Entry, loaded: bool) -> Decision | None:
+        """What ``entry`` decides; None for a verdict on speed that is not kept (compile again)."""
         if entry.library is None and entry.timing is not None:
             if not keep_faster():
                 return None  # a verdict on speed, which the timing's switch turned off: compile
@@ -368,9 +413,9 @@ class Override:
             raise DamagedEntry(f"its kernel does not load: {e}") from e
         if loaded:
             self.stats.cache_loads += 1
-        return self._remember(signature, kernel)
+        return self._remember(signature, UseKernel(kernel))
 
-    def _remember(self, signature: CallSignature, decision: Any) -> Any:
+    def _remember(self, signature: CallSignature, decision: Decision) -> Decision:
         self.decisions[signature.decision_key] = decision
         return decision
 
@@ -385,30 +430,31 @@ class Override:
             raise DamagedEntry(f"its library takes {kernel.num_inputs} inputs, a call ({signature.short()}) gives {inputs}")
         return kernel
 
-    def _publish_eager(self, signature: CallSignature, reason: str) -> bool:
+    def _publish_eager(self, signature: CallSignature, reason: str) -> RunEagerly:
         entry = Entry(op=self.name, signature=signature.to_json(), reason=reason)
         self.cache(signature.device).publish(signature.key, entry)
         return self._eager(reason, signature)
 
-    def _keep_eager(self, signature: CallSignature, reason: str) -> bool:
+    def _keep_eager(self, signature: CallSignature, reason: str) -> RunEagerly:
         """Eager for good, where it was measured faster than the kernel: for
         every value of the signature's runtime numbers too."""
-        self._remember(signature, False)
         self._eager_faster.add(signature.decision_key)
         self.stats.last_fallback_reason = reason
         log.info("aoti_eager: %s on %s keeps eager for (%s): %s", self.name, self.device, signature.short(), reason)
-        return False
+        return self._remember(signature, RunEagerly(reason))
 
-    def _eager(self, reason: str, signature: CallSignature | None = None) -> bool:
+    def _eager(self, reason: str, signature: CallSignature | None = None) -> RunEagerly:
+        """Eager for the signature (remembered, if given) and logged, once."""
+        decision = RunEagerly(reason)
         if signature is not None:
-            self._remember(signature, False)
+            self._remember(signature, decision)
             if signature.runtime_arguments:
                 # Not final: decide() tries the call next with its numbers compiled in.
                 log.debug("aoti_eager: %s on %s takes no runtime numbers: %s", self.name, self.device, reason)
-                return False
+                return decision
         self.stats.last_fallback_reason = reason
         self._log(reason)
-        return False
+        return decision
 
     def _log(self, reason: str) -> None:
         if (self.name, self.device, reason) not in _logged:
@@ -440,17 +486,20 @@ _installed: dict[tuple[OpOverload, str], Override] = {}
 _handler_set = False
 
 
-def _on_miss(token: int, args: list[Any], decide: bool) -> Any:
+def _on_miss(token: int, args: list[Any], decide: bool) -> Decision:
+    """The miss handler of csrc/op_override.h. With ``decide`` false the call
+    could not be keyed: it runs eagerly, and only why is recorded."""
     override = _by_token.get(token)
     if override is None:
-        return None
+        return RetryLater("the override was removed")
     try:
         if not decide:
-            return override.report_unkeyable(args)
+            override.report_unkeyable(args)
+            return RetryLater("arguments the C++ call key does not cover")
         return override.decide(args)
     except Exception:  # noqa: BLE001 - never let a miss take the user's call down
         log.exception("aoti_eager: internal error while handling a call of %s; running it eagerly", override.name)
-        return None
+        return RetryLater("internal error")
 
 
 def install(

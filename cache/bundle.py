@@ -37,6 +37,7 @@ from aoti_eager.cache import signing
 from aoti_eager.cache.inventory import entries
 from aoti_eager.cache.store import (
     ENTRY_FILE,
+    ENTRY_FILES,
     LIBRARY_FILE,
     DamagedEntry,
     Entry,
@@ -46,8 +47,6 @@ from aoti_eager.cache.store import (
     read_entry,
 )
 
-# What an entry directory may hold (kernel.json: ops left to the dispatcher).
-ENTRY_FILES = (ENTRY_FILE, LIBRARY_FILE, "kernel.json")
 MANIFEST = "manifest.json"
 MANIFEST_SIGNATURE = "manifest.sig"
 MANIFEST_FORMAT = "aoti_eager bundle 1"
@@ -290,7 +289,7 @@ def _install(cache: KernelCache, name: str, tar: tarfile.TarFile, files: dict[st
     """Publishes one entry of the bundle, under its op's lock; False if the cache has it already."""
     _, op_dir, key = name.split("/")
     op = op_of_dirname(op_dir)
-    with cache.lock(op):
+    with cache.lock_signature(op, key):
         if cache.lookup(op, key) is not None:
             return False
         with cache.temporary_directory(op) as workdir:

@@ -1,4 +1,6 @@
-"""Entries of the kernel cache: lookup, per-op locks, atomic publication, removal.
+"""The local filesystem store of kernels: lookup, per-op locks, atomic
+publication, removal (:class:`KernelCache`, an
+:class:`~aoti_eager.cache.entry_store.EntryStore`).
 
 An entry is a directory named by its signature digest. It is assembled under a
 temporary name inside the op's directory and published with one ``rename``, so
@@ -7,6 +9,13 @@ artifact's sha256 and a digest of its own fields, both checked before the
 library is loaded, and what the C++ side takes from it is checked against the
 op's schema. Removal is a rename
 to a temporary name too, and leaves alone an entry that a process is loading.
+
+A remote tier plugs in as ``KernelCache.behind``, another ``EntryStore``: on a
+local miss :meth:`KernelCache.lookup` asks it, publishes what it returns here
+(its files are copied from beside its ``library``) and answers with the local
+copy, so that the C++ hit path only ever loads local, checked files. What the
+tier returns it must have verified itself (signatures, DESIGN.md "Trust and
+the fleet"): publication records the sha256 of the files as they arrive.
 """
 
 from __future__ import annotations
@@ -21,7 +30,6 @@ import os
 import shutil
 import stat
 import tempfile
-import time
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
@@ -31,49 +39,18 @@ from filelock import FileLock
 
 from aoti_eager import settings
 from aoti_eager.cache import layout
+from aoti_eager.cache.entry_store import Entry, EntryStore, metadata_digest
 
 log = logging.getLogger("aoti_eager")
 
 ENTRY_FILE = "entry.json"
 LIBRARY_FILE = "kernel.so"
+# Beside the library (kernel.json: ops left to the dispatcher).
+SIDECAR_FILES = ("kernel.json",)
+# What an entry directory may hold.
+ENTRY_FILES = (ENTRY_FILE, LIBRARY_FILE, *SIDECAR_FILES)
 # Directories being assembled or removed; never an entry.
 TEMPORARY_PREFIX = ".tmp-"
-
-
-@dataclasses.dataclass
-class Entry:
-    """What the cache knows about one (op, device, signature).
-
-    ``library`` is None for a signature decided "eager" (``reason`` says why).
-    ``timing`` is the kernel's time against eager's, measured once when it was
-    compiled (``kernel_us``, ``eager_us``, ``ratio``); an eager entry with a
-    timing is one where eager was measured faster.
-    """
-
-    op: str
-    signature: list[dict[str, Any]]
-    output_counts: list[int] | None = None
-    library: Path | None = None
-    reason: str | None = None
-    compile_seconds: float = 0.0
-    sha256: str | None = None
-    timing: dict[str, float] | None = None
-    created: float = dataclasses.field(default_factory=time.time)
-    # Of every other field as written in entry.json (see metadata_digest).
-    metadata_sha256: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["library"] = self.library.name if self.library else None
-        d["metadata_sha256"] = metadata_digest(d)
-        return d
-
-
-def metadata_digest(data: dict[str, Any]) -> str:
-    """The sha256 of an entry's fields as ``entry.json`` holds them, but its own:
-    an edited or damaged ``entry.json`` no longer matches it."""
-    fields = {k: v for k, v in data.items() if k != "metadata_sha256"}
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
 def sha256_of(path: Path) -> str:
@@ -276,7 +253,16 @@ def op_of_dirname(name: str) -> str:
     return name.replace(".", "::", 1)
 
 
-class KernelCache:
+def _directories(path: Path) -> list[os.DirEntry]:
+    """The subdirectories of ``path``, links not followed, hidden ones left out."""
+    try:
+        with os.scandir(path) as found:
+            return [e for e in found if e.is_dir(follow_symlinks=False) and not e.name.startswith(".")]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+class KernelCache(EntryStore):
     """The entries of one cache root for one environment: a directory name
     that the compiler side derives from everything that shapes a kernel
     besides the call (see :func:`aoti_eager.kernels.toolchain.environment_name`)."""
@@ -284,6 +270,8 @@ class KernelCache:
     def __init__(self, root: Path, environment: str):
         self.root = Path(root)
         self.directory = self.root / layout.LAYOUT_VERSION / environment
+        # The tier a local miss is looked up in (see the module's docstring).
+        self.behind: EntryStore | None = None
 
     def _op_dir(self, op: str) -> Path:
         return self.directory / op_dirname(op)
@@ -301,6 +289,14 @@ class KernelCache:
         op_dir = self._op_dir(op)
         layout.make_cache_dirs(op_dir)
         return op_lock(op_dir, timeout)
+
+    @contextlib.contextmanager
+    def lock_signature(self, op: str, signature_key: str, timeout: float = -1) -> Iterator[None]:
+        """:meth:`lock` (per op for now: one compile of an op at a time), then
+        :meth:`remove_abandoned`."""
+        with self.lock(op, timeout):
+            self.remove_abandoned(op)
+            yield
 
     def temporary_directory(self, op: str) -> tempfile.TemporaryDirectory:
         """A directory in which an entry of ``op`` is assembled (an import),
@@ -335,6 +331,17 @@ class KernelCache:
         with _flock(self.entry_dir(op, signature_key), fcntl.LOCK_SH):
             yield
 
+    @contextlib.contextmanager
+    def hold(self, op: str, signature_key: str) -> Iterator[Entry | None]:
+        """:meth:`lookup` under :meth:`in_use`; a DamagedEntry raised in the block is set aside."""
+        with self.in_use(op, signature_key):
+            entry = self.lookup(op, signature_key)
+            try:
+                yield entry
+            except DamagedEntry as e:
+                set_aside(self.root, self.entry_dir(op, signature_key), str(e))
+                raise
+
     def lookup(self, op: str, signature_key: str) -> Entry | None:
         """The published entry, or None; a damaged entry is set aside.
 
@@ -356,11 +363,33 @@ class KernelCache:
                 os.utime(directory)
             except OSError:
                 pass  # another member's entry in a shared cache: its last use stays as it was
+        elif self.behind is not None:
+            entry = self._materialize(op, signature_key)
         return entry
+
+    def _materialize(self, op: str, signature_key: str) -> Entry | None:
+        """The entry of the store behind, published here; None if it has none."""
+        found = self.behind.lookup(op, signature_key)
+        if found is None:
+            return None
+        files = None
+        if found.library is not None:
+            beside = found.library.parent
+            files = {LIBRARY_FILE: found.library}
+            files.update({name: beside / name for name in SIDECAR_FILES if (beside / name).exists()})
+        return self.publish(signature_key, dataclasses.replace(found), files)  # a copy: publish rewrites it
 
     def remove(self, op: str, signature_key: str) -> bool:
         """Removes a published entry (see :func:`remove_entry`)."""
         return remove_entry(self.root, self.entry_dir(op, signature_key))
+
+    def entries(self) -> Iterator[tuple[str, str]]:
+        """(op, signature key) of every published entry; links and temporary
+        directories are never entries."""
+        for op_dir in _directories(self.directory):
+            for entry_dir in _directories(Path(op_dir.path)):
+                if not entry_dir.name.startswith(TEMPORARY_PREFIX):
+                    yield op_of_dirname(op_dir.name), entry_dir.name
 
     def publish(self, signature_key: str, entry: Entry, files: dict[str, Path] | None = None) -> Entry:
         """Publishes ``entry`` with ``files`` (name in the entry -> source path).

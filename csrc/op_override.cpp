@@ -275,12 +275,15 @@ std::optional<OpOverride::Entry> OpOverride::on_miss(
     for (size_t i = 0; i < args.size(); ++i) {
       py_args.append(to_python(args[i], schema_->arguments()[i].type()));
     }
+    // The decision (see set_miss_handler): keep it for the key, or run this
+    // call eagerly and ask again on the next; a kernel, or the original.
     py::object decision = (*miss_handler)(token_, py_args, remember);
-    if (decision.is_none() || !remember) {
+    if (!remember || !decision.attr("remember").cast<bool>()) {
       return std::nullopt;
     }
-    if (!py::isinstance<py::bool_>(decision)) {
-      entry.kernel = decision.cast<std::shared_ptr<const CompiledKernel>>();
+    py::object kernel = decision.attr("kernel");
+    if (!kernel.is_none()) {
+      entry.kernel = kernel.cast<std::shared_ptr<const CompiledKernel>>();
       TORCH_CHECK(
           entry.kernel->output_counts().size() == return_aliases_.size(),
           "aoti_eager: compiled kernel describes ",

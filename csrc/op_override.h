@@ -102,9 +102,13 @@ std::unique_ptr<c10::RegistrationHandleRAII> register_override(
     c10::DispatchKey dispatch_key,
     std::shared_ptr<OpOverride> override);
 
-// handler(token, args: list, decide: bool) -> CompiledKernel | False (remember
-// eager) | None (run this call eagerly, decide again next time). With decide
-// false the call's arguments cannot be keyed: the handler only records why.
+// handler(token, args: list, decide: bool) -> decision, an object with two
+// attributes (aoti_eager/_runtime.py: UseKernel, RunEagerly, RetryLater):
+//   remember: bool  keep the decision for the call's key; false: run this
+//                   call eagerly and ask again on the next
+//   kernel:         the CompiledKernel to run, or None for the original kernel
+// With decide false the call's arguments cannot be keyed: the handler only
+// records why, and the call runs eagerly whatever it returns.
 void set_miss_handler(pybind11::object handler);
 
 // Runs the original kernels for the rest of the scope on this thread.

@@ -1,0 +1,99 @@
+"""What the runtime asks of a kernel cache: the entry-store interface.
+
+The runtime (aoti_eager._runtime, _worker, _prewarm) talks to a cache only
+through :class:`EntryStore`. Its first implementation is the local
+filesystem store, :class:`aoti_eager.cache.store.KernelCache`; every entry the
+C++ hit path loads comes from there, verified.
+
+A remote tier (a fleet cache, see DESIGN.md "Trust and the fleet") is another
+``EntryStore`` set as the local store's ``behind``: on a local miss the local
+store looks it up and publishes what it returns locally before answering, as
+Triton's ``RemoteCacheManager`` materializes remote hits into its
+``FileCacheManager``. The runtime does not change for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any, ContextManager, Iterator, Protocol
+
+
+@dataclasses.dataclass
+class Entry:
+    """What the cache knows about one (op, device, signature).
+
+    ``library`` is None for a signature decided "eager" (``reason`` says why).
+    ``timing`` is the kernel's time against eager's, measured once when it was
+    compiled (``kernel_us``, ``eager_us``, ``ratio``); an eager entry with a
+    timing is one where eager was measured faster.
+    """
+
+    op: str
+    signature: list[dict[str, Any]]
+    output_counts: list[int] | None = None
+    library: Path | None = None
+    reason: str | None = None
+    compile_seconds: float = 0.0
+    sha256: str | None = None
+    timing: dict[str, float] | None = None
+    created: float = dataclasses.field(default_factory=time.time)
+    # Of every other field as written in entry.json (see metadata_digest).
+    metadata_sha256: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["library"] = self.library.name if self.library else None
+        d["metadata_sha256"] = metadata_digest(d)
+        return d
+
+
+def metadata_digest(data: dict[str, Any]) -> str:
+    """The sha256 of an entry's fields as ``entry.json`` holds them, but its own:
+    an edited or damaged ``entry.json`` no longer matches it."""
+    fields = {k: v for k, v in data.items() if k != "metadata_sha256"}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+class EntryStore(Protocol):
+    """The entries of one cache environment (one device kind, toolchain and
+    set of compile options), keyed by op and signature key.
+
+    Lookups raise ``UntrustedEntry`` for an entry someone else could have
+    written; a damaged entry is set aside and reads as a miss.
+    """
+
+    # Local directory of this environment, where facts about this machine are
+    # kept (which kernels crash on load, see kernels/load_probe.py).
+    directory: Path
+
+    def lookup(self, op: str, signature_key: str) -> Entry | None:
+        """The published entry, verified, or None."""
+
+    def hold(self, op: str, signature_key: str) -> ContextManager[Entry | None]:
+        """:meth:`lookup`, with the entry kept from removal for the block, so
+        that its library can be loaded. A ``DamagedEntry`` raised in the block
+        (its library does not load) sets the entry aside and propagates."""
+
+    def publish(self, signature_key: str, entry: Entry, files: dict[str, Path] | None = None) -> Entry:
+        """Publishes ``entry`` with ``files`` (name in the entry -> source
+        path), atomically; returns the entry as published. The first
+        publication of a key wins: a later one returns the first's entry."""
+
+    def lock_signature(self, op: str, signature_key: str, timeout: float = -1) -> ContextManager[object]:
+        """Held while the signature is compiled, so that it is compiled once;
+        what dead holders left half done is cleaned up on entry. Raises
+        ``TimeoutError`` after ``timeout`` seconds (< 0: waits forever)."""
+
+    def remove(self, op: str, signature_key: str) -> bool:
+        """Removes a published entry unless it is held; whether it is gone."""
+
+    def entries(self) -> Iterator[tuple[str, str]]:
+        """(op, signature key) of every published entry."""
+
+    def shared_directory(self) -> Path:
+        """A local directory for build products that every compile of this
+        environment shares."""
