@@ -214,7 +214,7 @@ def compile_call(
     seconds: dict[str, float] = {}
     stage = "torch.export"
     try:
-        with warnings.catch_warnings(), scratch.compiling_in(workdir.name):
+        with warnings.catch_warnings(), scratch.compiling():
             # Deprecation notices from PyTorch internals are not the user's concern.
             warnings.simplefilter("ignore")
             start = time.perf_counter()

@@ -9,7 +9,7 @@ line.
 Each compile has its own directory, named after its host and process, so that
 what a killed process left is removed by the next compile on that host.
 Inductor's own caches and the compiler's temporary files stay under the same
-root during a compile (see :func:`compiling_in`).
+root during a compile (see :func:`compiling`).
 """
 
 from __future__ import annotations
@@ -69,17 +69,23 @@ def root() -> Path:
 
 
 @contextlib.contextmanager
-def compiling_in(workdir: str) -> Iterator[None]:
+def compiling() -> Iterator[None]:
     """Within the block, what a compile writes besides its results stays in
     this user's directories, so that a killed compile leaves nothing in the
     shared temporary directory: Inductor's caches (generated sources,
     precompiled headers, Triton's cache) in ``<scratch root>/inductor``, unless
-    ``$TORCHINDUCTOR_CACHE_DIR`` names another place, and the compiler's
-    temporary files in ``workdir`` (``TMPDIR`` of the processes it starts)."""
+    ``$TORCHINDUCTOR_CACHE_DIR`` names another place, and the temporary files
+    of the processes it starts (the compiler's) in ``<scratch root>/tmp``.
+
+    Both directories outlive the compile: Inductor keeps a pool of autotuning
+    processes that inherit them and serve later compiles.
+    """
     from torch._inductor import codecache
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    variables = {"TMPDIR": workdir}
+    temporary = root() / "tmp"
+    temporary.mkdir(mode=0o700, exist_ok=True)
+    variables = {"TMPDIR": str(temporary)}
     attributes = {}
     # Inductor writes its default into the variable when it first needs it:
     # only another value is the user's choice.
