@@ -43,22 +43,9 @@ log = logging.getLogger("aoti_eager")
 
 DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 
-def max_value_variants() -> int:
-    """Like dynamo's cache size limit: further values run eagerly instead of compiling forever."""
-    return settings.max_value_variants.get()
-
-
-def keep_faster() -> bool:
-    return settings.keep_faster.get()
-
-
 # A kernel is set aside for eager only when it is this much slower, twice:
 # a single noisy measurement must not flip a signature to eager for good.
 SLOWER_THAN_EAGER = 1.05
-
-
-def lock_timeout() -> float:
-    return settings.lock_timeout.get()
 
 
 # Inductor is not thread-safe: one compile at a time in a process (the cache's
@@ -219,7 +206,7 @@ class Override:
                         return self._remember(signature, RunEagerly("compile='never'"))
                     if self.compile == "background":
                         return self._queue(signature)
-                    with _compile_lock, cache.lock_signature(self.name, signature.key, timeout=lock_timeout()):
+                    with _compile_lock, cache.lock_signature(self.name, signature.key, timeout=settings.lock_timeout.get()):
                         # Another process may have compiled it while we waited.
                         decision = self._from_cache(cache, signature)
                         if decision is None:
@@ -228,7 +215,7 @@ class Override:
             except UntrustedEntry as e:
                 return self._eager(f"refused an untrusted cache entry: {e}", signature)
             except TimeoutError:
-                reason = f"waited over {lock_timeout():.0f} s for another process's compile; running eagerly meanwhile"
+                reason = f"waited over {settings.lock_timeout.get():.0f} s for another process's compile; running eagerly meanwhile"
                 self._log(reason)
                 return RetryLater(reason)
             except OSError as e:  # after TimeoutError, which is one
@@ -261,10 +248,12 @@ class Override:
     def _too_many_variants(self, signature: CallSignature) -> RunEagerly | None:
         """Counts a compile of ``signature``; eager past the limit."""
         variants = self._value_variants.get(signature.shape_key, 0)
-        if variants >= max_value_variants():
+        # Like dynamo's cache size limit: further values run eagerly instead of compiling forever.
+        limit = settings.max_value_variants.get()
+        if variants >= limit:
             return self._eager(
                 f"{variants} kernels already compiled for new values of its numeric arguments "
-                f"(AOTI_EAGER_MAX_VALUE_VARIANTS={max_value_variants()}); further values run eagerly",
+                f"({settings.max_value_variants.name}={limit}); further values run eagerly",
                 signature,
             )
         self._value_variants[signature.shape_key] = variants + 1
@@ -299,7 +288,7 @@ class Override:
             reason = f"eager raised {type(e).__name__}"
             # An error of these values, not of the signature, when numbers are inputs.
             return RetryLater(reason) if signature.runtime_arguments else self._remember(signature, RunEagerly(reason))
-        if not keep_faster():
+        if not settings.keep_faster.get():
             # A verdict on speed, if _adopt passed one over, makes way for the kernel.
             cache.remove(self.name, signature.key)
         start = time.perf_counter()
@@ -370,7 +359,7 @@ class Override:
     def _time(self, kernel: Any, signature: CallSignature) -> Timing | None:
         """The kernel's time against eager's, measured a second time when the
         first says eager is faster; None where timing is off or failed."""
-        if not keep_faster():
+        if not settings.keep_faster.get():
             return None
         try:
             timing = time_against_eager(kernel, signature, self.op)
@@ -387,18 +376,18 @@ class Override:
     def _keep_size_limit(self) -> None:
         # The size limit is the whole root's, every environment of it: housekeeping
         # of the local cache, not an operation of one store.
-        eviction = inventory.evict(self.root, max_bytes=settings.cache_size.get())
-        removed, freed = len(eviction.removed), sum(listing.bytes for listing in eviction.removed)
-        if removed:
+        limit = settings.cache_size.get()
+        eviction = inventory.evict(self.root, max_bytes=limit)
+        if eviction.removed:
             log.info(
                 "aoti_eager: evicted %d least recently used cache entries (%d bytes) to stay under %d bytes",
-                removed, freed, settings.cache_size.get(),
+                len(eviction.removed), sum(listing.bytes for listing in eviction.removed), limit,
             )
 
     def _adopt(self, signature: CallSignature, entry: Entry, loaded: bool) -> Decision | None:
         """What ``entry`` decides; None for a verdict on speed that is not kept (compile again)."""
         if entry.library is None and entry.timing is not None:
-            if not keep_faster():
+            if not settings.keep_faster.get():
                 return None  # a verdict on speed, which the timing's switch turned off: compile
             return self._keep_eager(signature, entry.reason or "eager is faster")
         if entry.library is None:
