@@ -8,6 +8,8 @@ from typing import Union
 import torch
 from torch._ops import OpOverload, OpOverloadPacket
 
+from aoti_eager.kernels.signature import qualified_name
+
 OpSpec = Union[str, OpOverload, OpOverloadPacket]
 
 
@@ -18,12 +20,6 @@ class Resolved:
     spec: str
     overloads: tuple[OpOverload, ...]
     packet: bool
-
-
-def qualified_name(op: OpOverload) -> str:
-    """``aten::add.Tensor`` (``aten::abs`` for a default overload)."""
-    name = op._schema.name
-    return f"{name}.{op._schema.overload_name}" if op._schema.overload_name else name
 
 
 def resolve(spec: OpSpec) -> Resolved:

@@ -18,7 +18,6 @@ import itertools
 import logging
 import re
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Union
@@ -27,26 +26,20 @@ import torch
 from torch._ops import OpOverload
 
 from aoti_eager import _background, _extension, settings
-from aoti_eager._ops import qualified_name
 from aoti_eager.cache import DamagedEntry, Entry, KernelCache, UntrustedEntry, inventory
 from aoti_eager.cache.entry_store import EntryStore
 from aoti_eager.cache.store import TEMPORARY_PREFIX
-from aoti_eager.kernels import CallSignature, CompileError, Unsupported, compile_call
-from aoti_eager.kernels.compile import call_op, compile_options, flat_tensor_inputs, sidecar_files
+from aoti_eager.kernels import CallSignature, Unsupported
+from aoti_eager.kernels.compile import compile_options, flat_tensor_inputs
 from aoti_eager.kernels.load_probe import UnsafeToLoad, check_loads, runtime_crashes
-from aoti_eager.kernels.speed import Timing, time_against_eager
-from aoti_eager.kernels.toolchain import environment_name, usable_vec_isas
-from aoti_eager.kernels.validate import Mismatch, check_matches_eager, clone_args
+from aoti_eager.kernels.pipeline import NotCompiled, compile_signature
+from aoti_eager.kernels.signature import qualified_name
+from aoti_eager.kernels.toolchain import environment_name
 from aoti_eager.manifest import ManifestEntry, Recorder
 
 log = logging.getLogger("aoti_eager")
 
 DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
-
-# A kernel is set aside for eager only when it is this much slower, twice:
-# a single noisy measurement must not flip a signature to eager for good.
-SLOWER_THAN_EAGER = 1.05
-
 
 # Inductor is not thread-safe: one compile at a time in a process (the cache's
 # file lock orders processes).
@@ -269,9 +262,8 @@ class Override:
         return RetryLater("compiling in the background")
 
     def _compile(self, cache: EntryStore, signature: CallSignature) -> Decision:
-        """Compile, validate against eager, time against eager, publish; then
-        what the store holds for the signature (another process's entry if it
-        published first)."""
+        """The compile pipeline (kernels/pipeline.py), then what the store holds
+        for the signature (another process's entry if it published first)."""
         if _compiler_failures.given_up is not None:
             return self._eager(f"the C++ compiler failed on several signatures in this process: {_compiler_failures.given_up}", signature)
         crash = runtime_crashes(cache.directory)
@@ -279,70 +271,20 @@ class Override:
             return self._eager(_not_loaded(crash), signature)
         if (too_many := self._too_many_variants(signature)) is not None:
             return too_many
-        # The original kernel runs first, on copies: it gives the result the
-        # compiled kernel must match, and eager's own error for a bad call.
-        reference_args = clone_args(signature.args)
-        try:
-            expected = call_op(self.op, reference_args)
-        except Exception as e:  # noqa: BLE001 - eager raises it again for the caller
-            reason = f"eager raised {type(e).__name__}"
-            # An error of these values, not of the signature, when numbers are inputs.
-            return RetryLater(reason) if signature.runtime_arguments else self._remember(signature, RunEagerly(reason))
-        if not settings.keep_faster.get():
-            # A verdict on speed, if _adopt passed one over, makes way for the kernel.
-            cache.remove(self.name, signature.key)
-        start = time.perf_counter()
-        try:
-            artifact = compile_call(
-                signature, expected, compile_options(signature.device.type), shared_dir=cache.shared_directory(), vec_isas=usable_vec_isas()
-            )
-        except CompileError as e:
-            log.debug("aoti_eager: compiling %s failed", self.name, exc_info=e.__cause__)
-            if e.compiler_error is not None:
-                _compiler_failures.add(e.compiler_error)
-                return self._eager(f"{e} (not recorded in the cache: a later process tries again)", signature)
-            return self._publish_eager(signature, str(e))
-        try:
-            try:
-                loading = time.perf_counter()
-                kernel = self._load(artifact.library, artifact.output_counts, signature, known_good=False)
-                artifact.seconds["load"] = time.perf_counter() - loading
-                check_matches_eager(kernel, signature, self.op, reference_args, expected)
-                if signature.runtime_arguments:
-                    # It must follow its runtime numbers, not hold the values it was traced with.
-                    other = signature.with_other_numbers()
-                    other_reference = clone_args(other.args)
-                    check_matches_eager(kernel, other, self.op, other_reference, call_op(self.op, other_reference))
-            except Mismatch as e:
-                return self._publish_eager(signature, f"compiled kernel disagrees with eager: {e}")
-            except Exception as e:  # noqa: BLE001
-                return self._publish_eager(signature, f"compiled kernel failed to run: {type(e).__name__}: {e}")
-            seconds = time.perf_counter() - start
-            timing = self._time(kernel, signature)
-            if timing is not None and timing.ratio > SLOWER_THAN_EAGER:
-                entry = Entry(
-                    op=self.name,
-                    signature=signature.to_json(),
-                    reason=f"eager is faster: kernel {timing.ratio:.2f}x eager's time (measured at compile)",
-                    compile_seconds=round(seconds, 3),
-                    timing=timing.to_json(),
-                )
-            else:
-                entry = Entry(
-                    op=self.name,
-                    signature=signature.to_json(),
-                    output_counts=artifact.output_counts,
-                    library=artifact.library,
-                    compile_seconds=round(seconds, 3),
-                    timing=timing.to_json() if timing is not None else None,
-                )
-            cache.publish(signature.key, entry, sidecar_files(artifact) if entry.library else None)
-        finally:
-            artifact.workdir.cleanup()
+        outcome = compile_signature(
+            self.op, signature, cache, load=lambda library, counts: self._load(library, counts, signature, known_good=False)
+        )
+        if isinstance(outcome, NotCompiled):
+            if outcome.eager_raised:
+                # An error of these values, not of the signature, when numbers are inputs.
+                return RetryLater(outcome.reason) if signature.runtime_arguments else self._remember(signature, RunEagerly(outcome.reason))
+            if outcome.compiler_error is not None:
+                _compiler_failures.add(outcome.compiler_error)
+            return self._eager(outcome.reason, signature)
         self.stats.compiles += 1
-        self.stats.compile_seconds += seconds
-        stages = ", ".join(f"{stage} {t:.1f} s" for stage, t in artifact.seconds.items())
-        log.info("aoti_eager: compiled %s for (%s) in %.1f s (%s)", self.name, signature.short(), seconds, stages)
+        self.stats.compile_seconds += outcome.seconds
+        stages = ", ".join(f"{stage} {t:.1f} s" for stage, t in outcome.stages.items())
+        log.info("aoti_eager: compiled %s for (%s) in %.1f s (%s)", self.name, signature.short(), outcome.seconds, stages)
         try:
             # What the store holds now: this entry, or another process's that won the race.
             with cache.hold(self.name, signature.key) as published:
@@ -355,23 +297,6 @@ class Override:
             decision = self._eager(f"its new cache entry is damaged: {e}", signature)
         self._keep_size_limit()
         return decision
-
-    def _time(self, kernel: Any, signature: CallSignature) -> Timing | None:
-        """The kernel's time against eager's, measured a second time when the
-        first says eager is faster; None where timing is off or failed."""
-        if not settings.keep_faster.get():
-            return None
-        try:
-            timing = time_against_eager(kernel, signature, self.op)
-            if timing.ratio > SLOWER_THAN_EAGER:
-                again = time_against_eager(kernel, signature, self.op)
-                timing = min(timing, again, key=lambda t: t.ratio)  # the kernel's better showing
-        except Exception as e:  # noqa: BLE001 - the kernel passed validation: keep it
-            log.debug("aoti_eager: timing %s against eager failed; keeping the kernel", self.name, exc_info=e)
-            return None
-        log.debug("aoti_eager: %s for (%s): kernel %.1f us, eager %.1f us", self.name, signature.short(),
-                  timing.kernel_seconds * 1e6, timing.eager_seconds * 1e6)
-        return timing
 
     def _keep_size_limit(self) -> None:
         # The size limit is the whole root's, every environment of it: housekeeping
@@ -418,11 +343,6 @@ class Override:
         if kernel.num_inputs != inputs:
             raise DamagedEntry(f"its library takes {kernel.num_inputs} inputs, a call ({signature.short()}) gives {inputs}")
         return kernel
-
-    def _publish_eager(self, signature: CallSignature, reason: str) -> RunEagerly:
-        entry = Entry(op=self.name, signature=signature.to_json(), reason=reason)
-        self.cache(signature.device).publish(signature.key, entry)
-        return self._eager(reason, signature)
 
     def _keep_eager(self, signature: CallSignature, reason: str) -> RunEagerly:
         """Eager for good, where it was measured faster than the kernel: for

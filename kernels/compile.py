@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from aoti_eager.cache.store import LIBRARY_FILE
 from aoti_eager.kernels import scratch
 from aoti_eager.kernels.signature import (
     Arg, CallSignature, ListArg, NumberArg, RuntimeNumberArg, TensorArg, clone_args, tensors_in,
@@ -210,7 +211,7 @@ def compile_call(
     example = tuple(flat_tensor_inputs(signature, clone_args(signature.args)))
     if workdir is None:
         workdir = scratch.compile_directory()
-    library = Path(workdir.name) / "kernel.so"
+    library = Path(workdir.name) / LIBRARY_FILE
     seconds: dict[str, float] = {}
     stage = "torch.export"
     try:
@@ -254,8 +255,6 @@ def _strip(library: Path) -> None:
 
 def sidecar_files(artifact: Artifact) -> dict[str, Path]:
     """The files the library needs at run time, by their name in a cache entry."""
-    files = {"kernel.so": artifact.library}
-    extern_nodes = artifact.library.with_suffix(".json")
-    if extern_nodes.exists():
-        files["kernel.json"] = extern_nodes
-    return files
+    # The library is named as in an entry; its ops left to the dispatcher, if any, beside it (kernel.json).
+    files = [artifact.library, artifact.library.with_suffix(".json")]
+    return {path.name: path for path in files if path.exists()}

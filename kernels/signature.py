@@ -69,6 +69,12 @@ import torch
 ALIGNMENT = 16  # bytes; must match is_aligned() in csrc/call_key.h
 
 
+def qualified_name(op: torch._ops.OpOverload) -> str:
+    """``aten::add.Tensor`` (``aten::abs`` for a default overload)."""
+    name = op._schema.name
+    return f"{name}.{op._schema.overload_name}" if op._schema.overload_name else name
+
+
 class Unsupported(Exception):
     """An argument that no kernel is compiled for; the call runs eagerly."""
 

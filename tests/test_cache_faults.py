@@ -15,12 +15,11 @@ import pytest
 import torch
 
 import aoti_eager
-from aoti_eager import _runtime
 from aoti_eager import cli
 from aoti_eager._ops import qualified_name
 from aoti_eager.cache import KernelCache, inventory
 from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE, sha256_of
-from aoti_eager.kernels import CallSignature, CompileError, load_probe
+from aoti_eager.kernels import CallSignature, CompileError, load_probe, pipeline
 from aoti_eager.kernels.compile import compile_options
 from aoti_eager.kernels.load_probe import VERDICT_FILE
 from aoti_eager.kernels.toolchain import environment_name
@@ -70,7 +69,7 @@ def run_abs(cache_dir, monkeypatch):
         compiles.append(signature)
         raise CompileError("injected: no compile in this test")
 
-    monkeypatch.setattr(_runtime, "compile_call", no_compile)
+    monkeypatch.setattr(pipeline, "compile_call", no_compile)
     with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=cache_dir):
         results = [torch.abs(X) for _ in range(3)]
         stats = aoti_eager.stats()["aten::abs"]
@@ -311,7 +310,7 @@ def make_read_only(root, entry):
 )
 def test_a_cache_that_cannot_be_written_serves_its_kernels_and_runs_misses_eagerly(block, entry, tmp_path, monkeypatch, caplog):
     block(tmp_path, entry)
-    monkeypatch.setattr(_runtime, "compile_call", lambda *a, **k: pytest.fail("must not compile: the cache cannot be written"))
+    monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: pytest.fail("must not compile: the cache cannot be written"))
     other = torch.linspace(-1, 1, 96)
     try:
         with caplog.at_level(logging.WARNING, logger="aoti_eager"):

@@ -11,7 +11,7 @@ import torch
 import aoti_eager
 from aoti_eager import _runtime
 from aoti_eager.cache import KernelCache, UntrustedEntry
-from aoti_eager.kernels import CompileError, load_probe
+from aoti_eager.kernels import CompileError, load_probe, pipeline
 from helpers import assert_same_as_eager
 
 A = torch.ops.aten
@@ -24,7 +24,7 @@ def test_failed_compile_falls_back_once_and_is_remembered(tmp_path, monkeypatch,
         attempts.append(signature.short())
         raise CompileError("AOTInductor failed: RuntimeError: injected")
 
-    monkeypatch.setattr(_runtime, "compile_call", failing_compile)
+    monkeypatch.setattr(pipeline, "compile_call", failing_compile)
     x = torch.randn(16)
     with caplog.at_level(logging.WARNING, logger="aoti_eager"):
         aoti_eager.enable(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path)
@@ -51,14 +51,14 @@ def test_an_eager_call_does_not_compile_the_overloads_its_kernel_calls(tmp_path,
     # abs.default's CPU kernel calls abs.out through the dispatcher: with the
     # whole packet enabled, that inner call is part of the eager call, not a
     # user call of abs.out to key and compile.
-    compile_call = _runtime.compile_call
+    compile_call = pipeline.compile_call
 
     def abs_default_fails(signature, *args, **kwargs):
         if signature.op == A.abs.default:
             raise CompileError("AOTInductor failed: RuntimeError: injected")
         return compile_call(signature, *args, **kwargs)
 
-    monkeypatch.setattr(_runtime, "compile_call", abs_default_fails)
+    monkeypatch.setattr(pipeline, "compile_call", abs_default_fails)
     x = torch.randn(16)
     aoti_eager.enable(["aten::abs"], devices=["cpu"], cache_dir=tmp_path)
     results = [torch.abs(x) for _ in range(2)]
@@ -78,7 +78,7 @@ def test_a_failed_cpp_compiler_is_not_recorded_in_the_cache(tmp_path, monkeypatc
         attempts.append(signature.short())
         raise CompileError("AOTInductor failed: the C++ compiler said: error: injected", compiler_error="error: injected")
 
-    monkeypatch.setattr(_runtime, "compile_call", compiler_fails)
+    monkeypatch.setattr(pipeline, "compile_call", compiler_fails)
     x = torch.randn(16)
     for _ in range(2):  # two processes, as far as the cache can tell
         aoti_eager.enable(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path)
@@ -109,7 +109,7 @@ def test_untrusted_cache_entry_runs_eagerly(tmp_path, monkeypatch):
         raise UntrustedEntry(f"{self.directory} is writable by group or others (mode 775)")
 
     monkeypatch.setattr(KernelCache, "lookup", untrusted)
-    monkeypatch.setattr(_runtime, "compile_call", lambda *a, **k: pytest.fail("must not compile"))
+    monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: pytest.fail("must not compile"))
     x = torch.randn(8)
     aoti_eager.enable(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path)
     y = torch.abs(x)
@@ -121,7 +121,7 @@ def test_untrusted_cache_entry_runs_eagerly(tmp_path, monkeypatch):
 
 def test_waiting_on_another_process_compile_times_out_to_eager(tmp_path, monkeypatch):
     monkeypatch.setenv("AOTI_EAGER_LOCK_TIMEOUT", "0.2")
-    monkeypatch.setattr(_runtime, "compile_call", lambda *a, **k: pytest.fail("must not compile without the lock"))
+    monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: pytest.fail("must not compile without the lock"))
     x = torch.randn(8)
     aoti_eager.enable(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path)
     override = _runtime.installed()[0]
@@ -143,7 +143,7 @@ def test_new_scalar_values_stop_compiling_past_the_limit(tmp_path, monkeypatch, 
         raise CompileError("AOTInductor failed: RuntimeError: injected")
 
     monkeypatch.setenv("AOTI_EAGER_MAX_VALUE_VARIANTS", "2")
-    monkeypatch.setattr(_runtime, "compile_call", failing_compile)
+    monkeypatch.setattr(pipeline, "compile_call", failing_compile)
     x = torch.randn(8)
     aoti_eager.enable(["aten::mul.Tensor"], devices=["cpu"], cache_dir=tmp_path)
     with caplog.at_level(logging.WARNING, logger="aoti_eager"):
@@ -196,7 +196,7 @@ def test_many_values_of_a_runtime_number_keep_the_call_table_bounded(shared_cach
 
 
 def test_eagers_own_error_reaches_the_caller(tmp_path, monkeypatch):
-    monkeypatch.setattr(_runtime, "compile_call", lambda *a, **k: pytest.fail("must not compile a failing call"))
+    monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: pytest.fail("must not compile a failing call"))
     a, b = torch.randn(3), torch.randn(4)
     with pytest.raises(RuntimeError) as eager_error:
         torch.add(a, b)
@@ -217,7 +217,7 @@ def test_eagers_own_error_reaches_the_caller(tmp_path, monkeypatch):
     ids=["sparse", "meta", "quantized"],
 )
 def test_inputs_that_never_reach_the_override_run_eagerly(make, tmp_path, monkeypatch):
-    monkeypatch.setattr(_runtime, "compile_call", lambda *a, **k: pytest.fail("must not compile"))
+    monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: pytest.fail("must not compile"))
     x = make()
     expected = torch.abs(x) if not x.is_quantized else None
     aoti_eager.enable(["aten::abs"], devices=["cpu"], cache_dir=tmp_path)

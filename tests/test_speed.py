@@ -12,11 +12,10 @@ import pytest
 import torch
 
 import aoti_eager
-from aoti_eager import _runtime
 from aoti_eager.cache import KernelCache
-from aoti_eager.kernels import speed
+from aoti_eager.kernels import pipeline, speed
 from aoti_eager.kernels.compile import compile_options
-from aoti_eager.kernels.signature import CallSignature
+from aoti_eager.kernels.signature import CallSignature, qualified_name
 from aoti_eager.kernels.speed import Timing
 from aoti_eager.kernels.toolchain import environment_name
 from helpers import assert_same_as_eager
@@ -47,12 +46,12 @@ def published(tmp_path, op, device: str, args) -> dict:
     """The cache entry of ``op``'s call with ``args``, as entry.json holds it."""
     signature = CallSignature.of(op, device, list(args))
     cache = KernelCache(tmp_path, environment_name(torch.device(device), compile_options(device)))
-    return json.loads((cache.entry_dir(_runtime.qualified_name(op), signature.key) / "entry.json").read_text())
+    return json.loads((cache.entry_dir(qualified_name(op), signature.key) / "entry.json").read_text())
 
 
 def test_a_kernel_slower_than_eager_keeps_eager_once_per_machine(tmp_path, monkeypatch, caplog):
     timings = FixedTimings((1.3e-6, 1.0e-6))
-    monkeypatch.setattr(_runtime, "time_against_eager", timings)
+    monkeypatch.setattr(pipeline, "time_against_eager", timings)
     x = torch.randn(64)
     with caplog.at_level(logging.INFO, logger="aoti_eager"):
         with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
@@ -71,7 +70,7 @@ def test_a_kernel_slower_than_eager_keeps_eager_once_per_machine(tmp_path, monke
     assert list(tmp_path.rglob("kernel.so")) == []  # an eager entry keeps no library
 
     # A fresh enable, as a new process would, finds the verdict: no compile, no timing.
-    monkeypatch.setattr(_runtime, "compile_call", lambda *a, **k: pytest.fail("must not compile again"))
+    monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: pytest.fail("must not compile again"))
     with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
         y = torch.abs(x)
         stats = aoti_eager.stats()["aten::abs"]
@@ -102,7 +101,7 @@ print(json.dumps(stats))
 def test_a_kernel_measured_slower_once_only_is_kept(tmp_path, monkeypatch):
     # Noise: slower on the first measurement, not on the repeat.
     timings = FixedTimings((1.3e-6, 1.0e-6), (1.02e-6, 1.0e-6))
-    monkeypatch.setattr(_runtime, "time_against_eager", timings)
+    monkeypatch.setattr(pipeline, "time_against_eager", timings)
     x = torch.randn(48)
     with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
         results = [torch.abs(x) for _ in range(3)]
@@ -118,10 +117,10 @@ def test_a_kernel_measured_slower_once_only_is_kept(tmp_path, monkeypatch):
 
 def test_an_in_place_call_with_runtime_numbers_kept_eager_never_compiles_again(tmp_path, monkeypatch):
     timings = FixedTimings((2.0e-6, 1.0e-6))
-    monkeypatch.setattr(_runtime, "time_against_eager", timings)
+    monkeypatch.setattr(pipeline, "time_against_eager", timings)
     compiles = []
-    compile_call = _runtime.compile_call
-    monkeypatch.setattr(_runtime, "compile_call", lambda signature, *a, **k: compiles.append(signature) or compile_call(signature, *a, **k))
+    compile_call = pipeline.compile_call
+    monkeypatch.setattr(pipeline, "compile_call", lambda signature, *a, **k: compiles.append(signature) or compile_call(signature, *a, **k))
     p, g = torch.randn(16, 16), torch.randn(16, 16)
     expected = p.clone()
     rates = [0.1, 0.05, 0.025]
@@ -143,13 +142,13 @@ def test_an_in_place_call_with_runtime_numbers_kept_eager_never_compiles_again(t
 def test_timing_is_on_by_default_and_runs_a_real_op_end_to_end(tmp_path, monkeypatch):
     monkeypatch.delenv("AOTI_EAGER_KEEP_FASTER")
     measured = []
-    real = _runtime.time_against_eager
+    real = pipeline.time_against_eager
 
     def timed(*args, **kwargs):
         measured.append(real(*args, **kwargs))
         return measured[-1]
 
-    monkeypatch.setattr(_runtime, "time_against_eager", timed)
+    monkeypatch.setattr(pipeline, "time_against_eager", timed)
     p, g = torch.randn(128, 128), torch.randn(128, 128)
     before = p.clone()
     with aoti_eager.enabled(["aten::add_.Tensor"], devices=["cpu"], cache_dir=tmp_path):
@@ -163,7 +162,7 @@ def test_timing_is_on_by_default_and_runs_a_real_op_end_to_end(tmp_path, monkeyp
     assert entry["timing"]["kernel_us"] > 0 and entry["timing"]["eager_us"] > 0
     assert stats["compiles"] == 1
     if entry["library"] is None:  # eager was faster on this machine
-        assert entry["timing"]["ratio"] > _runtime.SLOWER_THAN_EAGER
+        assert entry["timing"]["ratio"] > pipeline.SLOWER_THAN_EAGER
         assert stats["hits"] == 0 and stats["fallback_reason"].startswith("eager is faster")
     else:
         assert stats["hits"] >= 1 and stats["fallback_reason"] is None, stats
@@ -171,7 +170,7 @@ def test_timing_is_on_by_default_and_runs_a_real_op_end_to_end(tmp_path, monkeyp
 
 def test_off_switch_times_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("AOTI_EAGER_KEEP_FASTER", "0")
-    monkeypatch.setattr(_runtime, "time_against_eager", lambda *a, **k: pytest.fail("must not time"))
+    monkeypatch.setattr(pipeline, "time_against_eager", lambda *a, **k: pytest.fail("must not time"))
     x = torch.randn(64)  # the signature of the first test: compiled into this new cache
     with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
         results = [torch.abs(x) for _ in range(2)]
@@ -183,7 +182,7 @@ def test_off_switch_times_nothing(tmp_path, monkeypatch):
 
 
 def test_with_the_timing_off_a_signature_kept_eager_for_speed_gets_its_kernel(tmp_path, monkeypatch):
-    monkeypatch.setattr(_runtime, "time_against_eager", FixedTimings((1.3e-6, 1.0e-6)))
+    monkeypatch.setattr(pipeline, "time_against_eager", FixedTimings((1.3e-6, 1.0e-6)))
     x = torch.randn(72)
     with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
         torch.abs(x)

@@ -1,0 +1,156 @@
+"""One signature's compile, from a miss to a published cache entry.
+
+Eager runs first, on copies of the call: its result is what the kernel must
+match, and its error is the caller's. Then ``torch.export`` and AOTInductor
+(kernels/compile.py), the new kernel on fresh copies against eager's result
+(kernels/validate.py), its time against eager's (kernels/speed.py), and the
+entry published in the store: the kernel, or eager where eager was measured
+faster or the kernel failed. Nobody loads a library this did not check.
+
+The runtime holds the signature's lock around :func:`compile_signature` and
+turns its outcome into the call's decision; what it needs of ``_C`` (loading a
+library as a kernel) it passes in.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Union
+
+import torch
+
+from aoti_eager import settings
+from aoti_eager.cache.entry_store import Entry, EntryStore
+from aoti_eager.kernels.compile import Artifact, CompileError, call_op, compile_call, compile_options, sidecar_files
+from aoti_eager.kernels.signature import CallSignature, clone_args, qualified_name
+from aoti_eager.kernels.speed import Timing, time_against_eager
+from aoti_eager.kernels.toolchain import usable_vec_isas
+from aoti_eager.kernels.validate import Mismatch, check_matches_eager
+
+log = logging.getLogger("aoti_eager")
+
+# A kernel is set aside for eager only when it is this much slower, twice:
+# a single noisy measurement must not flip a signature to eager for good.
+SLOWER_THAN_EAGER = 1.05
+
+# Loads a library as a kernel: (library, output counts) -> a CompiledKernel
+# (csrc/compiled_kernel.h), checked against the signature's inputs.
+Loader = Callable[[Path, list[int]], Any]
+
+
+@dataclass(frozen=True)
+class Published:
+    """An entry for the signature is in the store: a kernel, or eager where
+    eager was measured faster."""
+
+    seconds: float
+    stages: dict[str, float]  # stage name -> seconds (export, compile, load, ...)
+
+
+@dataclass(frozen=True)
+class NotCompiled:
+    """No kernel, and why. ``recorded``: an eager entry in the store says so
+    to every process. ``eager_raised``: eager itself rejects the call (its
+    error reaches the caller). ``compiler_error``: what the C++ compiler said,
+    where it is the compiler that failed (the machine's problem, not
+    recorded)."""
+
+    reason: str
+    recorded: bool = False
+    eager_raised: bool = False
+    compiler_error: str | None = None
+
+
+Outcome = Union[Published, NotCompiled]
+
+
+def compile_signature(op: torch._ops.OpOverload, signature: CallSignature, store: EntryStore, load: Loader) -> Outcome:
+    """Compiles, validates, times and publishes the kernel of ``signature``.
+    Another process's entry may have been published first: the store keeps
+    the first, and the caller reads what it holds."""
+    name = qualified_name(op)
+    reference_args = clone_args(signature.args)
+    try:
+        expected = call_op(op, reference_args)
+    except Exception as e:  # noqa: BLE001 - eager raises it again for the caller
+        return NotCompiled(f"eager raised {type(e).__name__}", eager_raised=True)
+    if not settings.keep_faster.get():
+        # A verdict on speed, which the runtime passed over, makes way for the kernel.
+        store.remove(name, signature.key)
+    start = time.perf_counter()
+    try:
+        artifact = compile_call(
+            signature, expected, compile_options(signature.device.type), shared_dir=store.shared_directory(), vec_isas=usable_vec_isas()
+        )
+    except CompileError as e:
+        log.debug("aoti_eager: compiling %s failed", name, exc_info=e.__cause__)
+        if e.compiler_error is not None:
+            return NotCompiled(f"{e} (not recorded in the cache: a later process tries again)", compiler_error=e.compiler_error)
+        return _publish_eager(store, name, signature, str(e))
+    try:
+        try:
+            loading = time.perf_counter()
+            kernel = load(artifact.library, artifact.output_counts)
+            artifact.seconds["load"] = time.perf_counter() - loading
+            check_matches_eager(kernel, signature, op, reference_args, expected)
+            if signature.runtime_arguments:
+                # It must follow its runtime numbers, not hold the values it was traced with.
+                other = signature.with_other_numbers()
+                other_reference = clone_args(other.args)
+                check_matches_eager(kernel, other, op, other_reference, call_op(op, other_reference))
+        except Mismatch as e:
+            return _publish_eager(store, name, signature, f"compiled kernel disagrees with eager: {e}")
+        except Exception as e:  # noqa: BLE001
+            return _publish_eager(store, name, signature, f"compiled kernel failed to run: {type(e).__name__}: {e}")
+        seconds = time.perf_counter() - start
+        timing = _time(kernel, signature, op, name)
+        entry = _entry(name, signature, artifact, seconds, timing)
+        store.publish(signature.key, entry, sidecar_files(artifact) if entry.library else None)
+    finally:
+        artifact.workdir.cleanup()
+    return Published(seconds, artifact.seconds)
+
+
+def _entry(name: str, signature: CallSignature, artifact: Artifact, seconds: float, timing: Timing | None) -> Entry:
+    if timing is not None and timing.ratio > SLOWER_THAN_EAGER:
+        return Entry(
+            op=name,
+            signature=signature.to_json(),
+            reason=f"eager is faster: kernel {timing.ratio:.2f}x eager's time (measured at compile)",
+            compile_seconds=round(seconds, 3),
+            timing=timing.to_json(),
+        )
+    return Entry(
+        op=name,
+        signature=signature.to_json(),
+        output_counts=artifact.output_counts,
+        library=artifact.library,
+        compile_seconds=round(seconds, 3),
+        timing=timing.to_json() if timing is not None else None,
+    )
+
+
+def _time(kernel: Any, signature: CallSignature, op: torch._ops.OpOverload, name: str) -> Timing | None:
+    """The kernel's time against eager's, measured a second time when the
+    first says eager is faster; None where timing is off or failed."""
+    if not settings.keep_faster.get():
+        return None
+    try:
+        timing = time_against_eager(kernel, signature, op)
+        if timing.ratio > SLOWER_THAN_EAGER:
+            again = time_against_eager(kernel, signature, op)
+            timing = min(timing, again, key=lambda t: t.ratio)  # the kernel's better showing
+    except Exception as e:  # noqa: BLE001 - the kernel passed validation: keep it
+        log.debug("aoti_eager: timing %s against eager failed; keeping the kernel", name, exc_info=e)
+        return None
+    log.debug("aoti_eager: %s for (%s): kernel %.1f us, eager %.1f us", name, signature.short(),
+              timing.kernel_seconds * 1e6, timing.eager_seconds * 1e6)
+    return timing
+
+
+def _publish_eager(store: EntryStore, name: str, signature: CallSignature, reason: str) -> NotCompiled:
+    store.publish(signature.key, Entry(op=name, signature=signature.to_json(), reason=reason))
+    return NotCompiled(reason, recorded=True)

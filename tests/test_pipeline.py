@@ -1,0 +1,129 @@
+"""kernels/pipeline.py: one signature from eager's reference result to a
+published entry, and each way it ends without a kernel."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from aoti_eager import _extension
+from aoti_eager.cache import KernelCache
+from aoti_eager.cache.store import LIBRARY_FILE
+from aoti_eager.kernels import CallSignature, CompileError, pipeline
+from aoti_eager.kernels.compile import Artifact, compile_options, flat_tensor_inputs
+from aoti_eager.kernels.speed import Timing
+from aoti_eager.kernels.toolchain import environment_name
+
+A = torch.ops.aten
+NAME = "aten::abs"
+
+
+@pytest.fixture
+def store(tmp_path) -> KernelCache:
+    return KernelCache(tmp_path, environment_name(torch.device("cpu"), compile_options("cpu")))
+
+
+def load(signature: CallSignature):
+    def loader(library: Path, output_counts: list[int]):
+        return _extension.load().CompiledKernel(str(library), "cpu", output_counts, signature.runtime_arguments)
+    return loader
+
+
+def abs_signature(size: int = 16) -> CallSignature:
+    return CallSignature.of(A.abs.default, "cpu", [torch.randn(size)])
+
+
+class Negated:
+    """A kernel that runs, but not as eager does."""
+
+    output_counts = [-1]
+
+    def run(self, inputs):
+        return [-inputs[0].abs()]
+
+
+def fake_artifact(tmp_path: Path):
+    def compile_call(signature, *args, **kwargs):
+        workdir = tempfile.TemporaryDirectory(dir=tmp_path)
+        library = Path(workdir.name) / LIBRARY_FILE
+        library.write_bytes(b"\x7fELF never loaded")
+        return Artifact(library, [-1], {"export": 0.0}, workdir)
+    return compile_call
+
+
+def test_a_kernel_is_validated_and_published(store):
+    signature = abs_signature()
+    outcome = pipeline.compile_signature(A.abs.default, signature, store, load(signature))
+    assert isinstance(outcome, pipeline.Published)
+    assert outcome.seconds > 0 and {"export", "load"} <= set(outcome.stages)
+    entry = store.lookup(NAME, signature.key)
+    assert entry.library is not None and entry.output_counts == [-1] and entry.reason is None
+    kernel = load(signature)(entry.library, entry.output_counts)
+    (x,) = flat_tensor_inputs(signature)
+    torch.testing.assert_close(kernel.run([x])[0], x.abs(), atol=0, rtol=0)
+
+
+def test_eagers_own_error_is_not_recorded(store, monkeypatch):
+    monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: pytest.fail("must not compile a call eager rejects"))
+    signature = CallSignature.of(A.mm.default, "cpu", [torch.randn(2, 3), torch.randn(4, 5)])
+    outcome = pipeline.compile_signature(A.mm.default, signature, store, load(signature))
+    assert outcome == pipeline.NotCompiled("eager raised RuntimeError", eager_raised=True)
+    assert list(store.entries()) == []
+
+
+def test_a_kernel_that_disagrees_with_eager_is_recorded_eager(store, tmp_path, monkeypatch):
+    monkeypatch.setattr(pipeline, "compile_call", fake_artifact(tmp_path))
+    signature = abs_signature()
+    outcome = pipeline.compile_signature(A.abs.default, signature, store, lambda library, counts: Negated())
+    assert isinstance(outcome, pipeline.NotCompiled) and outcome.recorded
+    assert outcome.reason.startswith("compiled kernel disagrees with eager: return 0")
+    entry = store.lookup(NAME, signature.key)
+    assert entry.library is None and entry.reason == outcome.reason
+
+
+def test_a_kernel_that_fails_to_load_is_recorded_eager(store, tmp_path, monkeypatch):
+    monkeypatch.setattr(pipeline, "compile_call", fake_artifact(tmp_path))
+    signature = abs_signature()
+
+    def does_not_load(library, counts):
+        raise RuntimeError("undefined symbol")
+
+    outcome = pipeline.compile_signature(A.abs.default, signature, store, does_not_load)
+    assert outcome == pipeline.NotCompiled("compiled kernel failed to run: RuntimeError: undefined symbol", recorded=True)
+    assert store.lookup(NAME, signature.key).library is None
+
+
+def test_a_lasting_compile_error_is_recorded_and_a_compilers_is_not(store, monkeypatch):
+    signature = abs_signature()
+    monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: (_ for _ in ()).throw(CompileError("torch.export failed: X")))
+    assert pipeline.compile_signature(A.abs.default, signature, store, load(signature)) == pipeline.NotCompiled(
+        "torch.export failed: X", recorded=True
+    )
+    assert store.remove(NAME, signature.key)
+
+    said = "kernel.cpp:1: error: no space left"
+    monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: (_ for _ in ()).throw(CompileError("AOTInductor failed", said)))
+    outcome = pipeline.compile_signature(A.abs.default, signature, store, load(signature))
+    assert outcome.compiler_error == said and not outcome.recorded
+    assert list(store.entries()) == []
+
+
+@pytest.mark.parametrize("second, kept", [(1.5e-6, False), (1.01e-6, True)], ids=["slower twice", "slower once"])
+def test_eager_is_kept_only_where_the_kernel_is_slower_twice(store, tmp_path, monkeypatch, second, kept):
+    monkeypatch.setenv("AOTI_EAGER_KEEP_FASTER", "1")
+    monkeypatch.setattr(pipeline, "compile_call", fake_artifact(tmp_path))
+    measured = iter([Timing(2e-6, 1e-6), Timing(second, 1e-6)])
+    monkeypatch.setattr(pipeline, "time_against_eager", lambda *a: next(measured))
+    monkeypatch.setattr(pipeline, "check_matches_eager", lambda *a: None)
+    signature = abs_signature()
+    outcome = pipeline.compile_signature(A.abs.default, signature, store, lambda library, counts: Negated())
+    assert isinstance(outcome, pipeline.Published)
+    entry = store.lookup(NAME, signature.key)
+    assert entry.timing["ratio"] == round(second / 1e-6, 3)  # the kernel's better showing
+    assert (entry.library is not None) == kept
+    if not kept:
+        assert entry.reason == "eager is faster: kernel 1.50x eager's time (measured at compile)"
+        assert not any(tmp_path.rglob(LIBRARY_FILE))  # the workdir is gone, and no library was published
