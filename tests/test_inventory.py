@@ -54,3 +54,15 @@ def test_eviction_never_removes_an_entry_being_loaded(cache, tmp_path):
     assert remaining(cache) == {"loading"}
     inventory.evict(cache.root, max_bytes=0)
     assert remaining(cache) == set()
+
+
+
+def test_an_op_names_its_overloads_and_no_other_op(cache, tmp_path):
+    for op in ("aten::add.Tensor", "aten::add.Scalar", "aten::addmm"):
+        publish_kernel(cache, tmp_path, op=op)
+    assert {listing.op for listing in inventory.entries(cache.root, "aten::add")} == {"aten::add.Tensor", "aten::add.Scalar"}
+    assert [listing.op for listing in inventory.entries(cache.root, "aten::add.Tensor")] == ["aten::add.Tensor"]
+    (listing,) = inventory.entries(cache.root, "aten::addmm")
+    assert (listing.environment, listing.device) == (cache.directory.name, "cpu")
+    inventory.evict(cache.root, max_bytes=0, op="aten::add")
+    assert [listing.op for listing in inventory.entries(cache.root)] == ["aten::addmm"]

@@ -4,6 +4,7 @@ private directory, and the names and directories made there."""
 from __future__ import annotations
 
 import os
+import re
 import stat
 
 import pytest
@@ -32,6 +33,22 @@ def test_a_shared_cache_is_created_for_the_group(tmp_path, monkeypatch):
         assert stat.S_IMODE(path.stat().st_mode) == 0o2770 and path.stat().st_gid == os.getgid(), path
     assert stat.S_IMODE(published.library.stat().st_mode) == 0o640
     assert cache.lookup("aten::abs", "sig") is not None
+
+
+def test_cache_directories_are_private_at_every_level_made(tmp_path, monkeypatch):
+    monkeypatch.delenv("AOTI_EAGER_CACHE_GROUP", raising=False)
+    os.chmod(tmp_path, 0o755)
+    layout.make_cache_dirs(tmp_path / "a" / "b" / "c")
+    for path in (tmp_path / "a", tmp_path / "a" / "b", tmp_path / "a" / "b" / "c"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700, path
+    assert stat.S_IMODE(tmp_path.stat().st_mode) == 0o755  # what existed is left as it was
+
+
+@pytest.mark.parametrize("text", ["avx512 avx512_vnni", "team cache/caché-κ-日本", "cpu-avx2-torch2.13.0+cpu-0123abcd"])
+def test_safe_names_replace_each_other_character(text):
+    name = layout.safe_name(text)
+    assert len(name) == len(text)
+    assert all(a == b if re.fullmatch(r"[A-Za-z0-9._+-]", b) else a == "_" for a, b in zip(name, text)), name
 
 
 def test_the_private_directory_is_believed_only_as_this_users_alone(private_root, tmp_path):
