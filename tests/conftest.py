@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import aoti_eager
-from aoti_eager.cache import KernelCache
+from aoti_eager.cache import KernelCache, signing
 from aoti_eager.kernels import toolchain
 from aoti_eager.kernels.toolchain import environment_name
 
@@ -33,6 +33,13 @@ def cache(tmp_path, monkeypatch):
     CPU's ISA fixed (no probe)."""
     monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx2")
     return KernelCache(tmp_path, environment_name(torch.device("cpu")))
+
+
+@pytest.fixture
+def key(tmp_path):
+    """A private signing key; its public key is beside it as ``key.pub``."""
+    signing.generate_key_pair(tmp_path / "key")
+    return tmp_path / "key"
 
 
 @pytest.fixture
