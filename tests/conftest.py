@@ -6,6 +6,9 @@ import pytest
 import torch
 
 import aoti_eager
+from aoti_eager.cache import KernelCache, signing
+from aoti_eager.kernels import toolchain
+from aoti_eager.kernels.toolchain import environment_name
 
 # The tests check that compiled kernels run (hits, compiles); timing them
 # against eager could keep tiny test calls eager. Off for the session, and
@@ -22,6 +25,21 @@ def shared_cache(tmp_path_factory):
     """One cache for the tests that are not about the cold path, so that each
     signature is compiled once per session."""
     return tmp_path_factory.mktemp("aoti_eager_cache")
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty store of this machine's CPU environment at ``tmp_path``, the
+    CPU's ISA fixed (no probe)."""
+    monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx2")
+    return KernelCache(tmp_path, environment_name(torch.device("cpu")))
+
+
+@pytest.fixture
+def key(tmp_path):
+    """A private signing key; its public key is beside it as ``key.pub``."""
+    signing.generate_key_pair(tmp_path / "key")
+    return tmp_path / "key"
 
 
 @pytest.fixture

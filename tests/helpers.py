@@ -1,11 +1,11 @@
-"""Comparisons against eager, and cache entries, shared by the tests."""
+"""Comparisons against eager, cache entries and a stand-in kernel, shared by the tests."""
 
 from __future__ import annotations
 
 import json
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -31,6 +31,17 @@ def edit_entry_json(directory: Path, redigest: bool = False, **fields: Any) -> N
     if redigest:
         data["metadata_sha256"] = metadata_digest(data)
     (directory / ENTRY_FILE).write_text(json.dumps(data))
+
+
+class FakeKernel:
+    """A kernel written in Python, with what check_matches_eager uses of a
+    compiled one: ``run`` takes the call's tensors in schema order and returns
+    the outputs that are not arguments; ``output_counts`` says how they make
+    up each return (-1: one tensor, n: a list of n, 0: an argument written into)."""
+
+    def __init__(self, run: Callable[[list[torch.Tensor]], list[torch.Tensor]], output_counts: list[int]):
+        self.run = run
+        self.output_counts = output_counts
 
 
 def clone_tree(value: Any, memo: dict[int, torch.Tensor] | None = None) -> Any:

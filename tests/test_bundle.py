@@ -43,13 +43,6 @@ def stand_in_cache(tmp_path):
     return cache
 
 
-@pytest.fixture
-def key(tmp_path) -> Path:
-    """A private key; its public key is beside it as ``key.pub``."""
-    signing.generate_key_pair(tmp_path / "key")
-    return tmp_path / "key"
-
-
 def cli(capsys, *argv) -> tuple[int, str, str]:
     code = main([str(a) for a in argv])
     out, err = capsys.readouterr()
@@ -177,20 +170,6 @@ def test_a_manifest_changed_after_signing_is_refused(stand_in_cache, key, tmp_pa
     target = tmp_path / "target"
     refused = import_into(capsys, target, rewrite(path, forge), "--trust-key", f"{key}.pub")
     assert_refused(*refused, target, "does not match its contents")
-
-
-def test_signing_says_why_a_manifest_is_refused(key, tmp_path):
-    signature = signing.sign(b"manifest", key)
-    assert signing.trusted_signer(b"manifest", signature, [Path(f"{key}.pub")]) == signing.signer(signature)
-    signing.generate_key_pair(tmp_path / "other")
-    for manifest, signature_given, trusted, why in [
-        (b"manifest", None, [Path(f"{key}.pub")], "not signed"),
-        (b"manifest", signature, [tmp_path / "other.pub"], "not a trusted key"),
-        (b"manifest!", signature, [Path(f"{key}.pub")], "does not match its contents"),
-        (b"manifest", b"{}", [Path(f"{key}.pub")], "unreadable"),
-    ]:
-        with pytest.raises(signing.SignatureError, match=why):
-            signing.trusted_signer(manifest, signature_given, trusted)
 
 
 def test_import_skips_entries_of_another_environment(tmp_path, key, monkeypatch, capsys):

@@ -4,7 +4,6 @@ the CPU's ISA; a compiler that cannot compile says why, once."""
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 import torch
@@ -74,21 +73,3 @@ def test_a_failing_compiler_says_why_and_is_given_up_after_a_few_signatures(tmp_
     assert stats["compiles"] == 0 and "error: injected failure" in stats["fallback_reason"]
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "error: injected failure" in errors[0]
-
-
-def test_the_private_directory_is_believed_only_as_this_users_alone(private_root, tmp_path):
-    """Machine records, the extension and shared build products are believed
-    or loaded unchecked: their directory must be this user's, and nobody else's
-    to write."""
-    elsewhere = tmp_path / "elsewhere"
-    elsewhere.mkdir()
-    private_root.parent.mkdir(parents=True, exist_ok=True)
-    private_root.symlink_to(elsewhere)
-    with pytest.raises(PermissionError, match="not a directory of this user's"):
-        layout.private_directory("machine")
-    assert list(elsewhere.iterdir()) == []
-    private_root.unlink()
-    private_root.mkdir(mode=0o777)
-    os.chmod(private_root, 0o777)
-    layout.private_directory("machine")
-    assert private_root.stat().st_mode & 0o777 == 0o700

@@ -13,6 +13,7 @@ from aoti_eager.kernels.signature import (
     RuntimeNumberArg,
     Unsupported,
     argument_from_json,
+    clone_args,
     is_wrapped_number,
     short_form,
 )
@@ -164,3 +165,14 @@ def test_other_numbers_change_the_values_not_the_key():
     other = call.with_other_numbers()
     assert other.args[2] == other.described[2].number.value == 0.375
     assert other.key == call.key
+
+
+def test_copies_of_the_arguments_keep_their_layout_and_share_no_memory():
+    storage = torch.arange(20.0)
+    args = [storage[1:13].view(4, 3).t(), [storage[:4], storage[4:8]], 2.5, None]
+    copies = clone_args(args)
+    assert copies[2:] == [2.5, None] and isinstance(copies[1], list)
+    for original, copy in zip([args[0], *args[1]], [copies[0], *copies[1]]):
+        assert (copy.shape, copy.stride(), copy.storage_offset()) == (original.shape, original.stride(), original.storage_offset())
+        assert copy.untyped_storage().data_ptr() != original.untyped_storage().data_ptr()
+        torch.testing.assert_close(copy, original)

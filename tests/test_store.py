@@ -1,19 +1,27 @@
-"""The EntryStore contract (aoti_eager.cache.entry_store), on the local store.
+"""The local store (aoti_eager.cache.store).
 
-Only the interface is used here, so a further store (a remote tier) can be run
-through the same tests by adding it to the ``store`` fixture.
+The tests that take the ``store`` fixture hold the EntryStore contract
+(aoti_eager.cache.entry_store) and use only the interface, so that a further
+store (a remote tier) can be run through them by adding it to that fixture.
+Those that take ``cache`` are the local store's own: entry directories and
+their files, damage set aside, who may have written an entry, and the op lock.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import stat
 import threading
 
+import filelock
 import pytest
 
-from aoti_eager.cache import DamagedEntry, Entry, KernelCache, inventory
+from aoti_eager.cache import DamagedEntry, Entry, KernelCache, UntrustedEntry, inventory
 from aoti_eager.cache.entry_store import EntryStore
-from helpers import SIGNATURE, publish_kernel
-
+from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE
+from helpers import SIGNATURE, edit_entry_json, publish_kernel
 
 
 @pytest.fixture
@@ -120,3 +128,162 @@ def test_a_local_miss_materializes_the_entry_of_the_store_behind(store, tmp_path
     assert found.library.is_relative_to(store.directory) and found.library.read_bytes() == b"from the fleet"
     assert store.lookup("aten::abs", "sig") is not None and asked == [("aten::abs", "sig")]
     assert store.lookup("aten::abs", "elsewhere") is None
+
+
+def test_publish_then_lookup(cache, tmp_path):
+    published = publish_kernel(cache, tmp_path)
+    found = cache.lookup("aten::abs", "sig")
+    assert found.library == published.library == cache.entry_dir("aten::abs", "sig") / LIBRARY_FILE
+    assert found.library.read_bytes() == b"\x7fELF kernel"
+    assert (found.signature, found.output_counts, found.compile_seconds) == (SIGNATURE, [-1], 1.5)
+    assert len(found.sha256) == 64
+
+
+def test_entry_json_holds_the_input_metadata(cache, tmp_path):
+    publish_kernel(cache, tmp_path)
+    data = json.loads((cache.entry_dir("aten::abs", "sig") / ENTRY_FILE).read_text())
+    assert data["signature"] == SIGNATURE
+    assert data["library"] == LIBRARY_FILE
+    assert data["compile_seconds"] == 1.5
+
+
+def test_eager_entries_have_no_library(cache):
+    cache.publish("sig", Entry(op="aten::abs", signature=SIGNATURE, reason="torch.export failed: X"))
+    found = cache.lookup("aten::abs", "sig")
+    assert found.library is None and found.reason == "torch.export failed: X"
+
+
+def test_directories_are_private_and_no_temporary_files_remain(cache, tmp_path):
+    publish_kernel(cache, tmp_path)
+    op_dir = cache.entry_dir("aten::abs", "sig").parent
+    for directory in (op_dir, op_dir.parent, cache.entry_dir("aten::abs", "sig")):
+        assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert not [p for p in op_dir.iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_missing_entry(cache):
+    assert cache.lookup("aten::abs", "nothing-here") is None
+
+
+DAMAGES = {
+    "corrupt-json": (lambda d: (d / ENTRY_FILE).write_text("{not json"), "unreadable entry.json"),
+    "json-without-fields": (lambda d: (d / ENTRY_FILE).write_text('{"op": "aten::abs"}'), "incomplete entry"),
+    "missing-json": (lambda d: (d / ENTRY_FILE).unlink(), "entry.json is missing"),
+    "altered-artifact": (lambda d: (d / LIBRARY_FILE).write_bytes(b"\x7fELF anotheR kernel"), "sha256"),
+    "truncated-artifact": (lambda d: (d / LIBRARY_FILE).write_bytes(b"\x7fELF"), "sha256"),
+    "missing-artifact": (lambda d: (d / LIBRARY_FILE).unlink(), "incomplete entry: FileNotFoundError"),
+    "edited-json": (lambda d: edit_entry_json(d, compile_seconds=0.5), "entry.json does not match its recorded digest"),
+    "json-without-digest": (lambda d: edit_entry_json(d, metadata_sha256=None), "does not match its recorded digest"),
+    # Edited with the digest recorded again: what the C++ side reads is checked against the op's schema.
+    "output-counts-of-two-returns": (lambda d: edit_entry_json(d, redigest=True, output_counts=[-1, -1]),
+                                     "does not describe the 1 returns of aten::abs"),
+    "output-counts-of-a-list": (lambda d: edit_entry_json(d, redigest=True, output_counts=[3]), "does not match the return"),
+    "library-outside-the-entry": (lambda d: edit_entry_json(d, redigest=True, library="../../kernel.so"),
+                                  "names the library '../../kernel.so'"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_damaged_entry_is_set_aside_alone(cache, tmp_path, damage, caplog):
+    publish_kernel(cache, tmp_path, "good")
+    publish_kernel(cache, tmp_path, "bad", content=b"\x7fELF another kernel")
+    directory = cache.entry_dir("aten::abs", "bad")
+    inflict, reason = DAMAGES[damage]
+    inflict(directory)
+    with caplog.at_level(logging.WARNING, logger="aoti_eager"):
+        assert cache.lookup("aten::abs", "bad") is None
+    assert [r.message for r in caplog.records if "set aside" in r.message and reason in r.message], caplog.text
+    assert not directory.exists()
+    assert len(list((tmp_path / "quarantine").iterdir())) == 1
+    assert cache.lookup("aten::abs", "good") is not None
+    # The signature can be published again.
+    assert publish_kernel(cache, tmp_path, "bad").library.read_bytes() == b"\x7fELF kernel"
+
+
+def test_first_publisher_wins(cache, tmp_path):
+    first = publish_kernel(cache, tmp_path, content=b"first")
+    second = publish_kernel(cache, tmp_path, content=b"second")
+    assert second.sha256 == first.sha256
+    assert cache.lookup("aten::abs", "sig").library.read_bytes() == b"first"
+
+
+def test_concurrent_publishers_leave_one_complete_entry(cache, tmp_path):
+    errors = []
+
+    def publish(i):
+        try:
+            publish_kernel(cache, tmp_path, content=f"kernel {i}".encode())
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=publish, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert cache.lookup("aten::abs", "sig").library.read_bytes().startswith(b"kernel ")
+
+
+def test_what_dead_publications_left_is_removed_under_the_lock(cache, tmp_path):
+    publish_kernel(cache, tmp_path)
+    op_dir = cache.entry_dir("aten::abs", "sig").parent
+    abandoned = op_dir / ".tmp-deadbeef"
+    abandoned.mkdir()
+    (abandoned / LIBRARY_FILE).write_bytes(b"half")
+    with cache.lock("aten::abs"):
+        cache.remove_abandoned("aten::abs")
+    assert not abandoned.exists()
+    assert cache.lookup("aten::abs", "sig") is not None
+
+
+@pytest.mark.parametrize("what", ["entry-dir", "artifact", "op-dir", "environment-dir"])
+def test_group_writable_entries_are_refused(cache, tmp_path, what):
+    publish_kernel(cache, tmp_path)
+    directory = cache.entry_dir("aten::abs", "sig")
+    target = {
+        "entry-dir": directory,
+        "artifact": directory / LIBRARY_FILE,
+        "op-dir": directory.parent,
+        "environment-dir": cache.directory,
+    }[what]
+    os.chmod(target, stat.S_IMODE(target.stat().st_mode) | stat.S_IWGRP)
+    with pytest.raises(UntrustedEntry, match="writable by group or others"):
+        cache.lookup("aten::abs", "sig")
+    assert directory.exists()  # refused, not deleted
+    if what in ("op-dir", "environment-dir"):
+        # Not even a miss: nothing is compiled into a directory others could write.
+        with pytest.raises(UntrustedEntry):
+            cache.lookup("aten::abs", "not-compiled-yet")
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="changing a file's owner needs root")
+def test_entries_of_another_user_are_refused(cache, tmp_path):
+    publish_kernel(cache, tmp_path)
+    os.chown(cache.entry_dir("aten::abs", "sig") / LIBRARY_FILE, 65534, -1)
+    with pytest.raises(UntrustedEntry, match="belongs to uid 65534"):
+        cache.lookup("aten::abs", "sig")
+
+
+def test_lock_file_is_private_and_times_out(cache):
+    held = cache.lock("aten::abs")
+    with held:
+        assert stat.S_IMODE((cache.entry_dir("aten::abs", "x").parent / ".lock").stat().st_mode) == 0o600
+        with pytest.raises(filelock.Timeout):
+            cache.lock("aten::abs", timeout=0.1).acquire()
+
+
+def test_a_shared_cache_trusts_the_group_it_names(cache, tmp_path, monkeypatch):
+    import grp
+
+    publish_kernel(cache, tmp_path)
+    directory = cache.entry_dir("aten::abs", "sig")
+    os.chmod(directory, 0o770)
+    with pytest.raises(UntrustedEntry):
+        cache.lookup("aten::abs", "sig")
+    monkeypatch.setenv("AOTI_EAGER_CACHE_GROUP", grp.getgrgid(directory.stat().st_gid).gr_name)
+    assert cache.lookup("aten::abs", "sig") is not None
+    os.chmod(directory, 0o772)
+    with pytest.raises(UntrustedEntry, match="writable by others"):
+        cache.lookup("aten::abs", "sig")
+

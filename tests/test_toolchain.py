@@ -1,4 +1,6 @@
-"""Choosing a C++ compiler whose libraries work beside torch, and the vector ISA it targets."""
+"""What kernels are built with (aoti_eager.kernels.toolchain): a C++ compiler
+whose libraries work beside torch, the vector ISA it targets, and the
+environment's name, which says all of it in the cache."""
 
 from __future__ import annotations
 
@@ -10,10 +12,13 @@ import torch
 from torch._inductor import cpu_vec_isa
 
 import aoti_eager
+from aoti_eager.cache import KernelCache
 from aoti_eager.kernels import toolchain
-from helpers import assert_same_as_eager
+from aoti_eager.kernels.toolchain import environment_name
+from helpers import assert_same_as_eager, publish_kernel
 
-pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+CPU = torch.device("cpu")
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 
 
 def _compiler_whose_libraries_crash(tmp_path):
@@ -27,6 +32,7 @@ def _compiler_whose_libraries_crash(tmp_path):
     return str(compiler)
 
 
+@needs_gxx
 def test_a_compiler_whose_libraries_crash_beside_torch_is_passed_over(tmp_path, private_root, monkeypatch, caplog):
     bad = _compiler_whose_libraries_crash(tmp_path)
     monkeypatch.setenv("CXX", bad)
@@ -41,6 +47,7 @@ def test_a_compiler_whose_libraries_crash_beside_torch_is_passed_over(tmp_path, 
     assert json.loads(record.read_text())["compiler"] == chosen
 
 
+@needs_gxx
 def test_a_recorded_compiler_is_believed_only_if_it_is_a_candidate(tmp_path, private_root, monkeypatch):
     monkeypatch.setenv("CXX", shutil.which("g++"))
     chosen = toolchain.cpp_compiler()
@@ -51,17 +58,20 @@ def test_a_recorded_compiler_is_believed_only_if_it_is_a_candidate(tmp_path, pri
     assert toolchain.cpp_compiler() == chosen
 
 
+@needs_gxx
 def test_the_users_compiler_comes_first_when_it_works(private_root, monkeypatch):
     monkeypatch.setenv("CXX", shutil.which("g++"))
     assert toolchain.cpp_compiler() == shutil.which("g++")
 
 
+@needs_gxx
 def test_a_compiler_that_is_not_installed_is_not_a_candidate(monkeypatch):
     monkeypatch.setenv("CXX", "no-such-compiler-9")
     assert "no-such-compiler-9" not in toolchain.candidates()
     assert toolchain.candidates(), "g++ is on PATH"
 
 
+@needs_gxx
 def test_known_vec_isas_stand_in_for_inductors_probe():
     usable = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
     with toolchain.known_vec_isas(usable[1:]):
@@ -72,6 +82,7 @@ def test_known_vec_isas_stand_in_for_inductors_probe():
     assert [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()] == usable
 
 
+@needs_gxx
 def test_a_compile_does_not_probe_the_vec_isa_again(shared_cache, monkeypatch):
     toolchain.usable_vec_isas()  # the one probe per machine, if no earlier test made it
     probes = []
@@ -84,3 +95,57 @@ def test_a_compile_does_not_probe_the_vec_isa_again(shared_cache, monkeypatch):
     assert_same_as_eager(result, x.abs())
     assert stats["compiles"] + stats["cache_loads"] == 1, stats
     assert probes == []
+
+
+@pytest.mark.parametrize("recorded", ["torch-version", "isa"])
+def test_an_entry_of_another_torch_or_isa_is_never_found(tmp_path, monkeypatch, recorded):
+    monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx512")
+    monkeypatch.setattr(torch, "__version__", "2.99.0")
+    publish_kernel(KernelCache(tmp_path, environment_name(CPU)), tmp_path)
+    assert KernelCache(tmp_path, environment_name(CPU)).lookup("aten::abs", "sig") is not None
+    if recorded == "isa":
+        monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx2")
+    else:
+        monkeypatch.setattr(torch, "__version__", "2.98.0")
+    assert KernelCache(tmp_path, environment_name(CPU)).lookup("aten::abs", "sig") is None
+
+
+def test_environment_name_names_the_compiler_and_the_inductor_options(tmp_path, monkeypatch):
+    monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx2")
+    base = toolchain.environment_name(CPU, {"cpp.min_chunk_size": 32768})
+    assert toolchain.environment_name(CPU, {"cpp.min_chunk_size": 1}) != base
+    monkeypatch.setattr(toolchain, "compiler_identity", lambda compiler=None: "g++: g++ 99.0")
+    assert toolchain.environment_name(CPU, {"cpp.min_chunk_size": 32768}) != base
+
+
+def test_environment_names_are_those_of_cache_layout_v2(monkeypatch):
+    """Directory names of existing caches: the same inputs must keep naming
+    the same environment (these were computed before the names' code moved)."""
+    monkeypatch.setattr(torch, "__version__", "2.13.0+cpu")
+    monkeypatch.setattr(torch.version, "git_version", "0123abc")
+    monkeypatch.setattr(toolchain.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(toolchain, "__version__", "0.9.0")
+    monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx512 avx512_vnni")
+    monkeypatch.setattr(toolchain, "_cpu_identity", lambda: "cpu0123456789abc")
+    monkeypatch.setattr(toolchain, "compiler_identity", lambda compiler=None: f"{compiler}: g++ (GCC) 13.2.0")
+    options = {"cpp.min_chunk_size": 32768, "cpp.cxx": (None, "/usr/bin/g++")}
+    assert environment_name(CPU) == "cpu-avx512_avx512_vnni-torch2.13.0+cpu-24a5972abebb"
+    assert environment_name(CPU, options) == "cpu-avx512_avx512_vnni-torch2.13.0+cpu-80f91319226b"
+
+
+def test_device_index_is_not_in_the_key(tmp_path, monkeypatch):
+    monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx2")
+    assert toolchain.environment_name(torch.device("cpu")) == toolchain.environment_name(torch.device("cpu", 0))
+
+
+def test_isa_probe_is_remembered_on_disk(private_root, monkeypatch):
+    import torch._inductor.cpu_vec_isa as cpu_vec_isa
+
+    calls = []
+    monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: calls.append(1) or "avx512")
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: ["avx512", "avx2"])
+    assert toolchain.cpu_isa() == "avx512"
+    toolchain._vec_isas.cache_clear()
+    assert (toolchain.cpu_isa(), toolchain.usable_vec_isas()) == ("avx512", ["avx512", "avx2"])
+    assert calls == [1]
+

@@ -1,0 +1,92 @@
+"""The check of a new kernel against eager (aoti_eager.kernels.validate), with
+stand-in kernels written in Python: each wrong in one way is refused."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from aoti_eager.kernels.compile import call_op
+from aoti_eager.kernels.signature import CallSignature, clone_args
+from aoti_eager.kernels.validate import Mismatch, check_matches_eager
+from helpers import FakeKernel
+
+A = torch.ops.aten
+X = torch.linspace(-3, 3, 12).view(4, 3)  # no zero: abs(X) differs from a zeroed buffer everywhere
+
+
+def written(write: Callable[[list[torch.Tensor]], Any]) -> Callable[[list[torch.Tensor]], list[torch.Tensor]]:
+    """A kernel that only writes into its arguments."""
+
+    def run(inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        write(inputs)
+        return []
+
+    return run
+
+
+def check(op: torch._ops.OpOverload, args: list[Any], kernel: FakeKernel) -> CallSignature:
+    """Checks ``kernel`` for ``op`` called on ``args``, as the runtime does
+    after a compile: eager runs on copies first. Returns the signature."""
+    signature = CallSignature.of(op, "cpu", args)
+    reference_args = clone_args(signature.args)
+    expected = call_op(op, reference_args)
+    check_matches_eager(kernel, signature, op, reference_args, expected)
+    return signature
+
+
+def foreach_add(inputs: list[torch.Tensor], value: int) -> None:
+    for t in inputs:
+        t.add_(value)
+
+
+# Calls, each with a kernel that does what eager does.
+CALLS = {
+    "abs": (A.abs.default, lambda: [X.t()], FakeKernel(lambda i: [i[0].abs()], [-1])),
+    "max.dim": (A.max.dim, lambda: [X, 1], FakeKernel(lambda i: list(torch.max(i[0], 1)), [-1, -1])),
+    "_foreach_abs": (A._foreach_abs.default, lambda: [[X, X.t()]], FakeKernel(lambda i: [t.abs() for t in i], [2])),
+    "abs.out": (A.abs.out, lambda: [X, torch.zeros(4, 3)], FakeKernel(written(lambda i: torch.abs(i[0], out=i[1])), [0])),
+    "add_": (A.add_.Tensor, lambda: [X.clone(), X, 2], FakeKernel(written(lambda i: i[0].add_(i[1], alpha=2)), [0])),
+    "_foreach_add_": (A._foreach_add_.Scalar, lambda: [[X.clone(), X.clone()], 2], FakeKernel(written(lambda i: foreach_add(i, 2)), [])),
+}
+
+# The same calls, with a kernel wrong in one way, and what the refusal says.
+WRONG = {
+    "value": ("abs", FakeKernel(lambda i: [i[0].abs() + 1], [-1]), "return 0: Tensor-likes are not close"),
+    "dtype": ("abs", FakeKernel(lambda i: [i[0].abs().double()], [-1]), r"return 0: torch.float64\[3, 4\] instead of torch.float32"),
+    "shape": ("abs", FakeKernel(lambda i: [i[0].abs().flatten()], [-1]), r"return 0: torch.float32\[12\] instead of"),
+    "strides": ("abs", FakeKernel(lambda i: [i[0].abs().contiguous()], [-1]), r"return 0: strides \(4, 1\) instead of \(1, 3\)"),
+    "an input handed back": ("abs", FakeKernel(lambda i: [i[0]], [-1]), "shares memory"),
+    "one buffer twice": ("max.dim", FakeKernel(lambda i: [i[0].amax(1)] * 2, [-1, -1]), "shares memory"),
+    "second return": ("max.dim", FakeKernel(lambda i: [torch.max(i[0], 1)[0], torch.max(i[0], 1)[1].int()], [-1, -1]),
+                      "return 1: torch.int32"),
+    "list item": ("_foreach_abs", FakeKernel(lambda i: [i[0].abs(), i[1].neg()], [2]), r"return 0\[1\]"),
+    "out= not written": ("abs.out", FakeKernel(lambda i: [], [0]), "return 0"),
+    "argument written wrongly": ("_foreach_add_", FakeKernel(written(lambda i: foreach_add(i, 3)), []), r"argument self\[0\]"),
+}
+
+
+@pytest.mark.parametrize("call", CALLS)
+def test_a_kernel_that_does_what_eager_does_passes(call):
+    op, args, kernel = CALLS[call]
+    check(op, args(), kernel)
+
+
+@pytest.mark.parametrize("wrong", WRONG)
+def test_a_kernel_that_differs_from_eager_is_refused(wrong):
+    call, kernel, why = WRONG[wrong]
+    op, args, _ = CALLS[call]
+    with pytest.raises(Mismatch, match=why):
+        check(op, args(), kernel)
+
+
+def test_the_kernel_runs_on_copies_of_the_call():
+    op, args, kernel = CALLS["add_"]
+    seen = []
+    spy = FakeKernel(lambda inputs: seen.extend(inputs) or kernel.run(inputs), kernel.output_counts)
+    signature = check(op, args(), spy)
+    torch.testing.assert_close(signature.args[0], X)  # the caller's tensor, not written into
+    called = {t.untyped_storage().data_ptr() for t in signature.args if isinstance(t, torch.Tensor)}
+    assert seen and not called & {t.untyped_storage().data_ptr() for t in seen}
