@@ -32,7 +32,8 @@ from aoti_eager.cache.store import TEMPORARY_PREFIX
 from aoti_eager.kernels import CallSignature, Unsupported
 from aoti_eager.kernels.compile import compile_options, flat_tensor_inputs
 from aoti_eager.kernels.load_probe import UnsafeToLoad, check_loads, runtime_crashes
-from aoti_eager.kernels.pipeline import NotCompiled, compile_signature
+from aoti_eager.kernels.dynamic import ShapeFamily, changed_dims, family_key, tensor_args
+from aoti_eager.kernels.pipeline import NotCompiled, Outcome, compile_signature
 from aoti_eager.kernels.signature import qualified_name
 from aoti_eager.kernels.toolchain import environment_name
 from aoti_eager.manifest import ManifestEntry, Recorder
@@ -80,9 +81,11 @@ _compiler_failures = _CompilerFailures()
 
 @dataclass(frozen=True)
 class UseKernel:
-    """Calls of the signature run ``kernel``."""
+    """Calls of the signature run ``kernel``; with ``dynamic``, also every
+    later call of its shape family that the kernel's guards admit."""
 
     kernel: Any  # a CompiledKernel (csrc/compiled_kernel.h)
+    dynamic: ShapeFamily | None = None
     remember: ClassVar[bool] = True
 
 
@@ -92,6 +95,7 @@ class RunEagerly:
 
     reason: str
     kernel: ClassVar[None] = None
+    dynamic: ClassVar[None] = None
     remember: ClassVar[bool] = True
 
 
@@ -102,10 +106,37 @@ class RetryLater:
 
     reason: str
     kernel: ClassVar[None] = None
+    dynamic: ClassVar[None] = None
     remember: ClassVar[bool] = False
 
 
 Decision = Union[UseKernel, RunEagerly, RetryLater]
+
+
+@dataclass
+class _Family:
+    """What this process knows of one shape family of an op (kernels/dynamic.py)."""
+
+    # Tensor sizes of the family's shapes that missed here, most recent last.
+    seen: list[list[tuple[int, ...]]] = field(default_factory=list)
+    # Entry key -> its dynamic kernel's family (None: not a dynamic entry of this family).
+    published: dict[str, ShapeFamily | None] = field(default_factory=dict)
+    # Entry key -> the decision its entry gave.
+    decisions: dict[str, Decision] = field(default_factory=dict)
+    compiles: int = 0
+    dynamic_failed: str | None = None  # why a dynamic kernel of it failed here
+
+    SEEN = 8
+
+    def see(self, signature: CallSignature) -> None:
+        sizes = [t.sizes for t in tensor_args(signature)]
+        if sizes not in self.seen:
+            self.seen = [*self.seen, sizes][-self.SEEN:]
+
+    def dynamic(self) -> list[tuple[str, ShapeFamily]]:
+        """Its dynamic kernels, narrowest first."""
+        known = [(key, family) for key, family in self.published.items() if family is not None]
+        return sorted(known, key=lambda item: sum(map(len, item[1].dims)))
 
 
 @dataclass
@@ -144,6 +175,8 @@ class Override:
     _queued: dict[tuple[str, str], Any] = field(default_factory=dict)
     # CallSignature.decision_key of signatures kept eager because eager is faster.
     _eager_faster: set[tuple[str, str]] = field(default_factory=set)
+    # (device, family_key) -> what this process knows of the shape family.
+    _families: dict[tuple[str, str], _Family] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -192,7 +225,7 @@ class Override:
                     outcome = queued.result()
                     if outcome.status == "failed":
                         return self._eager(f"background compile failed: {outcome.reason}", signature)
-                decision = self._from_cache(cache, signature)
+                decision = self._from_cache(cache, signature) or self._from_family(cache, signature)
                 if decision is None:
                     self._record(signature)
                     if self.compile == "never":
@@ -201,7 +234,7 @@ class Override:
                         return self._queue(signature)
                     with _compile_lock, cache.lock_signature(self.name, signature.key, timeout=settings.lock_timeout.get()):
                         # Another process may have compiled it while we waited.
-                        decision = self._from_cache(cache, signature)
+                        decision = self._from_cache(cache, signature) or self._from_family(cache, signature)
                         if decision is None:
                             decision = self._compile(cache, signature)
                 return decision
@@ -221,6 +254,57 @@ class Override:
                 return None if entry is None else self._adopt(signature, entry, loaded=True)
         except DamagedEntry:  # set aside: compiled again, as a damaged entry is
             return None
+
+    def _family(self, signature: CallSignature) -> _Family:
+        return self._families.setdefault((str(signature.device), family_key(signature)), _Family())
+
+    def _from_family(self, cache: EntryStore, signature: CallSignature) -> Decision | None:
+        """The decision of a dynamic kernel whose guards admit ``signature``
+        (this process's, or one another process published), or None."""
+        family = self._family(signature)
+        prefix = family_key(signature) + "-"
+        for _, key in cache.entries(self.name):
+            if key.startswith(prefix) and key not in family.published:
+                try:
+                    entry = cache.lookup(self.name, key)
+                except DamagedEntry:
+                    entry = None
+                family.published[key] = ShapeFamily.from_json(entry.dynamic) if entry is not None and entry.dynamic else None
+        for key, dynamic in family.dynamic():
+            if not dynamic.admits(signature, key):
+                continue
+            decision = family.decisions.get(key)
+            if decision is None:
+                try:
+                    with cache.hold(self.name, key) as entry:
+                        decision = None if entry is None else self._adopt(signature, entry, loaded=True, dynamic=dynamic)
+                except DamagedEntry:
+                    decision = None
+                if decision is None:
+                    family.published.pop(key)
+                    continue
+                family.decisions[key] = decision
+            return self._remember(signature, decision)
+        return None
+
+    def _dims_to_compile(self, signature: CallSignature, family: _Family) -> tuple[tuple[int, ...], ...] | None:
+        """The dynamic dims of the kernel to compile for ``signature``: those
+        that changed across the family's shapes, with those of its dynamic
+        kernels (a widening); None for a static kernel."""
+        if not settings.dynamic_shapes.get() or family.dynamic_failed or not family.seen:
+            return None
+        sizes = [t.sizes for t in tensor_args(signature)]
+        dims = [set(d) for d in changed_dims(signature, family.seen)]
+        known = family.dynamic()
+        for _, dynamic in known:
+            for i, more in enumerate(dynamic.dims):
+                dims[i].update(d for d in more if sizes[i][d] >= 2)
+        wanted = tuple(tuple(sorted(d)) for d in dims)
+        if not any(wanted) or any(wanted == dynamic.dims for _, dynamic in known):
+            # Nothing moved, or a kernel with these dims refuses the shape (a size
+            # export specialized): this shape gets its own kernel.
+            return None
+        return wanted
 
     def report_unkeyable(self, args: list[Any]) -> None:
         """Records why the C++ side could not key a call (it runs eagerly)."""
@@ -271,9 +355,28 @@ class Override:
             return self._eager(_not_loaded(crash), signature)
         if (too_many := self._too_many_variants(signature)) is not None:
             return too_many
-        outcome = compile_signature(
-            self.op, signature, cache, load=lambda library, counts: self._load(library, counts, signature, known_good=False)
-        )
+        family = self._family(signature)
+        limit = settings.max_shape_compiles.get()
+        if family.compiles >= limit:
+            return self._eager(
+                f"{family.compiles} kernels already compiled for shapes of this family "
+                f"({settings.max_shape_compiles.name}={limit}); further shapes run eagerly",
+                signature,
+            )
+        family.compiles += 1
+        load = lambda library, counts: self._load(library, counts, signature, known_good=False)  # noqa: E731
+        dims = self._dims_to_compile(signature, family)
+        outcome: Outcome | None = None
+        if dims is not None:
+            outcome = compile_signature(self.op, signature, cache, load, ShapeFamily(dims), seen=family.seen)
+            if isinstance(outcome, NotCompiled) and not outcome.eager_raised:
+                family.dynamic_failed = outcome.reason
+                log.info("aoti_eager: no dynamic-shape kernel for %s (%s): %s; compiling this shape alone",
+                         self.name, signature.short(), outcome.reason)
+                outcome = None
+        family.see(signature)
+        if outcome is None:
+            outcome = compile_signature(self.op, signature, cache, load)
         if isinstance(outcome, NotCompiled):
             if outcome.eager_raised:
                 # An error of these values, not of the signature, when numbers are inputs.
@@ -284,15 +387,19 @@ class Override:
         self.stats.compiles += 1
         self.stats.compile_seconds += outcome.seconds
         stages = ", ".join(f"{stage} {t:.1f} s" for stage, t in outcome.stages.items())
-        log.info("aoti_eager: compiled %s for (%s) in %.1f s (%s)", self.name, signature.short(), outcome.seconds, stages)
+        dynamic = f"; dynamic: {outcome.family.short()}" if outcome.family else ""
+        log.info("aoti_eager: compiled %s for (%s%s) in %.1f s (%s)", self.name, signature.short(), dynamic, outcome.seconds, stages)
         try:
             # What the store holds now: this entry, or another process's that won the race.
-            with cache.hold(self.name, signature.key) as published:
+            with cache.hold(self.name, outcome.key) as published:
                 if published is None:  # removed or set aside meanwhile
                     decision = self._eager("its new cache entry is gone", signature)
                 else:
                     # None: another process won with a verdict on speed, which is not kept here.
-                    decision = self._adopt(signature, published, loaded=False) or RetryLater("eager was measured faster")
+                    decision = self._adopt(signature, published, loaded=False, dynamic=outcome.family) or RetryLater("eager was measured faster")
+                    if outcome.family is not None:
+                        family.published[outcome.key] = outcome.family
+                        family.decisions[outcome.key] = decision
         except DamagedEntry as e:
             decision = self._eager(f"its new cache entry is damaged: {e}", signature)
         self._keep_size_limit()
@@ -309,8 +416,9 @@ class Override:
                 len(eviction.removed), sum(listing.bytes for listing in eviction.removed), limit,
             )
 
-    def _adopt(self, signature: CallSignature, entry: Entry, loaded: bool) -> Decision | None:
-        """What ``entry`` decides; None for a verdict on speed that is not kept (compile again)."""
+    def _adopt(self, signature: CallSignature, entry: Entry, loaded: bool, dynamic: ShapeFamily | None = None) -> Decision | None:
+        """What ``entry`` decides; None for a verdict on speed that is not kept
+        (compile again). ``dynamic``: the entry is that dynamic kernel's."""
         if entry.library is None and entry.timing is not None:
             if not settings.keep_faster.get():
                 return None  # a verdict on speed, which the timing's switch turned off: compile
@@ -327,7 +435,7 @@ class Override:
             raise DamagedEntry(f"its kernel does not load: {e}") from e
         if loaded:
             self.stats.cache_loads += 1
-        return self._remember(signature, UseKernel(kernel))
+        return self._remember(signature, UseKernel(kernel, dynamic))
 
     def _remember(self, signature: CallSignature, decision: Decision) -> Decision:
         self.decisions[signature.decision_key] = decision

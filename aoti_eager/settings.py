@@ -145,6 +145,12 @@ lock_timeout = Setting("AOTI_EAGER_LOCK_TIMEOUT", SECONDS, "900",
 max_value_variants = Setting("AOTI_EAGER_MAX_VALUE_VARIANTS", COUNT, "8",
                              "compiles of one op and signature shape that differ only in numbers compiled in; "
                              "further values run eagerly")
+max_shape_compiles = Setting("AOTI_EAGER_MAX_SHAPE_COMPILES", COUNT, "4",
+                             "compiles of one op and shape family (calls that differ only in tensor sizes), static "
+                             "and dynamic-shape kernels together; further shapes run eagerly")
+dynamic_shapes = Setting("AOTI_EAGER_DYNAMIC_SHAPES", BOOLEAN, "1",
+                         "compile a dynamic-shape kernel when a second shape of a family arrives; 0: every shape "
+                         "compiles its own kernel")
 keep_faster = Setting("AOTI_EAGER_KEEP_FASTER", BOOLEAN, "1",
                       "time each new kernel against eager, and keep the signature eager where eager is faster")
 split_wrapper = Setting("AOTI_EAGER_SPLIT_WRAPPER", BOOLEAN, "1",

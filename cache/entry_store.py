@@ -40,6 +40,8 @@ class Entry:
     compile_seconds: float = 0.0
     sha256: str | None = None
     timing: dict[str, float] | None = None
+    # A dynamic-shape kernel's dims and guards (kernels/dynamic.py: ShapeFamily.to_json).
+    dynamic: dict[str, Any] | None = None
     created: float = dataclasses.field(default_factory=time.time)
     # Of every other field as written in entry.json (see metadata_digest).
     metadata_sha256: str | None = None
@@ -91,8 +93,8 @@ class EntryStore(Protocol):
     def remove(self, op: str, signature_key: str) -> bool:
         """Removes a published entry unless it is held; whether it is gone."""
 
-    def entries(self) -> Iterator[tuple[str, str]]:
-        """(op, signature key) of every published entry."""
+    def entries(self, op: str | None = None) -> Iterator[tuple[str, str]]:
+        """(op, signature key) of every published entry (of ``op``, if given)."""
 
     def shared_directory(self) -> Path:
         """A local directory for build products that every compile of this

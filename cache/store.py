@@ -383,10 +383,12 @@ class KernelCache(EntryStore):
         """Removes a published entry (see :func:`remove_entry`)."""
         return remove_entry(self.root, self.entry_dir(op, signature_key))
 
-    def entries(self) -> Iterator[tuple[str, str]]:
-        """(op, signature key) of every published entry; links and temporary
-        directories are never entries."""
+    def entries(self, op: str | None = None) -> Iterator[tuple[str, str]]:
+        """(op, signature key) of every published entry (of ``op``, if given);
+        links and temporary directories are never entries."""
         for op_dir in _directories(self.directory):
+            if op is not None and op_dir.name != op_dirname(op):
+                continue
             for entry_dir in _directories(Path(op_dir.path)):
                 if not entry_dir.name.startswith(TEMPORARY_PREFIX):
                     yield op_of_dirname(op_dir.name), entry_dir.name

@@ -3,6 +3,7 @@
 #include <c10/util/hash.h>
 
 #include <cstring>
+#include <limits>
 #include <functional>
 
 namespace aoti_eager {
@@ -35,7 +36,20 @@ int64_t double_bits(double v) {
 // Storages of the call's tensors, to find arguments that share memory.
 using Storages = c10::SmallVector<const c10::StorageImpl*, 8>;
 
-bool add_tensor(const at::Tensor& t, CallKey& key, Storages& storages) {
+// Left where a dynamic dim's size would be.
+constexpr int64_t kAnySize = std::numeric_limits<int64_t>::min();
+
+struct KeyBuilder {
+  CallKey& key;
+  Storages storages;
+  const DynamicDims* dynamic = nullptr;
+  KeyedTensors* tensors = nullptr;
+  size_t tensor_index = 0;
+};
+
+bool add_tensor(const at::Tensor& t, KeyBuilder& builder) {
+  CallKey& key = builder.key;
+  Storages& storages = builder.storages;
   if (!t.defined()) {
     key.words.push_back(kUndefinedTensor);
     return true;
@@ -68,19 +82,35 @@ bool add_tensor(const at::Tensor& t, CallKey& key, Storages& storages) {
   key.words.push_back(static_cast<int64_t>(t.device().type()));
   key.words.push_back(t.device().index());
   key.words.push_back(t.dim());
-  for (int64_t size : t.sizes()) {
-    key.words.push_back(size);
+  const size_t index = builder.tensor_index++;
+  const uint64_t dynamic =
+      builder.dynamic != nullptr && index < builder.dynamic->size() ? (*builder.dynamic)[index] : 0;
+  if (builder.tensors != nullptr) {
+    builder.tensors->push_back(&t);
   }
-  for (int64_t stride : t.strides()) {
-    key.words.push_back(stride);
+  const auto sizes = t.sizes();
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    key.words.push_back(d < 64 && (dynamic >> d) & 1 ? kAnySize : sizes[d]);
+  }
+  if (dynamic != 0) {
+    // Its strides follow from its sizes: a dynamic kernel was compiled for
+    // contiguous tensors of any size.
+    if (!t.is_contiguous()) {
+      return false;
+    }
+  } else {
+    for (int64_t stride : t.strides()) {
+      key.words.push_back(stride);
+    }
   }
   key.words.push_back(is_aligned(t));
   return true;
 }
 
-bool add_value(const c10::IValue& v, CallKey& key, Storages& storages) {
+bool add_value(const c10::IValue& v, KeyBuilder& builder) {
+  CallKey& key = builder.key;
   if (v.isTensor()) {
-    return add_tensor(v.toTensor(), key, storages);
+    return add_tensor(v.toTensor(), builder);
   }
   if (v.isNone()) {
     key.words.push_back(kNone);
@@ -128,7 +158,7 @@ bool add_value(const c10::IValue& v, CallKey& key, Storages& storages) {
     auto list = v.toTensorList();
     key.words.push_back(static_cast<int64_t>(list.size()));
     for (const at::Tensor& t : list) {
-      if (!add_tensor(t, key, storages)) {
+      if (!add_tensor(t, builder)) {
         return false;
       }
     }
@@ -139,7 +169,7 @@ bool add_value(const c10::IValue& v, CallKey& key, Storages& storages) {
     auto list = v.toListRef();
     key.words.push_back(static_cast<int64_t>(list.size()));
     for (const c10::IValue& item : list) {
-      if (!add_value(item, key, storages)) {
+      if (!add_value(item, builder)) {
         return false;
       }
     }
@@ -155,11 +185,14 @@ bool add_value(const c10::IValue& v, CallKey& key, Storages& storages) {
 bool compute_call_key(
     c10::ArrayRef<c10::IValue> args,
     bool mutates,
-    CallKey& key) {
+    CallKey& key,
+    const DynamicDims* dynamic,
+    KeyedTensors* tensors) {
   key.words.clear();
-  Storages storages;
+  KeyBuilder builder{key, {}, dynamic, tensors};
+  Storages& storages = builder.storages;
   for (const c10::IValue& arg : args) {
-    if (!add_value(arg, key, storages)) {
+    if (!add_value(arg, builder)) {
       return false;
     }
   }
@@ -179,6 +212,35 @@ bool compute_call_key(
     h = c10::hash_combine(h, static_cast<size_t>(w));
   }
   key.hash = h;
+  return true;
+}
+
+bool ShapeGuards::admit(const KeyedTensors& tensors) const {
+  c10::SmallVector<int64_t, 8> values(ranges.size(), -1);
+  for (const Dim& guard : dims) {
+    if (guard.tensor >= static_cast<int64_t>(tensors.size()) ||
+        guard.dim >= tensors[guard.tensor]->dim()) {
+      return false;
+    }
+    const int64_t size = tensors[guard.tensor]->sizes()[guard.dim];
+    if (guard.symbol < 0) {
+      if (size != guard.size) {
+        return false;
+      }
+      continue;
+    }
+    int64_t& value = values[guard.symbol];
+    if (value >= 0 ? size != value
+                   : size < ranges[guard.symbol].first || size > ranges[guard.symbol].second) {
+      return false;
+    }
+    value = size;
+  }
+  for (const at::Tensor* t : tensors) {
+    if (t->numel() > kMaxNumel) {
+      return false;
+    }
+  }
   return true;
 }
 

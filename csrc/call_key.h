@@ -26,15 +26,49 @@ struct CallKeyHash {
   }
 };
 
+// The dims a dynamic kernel takes at any size: for each tensor argument, in
+// the order the key meets them (lists included, wrapped numbers not), a bit
+// per dim. Tensors past its end have none.
+using DynamicDims = c10::SmallVector<uint64_t, 4>;
+
+// The call's tensor arguments in that order, for checking a dynamic kernel's
+// guards.
+using KeyedTensors = c10::SmallVector<const at::Tensor*, 8>;
+
 // Fills `key` from the op's arguments. Returns false when an argument is of a
 // kind no kernel is compiled for, or when an op that `mutates` its arguments
 // gets two tensors sharing memory (the call then runs the original kernel).
 // What it hashes, argument by argument, beside what the Python key of a cache
 // entry hashes: the Keys section of kernels/signature.py.
+//
+// With `dynamic`, the key of a dynamic kernel's family: each dynamic dim's
+// size is left out, and a tensor with one has no strides in the key but must
+// be contiguous (false otherwise); `tensors` receives the tensor arguments.
 bool compute_call_key(
     c10::ArrayRef<c10::IValue> args,
     bool mutates,
-    CallKey& key);
+    CallKey& key,
+    const DynamicDims* dynamic = nullptr,
+    KeyedTensors* tensors = nullptr);
+
+// What a dynamic kernel was compiled for beyond its family's key, as
+// torch.export recorded it (kernels/dynamic.py builds them): each dynamic dim
+// is either one of the kernel's symbols, within the symbol's range, with dims
+// of one symbol equal, or a size export specialized it to.
+struct ShapeGuards {
+  struct Dim {
+    int64_t tensor;
+    int64_t dim;
+    int64_t symbol; // < 0: the dim must be `size`
+    int64_t size;
+  };
+  std::vector<Dim> dims;
+  std::vector<std::pair<int64_t, int64_t>> ranges; // per symbol: [min, max]
+  // Kernels index their dynamic tensors with 32-bit math up to this many elements.
+  static constexpr int64_t kMaxNumel = (int64_t{1} << 31) - 1;
+
+  bool admit(const KeyedTensors& tensors) const;
+};
 
 // Inputs whose data pointer is 16-byte aligned may be read with aligned
 // vector loads; a kernel compiled for them must not see a misaligned input.

@@ -8,7 +8,9 @@
 #include <torch/csrc/utils/tensor_memoryformats.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <mutex>
+#include <tuple>
 
 namespace py = pybind11;
 
@@ -151,6 +153,11 @@ void OpOverride::call(
   }
 
   std::optional<Entry> entry = lookup(key);
+  if (!entry && has_families_.load(std::memory_order_acquire)) {
+    if (auto kernel = lookup_dynamic(args)) {
+      entry = Entry{std::move(kernel)};
+    }
+  }
   if (!entry) {
     counters_.misses.fetch_add(1, std::memory_order_relaxed);
     entry = on_miss(key, stack);
@@ -171,6 +178,71 @@ std::optional<OpOverride::Entry> OpOverride::lookup(const CallKey& key) const {
     return std::nullopt;
   }
   return it->second;
+}
+
+std::shared_ptr<const CompiledKernel> OpOverride::lookup_dynamic(
+    c10::ArrayRef<c10::IValue> args) const {
+  std::shared_lock<std::shared_mutex> lock(mutex_);
+  CallKey key;
+  KeyedTensors tensors;
+  for (const Family& family : families_) {
+    tensors.clear();
+    if (!compute_call_key(args, mutates_, key, &family.dims, &tensors)) {
+      continue;
+    }
+    auto it = family.kernels.find(key);
+    if (it != family.kernels.end() && it->second.guards.admit(tensors)) {
+      return it->second.kernel;
+    }
+  }
+  return nullptr;
+}
+
+void OpOverride::add_dynamic(
+    c10::ArrayRef<c10::IValue> args,
+    std::shared_ptr<const CompiledKernel> kernel,
+    const py::handle& dynamic) {
+  DynamicDims dims;
+  for (auto bits : dynamic.attr("dim_bits")) {
+    dims.push_back(bits.cast<uint64_t>());
+  }
+  ShapeGuards guards;
+  for (auto range : dynamic.attr("ranges")) {
+    auto pair = range.cast<std::pair<int64_t, int64_t>>();
+    guards.ranges.push_back(pair);
+  }
+  for (auto dim : dynamic.attr("guards")) {
+    auto [tensor, d, symbol, size] = dim.cast<std::tuple<int64_t, int64_t, int64_t, int64_t>>();
+    TORCH_CHECK(
+        symbol < static_cast<int64_t>(guards.ranges.size()),
+        "aoti_eager: a dynamic kernel's guard names symbol ", symbol, " of ", guards.ranges.size());
+    guards.dims.push_back({tensor, d, symbol, size});
+  }
+  CallKey key;
+  KeyedTensors tensors;
+  if (!compute_call_key(args, mutates_, key, &dims, &tensors) || !guards.admit(tensors)) {
+    return; // not this call's family after all: it keeps its exact entry only
+  }
+  std::unique_lock<std::shared_mutex> lock(mutex_);
+  auto family = std::find_if(families_.begin(), families_.end(), [&](const Family& f) {
+    return f.dims == dims;
+  });
+  if (family == families_.end()) {
+    auto dynamic_dims = [](const DynamicDims& d) {
+      size_t n = 0;
+      for (uint64_t bits : d) {
+        n += __builtin_popcountll(bits);
+      }
+      return n;
+    };
+    family = families_.insert(
+        std::upper_bound(
+            families_.begin(), families_.end(), dynamic_dims(dims),
+            [&](size_t n, const Family& f) { return n < dynamic_dims(f.dims); }),
+        Family{dims, {}});
+  }
+  family->kernels.insert_or_assign(key, DynamicEntry{std::move(kernel), std::move(guards)});
+  has_families_.store(true, std::memory_order_release);
 }
 
 void OpOverride::run_original(
@@ -290,6 +362,10 @@ std::optional<OpOverride::Entry> OpOverride::on_miss(
           entry.kernel->output_counts().size(),
           " returns, the op has ",
           return_aliases_.size());
+      py::object dynamic = decision.attr("dynamic");
+      if (!dynamic.is_none()) {
+        add_dynamic(torch::jit::last(*stack, num_arguments_), entry.kernel, dynamic);
+      }
     }
   } catch (const std::exception& e) {
     // The miss handler logs its own failures; anything that still escapes it
@@ -311,6 +387,8 @@ std::optional<OpOverride::Entry> OpOverride::on_miss(
 void OpOverride::clear() {
   std::unique_lock<std::shared_mutex> lock(mutex_);
   entries_.clear();
+  families_.clear();
+  has_families_.store(false, std::memory_order_release);
 }
 
 size_t OpOverride::num_entries() const {

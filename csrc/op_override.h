@@ -66,12 +66,30 @@ class OpOverride : public std::enable_shared_from_this<OpOverride> {
     std::shared_ptr<const CompiledKernel> kernel; // null: run eagerly
   };
 
+  // Dynamic kernels whose dynamic dims are the same: keyed by the family key
+  // (compute_call_key with `dims`), each with the guards it was compiled for.
+  struct DynamicEntry {
+    std::shared_ptr<const CompiledKernel> kernel;
+    ShapeGuards guards;
+  };
+  struct Family {
+    DynamicDims dims;
+    std::unordered_map<CallKey, DynamicEntry, CallKeyHash> kernels;
+  };
+
   void run_original(
       const c10::OperatorHandle& op,
       c10::DispatchKeySet keys,
       torch::jit::Stack* stack);
   void run_kernel(const CompiledKernel& kernel, torch::jit::Stack* stack);
   std::optional<Entry> lookup(const CallKey& key) const;
+  // A dynamic kernel whose family key and guards the call matches, or null.
+  std::shared_ptr<const CompiledKernel> lookup_dynamic(c10::ArrayRef<c10::IValue> args) const;
+  // Keeps `kernel` for the call's family, where its guards admit the call.
+  void add_dynamic(
+      c10::ArrayRef<c10::IValue> args,
+      std::shared_ptr<const CompiledKernel> kernel,
+      const pybind11::handle& dynamic);
   // Returns nullopt when this one call must run eagerly without remembering.
   std::optional<Entry> on_miss(
       const CallKey& key,
@@ -90,6 +108,9 @@ class OpOverride : public std::enable_shared_from_this<OpOverride> {
   static constexpr size_t kMaxEntries = 4096;
   mutable std::shared_mutex mutex_;
   std::unordered_map<CallKey, Entry, CallKeyHash> entries_;
+  // Narrowest first: a kernel with fewer dynamic dims knows more of the call.
+  std::vector<Family> families_;
+  std::atomic<bool> has_families_{false};
   Counters counters_;
   std::atomic<bool> reported_unkeyable_{false};
 };
@@ -102,11 +123,14 @@ std::unique_ptr<c10::RegistrationHandleRAII> register_override(
     c10::DispatchKey dispatch_key,
     std::shared_ptr<OpOverride> override);
 
-// handler(token, args: list, decide: bool) -> decision, an object with two
+// handler(token, args: list, decide: bool) -> decision, an object with three
 // attributes (aoti_eager/_runtime.py: UseKernel, RunEagerly, RetryLater):
 //   remember: bool  keep the decision for the call's key; false: run this
 //                   call eagerly and ask again on the next
 //   kernel:         the CompiledKernel to run, or None for the original kernel
+//   dynamic:        None, or the kernel's dynamic dims and guards
+//                   (kernels/dynamic.py: ShapeFamily): the kernel then also
+//                   serves every later call of its family that the guards admit
 // With decide false the call's arguments cannot be keyed: the handler only
 // records why, and the call runs eagerly whatever it returns.
 void set_miss_handler(pybind11::object handler);

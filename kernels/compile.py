@@ -82,6 +82,10 @@ class Artifact:
     output_counts: list[int]
     seconds: dict[str, float] = field(default_factory=dict)
     workdir: tempfile.TemporaryDirectory | None = None
+    # Of a dynamic-shape compile: the exported program's input shapes (kernel
+    # input order; symbolic sizes as SymInts) and its range constraints.
+    input_shapes: list[tuple[Any, ...]] = field(default_factory=list)
+    range_constraints: dict[Any, Any] = field(default_factory=dict)
 
 
 def mutated_arguments(op: torch._ops.OpOverload) -> list[int]:
@@ -193,6 +197,7 @@ def compile_call(
     workdir: tempfile.TemporaryDirectory | None = None,
     shared_dir: Path | None = None,
     vec_isas: list[str] | None = None,
+    dynamic_shapes: tuple[Any, ...] | None = None,
 ) -> Artifact:
     """Compiles ``signature``'s call with the Inductor ``options`` (see
     :func:`compile_options`) into a library in ``workdir`` (default: a new
@@ -204,6 +209,8 @@ def compile_call(
 
     ``eager_result`` is what the original kernel returned for the call; it fixes
     the structure of the outputs (e.g. the length of a returned Tensor[]).
+    ``dynamic_shapes``, as ``torch.export.export`` takes it, makes dims
+    symbolic (see :mod:`aoti_eager.kernels.dynamic`).
     Raises CompileError with the stage and cause on failure.
     """
     module = _OpCall(signature)
@@ -219,7 +226,7 @@ def compile_call(
             # Deprecation notices from PyTorch internals are not the user's concern.
             warnings.simplefilter("ignore")
             start = time.perf_counter()
-            exported = torch.export.export(module, example, strict=False)
+            exported = torch.export.export(module, example, dynamic_shapes=dynamic_shapes, strict=False)
             seconds["export"] = time.perf_counter() - start
             stage = "AOTInductor"
             start = time.perf_counter()
@@ -241,7 +248,12 @@ def compile_call(
             raise CompileError(f"{stage} failed: the C++ compiler said: {said}", compiler_error=said) from e
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CompileError(f"{stage} failed: {type(e).__name__}: {message[:300]}") from e
-    return Artifact(library, module.output_counts(eager_result), seconds, workdir)
+    artifact = Artifact(library, module.output_counts(eager_result), seconds, workdir)
+    if dynamic_shapes is not None:
+        inputs = {node.name: node for node in exported.graph.nodes if node.op == "placeholder"}
+        artifact.input_shapes = [tuple(inputs[name].meta["val"].shape) for name in exported.graph_signature.user_inputs]
+        artifact.range_constraints = dict(exported.range_constraints)
+    return artifact
 
 
 def _strip(library: Path) -> None:

@@ -18,12 +18,13 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Callable, Iterator, Union
 
 import torch
 
 from aoti_eager import settings
 from aoti_eager.cache.entry_store import Entry, EntryStore
+from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily
 from aoti_eager.kernels.compile import Artifact, CompileError, call_op, compile_call, compile_options, sidecar_files
 from aoti_eager.kernels.signature import CallSignature, clone_args, qualified_name
 from aoti_eager.kernels.speed import Timing, time_against_eager
@@ -44,10 +45,13 @@ Loader = Callable[[Path, list[int]], Any]
 @dataclass(frozen=True)
 class Published:
     """An entry for the signature is in the store: a kernel, or eager where
-    eager was measured faster."""
+    eager was measured faster. ``key`` is the entry's key; ``family`` the
+    dynamic kernel's dims and guards."""
 
     seconds: float
     stages: dict[str, float]  # stage name -> seconds (export, compile, load, ...)
+    key: str
+    family: ShapeFamily | None = None
 
 
 @dataclass(frozen=True)
@@ -67,11 +71,27 @@ class NotCompiled:
 Outcome = Union[Published, NotCompiled]
 
 
-def compile_signature(op: torch._ops.OpOverload, signature: CallSignature, store: EntryStore, load: Loader) -> Outcome:
+def compile_signature(
+    op: torch._ops.OpOverload,
+    signature: CallSignature,
+    store: EntryStore,
+    load: Loader,
+    family: ShapeFamily | None = None,
+    seen: list[list[tuple[int, ...]]] | None = None,
+) -> Outcome:
     """Compiles, validates, times and publishes the kernel of ``signature``.
     Another process's entry may have been published first: the store keeps
-    the first, and the caller reads what it holds."""
+    the first, and the caller reads what it holds.
+
+    With ``family``, a dynamic kernel whose ``family.dims`` are symbols: it is
+    also checked against eager at the ``seen`` shapes (each tensor's sizes)
+    its guards admit and at one further shape, and published under its
+    family's key. A dynamic kernel that fails is not recorded: the caller
+    compiles the shape statically instead."""
     name = qualified_name(op)
+    key = signature.key if family is None else family.entry_key(signature)
+    if key is None:
+        return NotCompiled("a tensor with a dynamic dim is not contiguous")
     reference_args = clone_args(signature.args)
     try:
         expected = call_op(op, reference_args)
@@ -79,16 +99,20 @@ def compile_signature(op: torch._ops.OpOverload, signature: CallSignature, store
         return NotCompiled(f"eager raised {type(e).__name__}", eager_raised=True)
     if not settings.keep_faster.get():
         # A verdict on speed, which the runtime passed over, makes way for the kernel.
-        store.remove(name, signature.key)
+        store.remove(name, key)
     start = time.perf_counter()
     try:
         artifact = compile_call(
-            signature, expected, compile_options(signature.device.type), shared_dir=store.shared_directory(), vec_isas=usable_vec_isas()
+            signature, expected, compile_options(signature.device.type), shared_dir=store.shared_directory(),
+            vec_isas=usable_vec_isas(), dynamic_shapes=family.export_shapes(signature) if family else None,
         )
-    except CompileError as e:
+        if family is not None:
+            family = family.with_guards(signature, artifact.input_shapes, artifact.range_constraints)
+    except (CompileError, NotDynamic) as e:
         log.debug("aoti_eager: compiling %s failed", name, exc_info=e.__cause__)
-        if e.compiler_error is not None:
-            return NotCompiled(f"{e} (not recorded in the cache: a later process tries again)", compiler_error=e.compiler_error)
+        said = getattr(e, "compiler_error", None)
+        if family is not None or said is not None:
+            return NotCompiled(f"{e} (not recorded in the cache: a later process tries again)", compiler_error=said)
         return _publish_eager(store, name, signature, str(e))
     try:
         try:
@@ -96,25 +120,48 @@ def compile_signature(op: torch._ops.OpOverload, signature: CallSignature, store
             kernel = load(artifact.library, artifact.output_counts)
             artifact.seconds["load"] = time.perf_counter() - loading
             check_matches_eager(kernel, signature, op, reference_args, expected)
-            if signature.runtime_arguments:
-                # It must follow its runtime numbers, not hold the values it was traced with.
-                other = signature.with_other_numbers()
+            for other in _other_calls(signature, family, seen or []):
+                # A kernel with runtime numbers must follow them, not hold the
+                # values it was traced with; a dynamic one, its sizes.
                 other_reference = clone_args(other.args)
-                check_matches_eager(kernel, other, op, other_reference, call_op(op, other_reference))
-        except Mismatch as e:
-            return _publish_eager(store, name, signature, f"compiled kernel disagrees with eager: {e}")
+                try:
+                    other_expected = call_op(op, other_reference)
+                except Exception:  # noqa: BLE001 - values eager rejects (indices out of range) check nothing
+                    continue
+                check_matches_eager(kernel, other, op, other_reference, other_expected)
         except Exception as e:  # noqa: BLE001
-            return _publish_eager(store, name, signature, f"compiled kernel failed to run: {type(e).__name__}: {e}")
+            failed = f"compiled kernel disagrees with eager: {e}" if isinstance(e, Mismatch) else f"compiled kernel failed to run: {type(e).__name__}: {e}"
+            if family is not None:
+                return NotCompiled(f"dynamic kernel: {failed}")
+            return _publish_eager(store, name, signature, failed)
         seconds = time.perf_counter() - start
         timing = _time(kernel, signature, op, name)
-        entry = _entry(name, signature, artifact, seconds, timing)
-        store.publish(signature.key, entry, sidecar_files(artifact) if entry.library else None)
+        entry = _entry(name, signature, artifact, seconds, timing, family)
+        store.publish(key, entry, sidecar_files(artifact) if entry.library else None)
     finally:
         artifact.workdir.cleanup()
-    return Published(seconds, artifact.seconds)
+    return Published(seconds, artifact.seconds, key, family)
 
 
-def _entry(name: str, signature: CallSignature, artifact: Artifact, seconds: float, timing: Timing | None) -> Entry:
+def _other_calls(signature: CallSignature, family: ShapeFamily | None, seen: list[list[tuple[int, ...]]]) -> Iterator[CallSignature]:
+    """The further calls a new kernel is checked on: other values of its
+    runtime numbers; for a dynamic kernel, the seen shapes its guards admit
+    and one shape none of them had."""
+    if signature.runtime_arguments:
+        yield signature.with_other_numbers()
+    if family is None:
+        return
+    admitted = [v for v in (family.symbol_values_of_sizes(sizes) for sizes in seen) if v is not None]
+    for values in [*admitted, family.further_values(admitted + [family.symbol_values(signature) or {}])]:
+        resized = family.resized(signature, values)
+        if resized is not None:
+            yield resized
+
+
+def _entry(
+    name: str, signature: CallSignature, artifact: Artifact, seconds: float, timing: Timing | None, family: ShapeFamily | None
+) -> Entry:
+    dynamic = family.to_json() if family is not None else None
     if timing is not None and timing.ratio > SLOWER_THAN_EAGER:
         return Entry(
             op=name,
@@ -122,6 +169,7 @@ def _entry(name: str, signature: CallSignature, artifact: Artifact, seconds: flo
             reason=f"eager is faster: kernel {timing.ratio:.2f}x eager's time (measured at compile)",
             compile_seconds=round(seconds, 3),
             timing=timing.to_json(),
+            dynamic=dynamic,
         )
     return Entry(
         op=name,
@@ -130,6 +178,7 @@ def _entry(name: str, signature: CallSignature, artifact: Artifact, seconds: flo
         library=artifact.library,
         compile_seconds=round(seconds, 3),
         timing=timing.to_json() if timing is not None else None,
+        dynamic=dynamic,
     )
 
 

@@ -1,0 +1,159 @@
+"""kernels/dynamic.py and the dynamic-shape path: one kernel for the sizes
+that move, and never a call run by a kernel that was not compiled for it
+(sizes 0 and 1, broadcasting, equal dims, contiguity)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import aoti_eager
+from aoti_eager.cache import KernelCache
+from aoti_eager.kernels.compile import compile_options
+from aoti_eager.kernels.dynamic import MAX_NUMEL, UNBOUNDED, ShapeFamily, changed_dims, family_key, tensor_args
+from aoti_eager.kernels.signature import CallSignature
+from aoti_eager.kernels.toolchain import environment_name
+from helpers import assert_same_as_eager
+
+A = torch.ops.aten
+
+
+def signature(op, *args) -> CallSignature:
+    return CallSignature.of(op, "cpu", list(args))
+
+
+# -- shape families, without compiling ---------------------------------------------------------
+
+def test_a_family_is_everything_but_sizes():
+    def add(x, y, alpha=1):
+        return family_key(signature(A.add.Tensor, x, y, alpha))
+
+    base = add(torch.randn(5, 8), torch.randn(8))
+    assert base == add(torch.randn(9, 8), torch.randn(3))
+    assert base != add(torch.randn(5, 8, dtype=torch.float64), torch.randn(8))
+    assert base != add(torch.randn(5, 8, 1), torch.randn(8))  # rank
+    assert base != add(torch.randn(8, 5).t(), torch.randn(8))  # contiguity
+    assert base != add(torch.randn(5, 8), torch.randn(8), alpha=2)
+
+
+def test_only_dims_that_changed_to_two_or_more_become_dynamic():
+    call = signature(A.add.Tensor, torch.randn(9, 8), torch.randn(1))
+    assert changed_dims(call, [[(5, 8), (8,)]]) == ((0,), ())  # the other tensor's 8 -> 1: export would specialize 1
+    assert changed_dims(call, [[(9, 8), (1,)]]) == ((), ())
+
+
+ADD = ShapeFamily(dims=((0,), (0,)), guards=((0, 0, 0, 0), (1, 0, 0, 0)), ranges=((2, UNBOUNDED),))
+
+
+@pytest.mark.parametrize("x, y, admitted", [
+    ((9, 8), (9, 8), True),
+    ((300, 8), (300, 8), True),
+    ((9, 8), (7, 8), False),  # one symbol: the dims are equal
+    ((9, 8), (1, 8), False),  # broadcasting: export specialized 1
+    ((1, 8), (1, 8), False),  # below the range
+    ((0, 8), (0, 8), False),
+    ((9, 4), (9, 4), False),  # a fixed dim: another family key
+])
+def test_guards_admit_only_calls_the_kernel_was_compiled_for(x, y, admitted):
+    compiled_for = signature(A.add.Tensor, torch.randn(5, 8), torch.randn(5, 8))
+    key = ADD.entry_key(compiled_for)
+    assert ADD.admits(signature(A.add.Tensor, torch.randn(x), torch.randn(y)), key) == admitted
+
+
+def test_a_specialized_dim_and_the_element_limit_are_guarded():
+    family = ShapeFamily(dims=((0, 1),), guards=((0, 0, 0, 0), (0, 1, -1, 8)), ranges=((2, 100),))
+    assert family.symbol_values_of_sizes([(9, 8)]) == {0: 9}
+    assert family.symbol_values_of_sizes([(9, 9)]) is None
+    assert family.symbol_values_of_sizes([(101, 8)]) is None
+    wide = ShapeFamily(dims=((0,),), guards=((0, 0, 0, 0),), ranges=((2, UNBOUNDED),))
+    assert wide.symbol_values_of_sizes([(MAX_NUMEL // 4 + 1, 4)]) is None
+
+
+def test_a_tensor_with_a_dynamic_dim_must_be_contiguous():
+    family = ShapeFamily(dims=((0,), ()))
+    assert family.entry_key(signature(A.add.Tensor, torch.randn(8, 5).t(), torch.randn(8))) is None
+    assert family.entry_key(signature(A.add.Tensor, torch.randn(5, 8), torch.randn(8).expand(5, 8))) is not None
+
+
+def test_a_family_round_trips_through_json():
+    assert ShapeFamily.from_json(ADD.to_json()) == ADD
+    assert ADD.dim_bits == [1, 1]
+
+
+def test_export_gives_equal_dims_one_symbol():
+    call = signature(A.mm.default, torch.randn(6, 7), torch.randn(7, 3))
+    family = ShapeFamily(dims=((0, 1), (0,)))
+    exported = torch.export.export(
+        _Mm(), tuple(t for t in call.args), dynamic_shapes=family.export_shapes(call), strict=False
+    )
+    shapes = [tuple(n.meta["val"].shape) for n in exported.graph.nodes if n.op == "placeholder"]
+    guarded = family.with_guards(call, shapes, dict(exported.range_constraints))
+    assert guarded.guards == ((0, 0, 0, 0), (0, 1, 1, 0), (1, 0, 1, 0))
+    assert guarded.ranges == ((2, UNBOUNDED), (2, UNBOUNDED))
+    assert [t.sizes for t in tensor_args(guarded.resized(call, {0: 4, 1: 11}))] == [(4, 11), (11, 3)]
+
+
+class _Mm(torch.nn.Module):
+    def forward(self, *tensors):
+        return (A.mm.default(*tensors),)
+
+
+# -- through the runtime ------------------------------------------------------------------------
+
+def run(op_name, cache_dir, op, shapes, make):
+    """Each call of ``op`` on ``make(shape)`` with the op enabled, compared
+    with eager; the compiles each call made, and the op's stats."""
+    compiles, results = [], []
+    with aoti_eager.enabled([op_name], devices=["cpu"], cache_dir=cache_dir):
+        for shape in shapes:
+            args = make(shape)
+            before = aoti_eager.stats()[op_name]["compiles"]
+            results.append((op(*args), args))
+            compiles.append(aoti_eager.stats()[op_name]["compiles"] - before)
+        stats = aoti_eager.stats()[op_name]
+    for result, args in results:
+        assert_same_as_eager(result, op(*args), atol=0, rtol=0)
+    return compiles, stats
+
+
+def test_a_second_shape_compiles_one_kernel_that_serves_later_shapes(tmp_path):
+    compiles, stats = run(
+        "aten::add.Tensor", tmp_path, torch.add, [5, 9, 17, 33, 2, 1, 0, 64],
+        lambda n: (torch.randn(n, 16), torch.randn(16)),
+    )
+    # 5: static; 9: dynamic; 17, 33, 2, 64: the dynamic kernel; 1 and 0: export specializes them, each its own.
+    assert compiles == [1, 1, 0, 0, 0, 1, 1, 0]
+    assert stats["hits"] == 4 and stats["fallbacks"] == 0
+
+    # A new process finds the dynamic kernel in the cache: no compile for a new size.
+    compiles, stats = run("aten::add.Tensor", tmp_path, torch.add, [21, 3], lambda n: (torch.randn(n, 16), torch.randn(16)))
+    assert compiles == [0, 0] and stats["cache_loads"] == 1 and stats["hits"] == 1
+
+    listed = KernelCache(tmp_path, environment_name(torch.device("cpu"), compile_options("cpu")))
+    dynamic = [listed.lookup(op, key).dynamic for op, key in listed.entries("aten::add.Tensor")]
+    assert [d for d in dynamic if d] == [{"dims": [[0], []], "guards": [[0, 0, 0, 0]], "ranges": [[2, UNBOUNDED]]}]
+
+
+def test_equal_dims_and_broadcasting_never_reach_a_kernel_not_compiled_for_them(tmp_path):
+    same = lambda n: (torch.randn(n, 8), torch.randn(n, 8))  # noqa: E731
+    compiles, _ = run("aten::mul.Tensor", tmp_path, torch.mul, [5, 9, 12], same)
+    assert compiles == [1, 1, 0]
+    # x's dim 0 and y's were one symbol: y of 1 row (broadcast) or of another count is not that kernel's.
+    compiles, _ = run("aten::mul.Tensor", tmp_path, torch.mul, [(7, 1), (6, 1)], lambda s: (torch.randn(s[0], 8), torch.randn(s[1], 8)))
+    assert compiles[0] == 1
+
+
+def test_a_dim_that_moves_later_widens_the_kernel(tmp_path):
+    compiles, _ = run(
+        "aten::sub.Tensor", tmp_path, torch.sub, [(5, 16), (9, 16), (9, 24), (13, 40), (3, 7)],
+        lambda s: (torch.randn(*s), torch.randn(s[1])),
+    )
+    assert compiles == [1, 1, 1, 0, 0]
+
+
+def test_compiles_per_shape_family_are_bounded(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("AOTI_EAGER_MAX_SHAPE_COMPILES", "1")
+    monkeypatch.setenv("AOTI_EAGER_DYNAMIC_SHAPES", "0")
+    compiles, stats = run("aten::abs", tmp_path, torch.abs, [4, 6, 8], lambda n: (torch.randn(n),))
+    assert compiles == [1, 0, 0] and stats["fallbacks"] == 2
+    assert "AOTI_EAGER_MAX_SHAPE_COMPILES=1" in stats["fallback_reason"]
