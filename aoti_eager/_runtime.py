@@ -251,7 +251,11 @@ class Override:
         """The decision a published entry holds, or None if there is none."""
         try:
             with cache.hold(self.name, signature.key) as entry:
-                return None if entry is None else self._adopt(signature, entry, loaded=True)
+                if entry is None:
+                    return None
+                # A shape another process compiled is one of its family's shapes here too.
+                self._family(signature).see(signature)
+                return self._adopt(signature, entry, loaded=True)
         except DamagedEntry:  # set aside: compiled again, as a damaged entry is
             return None
 
@@ -387,8 +391,8 @@ class Override:
         self.stats.compiles += 1
         self.stats.compile_seconds += outcome.seconds
         stages = ", ".join(f"{stage} {t:.1f} s" for stage, t in outcome.stages.items())
-        dynamic = f"; dynamic: {outcome.family.short()}" if outcome.family else ""
-        log.info("aoti_eager: compiled %s for (%s%s) in %.1f s (%s)", self.name, signature.short(), dynamic, outcome.seconds, stages)
+        described = outcome.family.short(signature.to_json()) if outcome.family else signature.short()
+        log.info("aoti_eager: compiled %s for (%s) in %.1f s (%s)", self.name, described, outcome.seconds, stages)
         try:
             # What the store holds now: this entry, or another process's that won the race.
             with cache.hold(self.name, outcome.key) as published:

@@ -59,12 +59,15 @@ def _when(timestamp: float) -> str:
 
 
 def _listing_json(listing: inventory.Listing) -> dict[str, Any]:
+    from aoti_eager.kernels.dynamic import ShapeFamily
     from aoti_eager.kernels.signature import short_form
 
     meta = listing.metadata()
     try:
-        signature = short_form(meta["signature"])
-    except (KeyError, TypeError):
+        # A dynamic-shape kernel shows its symbols where its sizes move.
+        dynamic = meta.get("dynamic")
+        signature = ShapeFamily.from_json(dynamic).short(meta["signature"]) if dynamic else short_form(meta["signature"])
+    except (KeyError, TypeError, ValueError):
         signature = "(unreadable entry.json)"
     return {
         "op": listing.op,
@@ -72,6 +75,7 @@ def _listing_json(listing: inventory.Listing) -> dict[str, Any]:
         "environment": listing.environment,
         "key": listing.directory.name,
         "signature": signature,
+        "dynamic": meta.get("dynamic"),
         "bytes": listing.bytes,
         "compile_seconds": meta.get("compile_seconds"),
         "last_use": listing.last_use,

@@ -29,6 +29,7 @@ Example::
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, replace
 from typing import Any, Iterator
@@ -37,7 +38,7 @@ import sympy
 import torch
 
 from aoti_eager.kernels.signature import (
-    CallSignature, ListArg, RuntimeNumberArg, TensorArg, clone_exact, _digest, _key_form,
+    CallSignature, ListArg, RuntimeNumberArg, TensorArg, argument_from_json, clone_exact, _digest, _key_form,
 )
 
 # Kernels index their tensors with 32-bit math up to this many elements
@@ -258,20 +259,23 @@ class ShapeFamily:
         return cls(tuple(tuple(d) for d in data["dims"]), tuple(tuple(g) for g in data["guards"]),
                    tuple(tuple(r) for r in data["ranges"]))
 
-    def short(self, signature: list[dict[str, Any]] | None = None) -> str:
-        """E.g. ``s0 in [2, inf): self[0], other[1]``, for logs and ``cache list``."""
-        uses: dict[int, list[str]] = {}
-        fixed = []
-        for tensor, dim, symbol, size in self.guards:
-            if symbol >= 0:
-                uses.setdefault(symbol, []).append(f"t{tensor}[{dim}]")
-            else:
-                fixed.append(f"t{tensor}[{dim}]={size}")
-        parts = [
-            f"s{s} in [{lo}, {'inf' if hi >= UNBOUNDED else hi}]: {', '.join(uses[s])}"
-            for s, (lo, hi) in enumerate(self.ranges)
-        ]
-        return "; ".join(parts + fixed)
+    def short(self, signature: list[dict[str, Any]]) -> str:
+        """``signature`` (as an entry keeps it) with this kernel's symbols for
+        its dynamic sizes, e.g. ``self=float32[s0, 16], other=float32[16]; s0 in [2, inf]``."""
+        names = {(tensor, dim): f"s{symbol}" for tensor, dim, symbol, _ in self.guards if symbol >= 0}
+        tensors = itertools.count()
+
+        def form(described: dict[str, Any]) -> str:
+            if described["kind"] == "tensor":
+                index = next(tensors)
+                sizes = [names.get((index, dim), str(n)) for dim, n in enumerate(described["sizes"])]
+                return f"{described['dtype']}[{', '.join(sizes)}]"
+            if described["kind"] == "list":
+                return "[" + ", ".join(form(item) for item in described["items"]) + "]"
+            return argument_from_json(described).short()
+
+        ranges = [f"s{i} in [{low}, {'inf' if high >= UNBOUNDED else high}]" for i, (low, high) in enumerate(self.ranges)]
+        return "; ".join([", ".join(f"{d['name']}={form(d)}" for d in signature), *ranges])
 
 
 def _bound(value: Any) -> int:

@@ -8,11 +8,13 @@ import pytest
 import torch
 
 import aoti_eager
+from aoti_eager.cli import main
 from aoti_eager.cache import KernelCache
 from aoti_eager.kernels.compile import compile_options
 from aoti_eager.kernels.dynamic import MAX_NUMEL, UNBOUNDED, ShapeFamily, changed_dims, family_key, tensor_args
 from aoti_eager.kernels.signature import CallSignature
 from aoti_eager.kernels.toolchain import environment_name
+from conftest import DEVICES
 from helpers import assert_same_as_eager
 
 A = torch.ops.aten
@@ -100,11 +102,11 @@ class _Mm(torch.nn.Module):
 
 # -- through the runtime ------------------------------------------------------------------------
 
-def run(op_name, cache_dir, op, shapes, make):
+def run(op_name, cache_dir, op, shapes, make, device="cpu"):
     """Each call of ``op`` on ``make(shape)`` with the op enabled, compared
     with eager; the compiles each call made, and the op's stats."""
     compiles, results = [], []
-    with aoti_eager.enabled([op_name], devices=["cpu"], cache_dir=cache_dir):
+    with aoti_eager.enabled([op_name], devices=[device], cache_dir=cache_dir):
         for shape in shapes:
             args = make(shape)
             before = aoti_eager.stats()[op_name]["compiles"]
@@ -116,22 +118,25 @@ def run(op_name, cache_dir, op, shapes, make):
     return compiles, stats
 
 
-def test_a_second_shape_compiles_one_kernel_that_serves_later_shapes(tmp_path):
-    compiles, stats = run(
-        "aten::add.Tensor", tmp_path, torch.add, [5, 9, 17, 33, 2, 1, 0, 64],
-        lambda n: (torch.randn(n, 16), torch.randn(16)),
-    )
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_second_shape_compiles_one_kernel_that_serves_later_shapes(tmp_path, device, capsys):
+    def make(n):
+        return torch.randn(n, 16, device=device), torch.randn(16, device=device)
+
+    compiles, stats = run("aten::add.Tensor", tmp_path, torch.add, [5, 9, 17, 33, 2, 1, 0, 64], make, device)
     # 5: static; 9: dynamic; 17, 33, 2, 64: the dynamic kernel; 1 and 0: export specializes them, each its own.
     assert compiles == [1, 1, 0, 0, 0, 1, 1, 0]
     assert stats["hits"] == 4 and stats["fallbacks"] == 0
 
     # A new process finds the dynamic kernel in the cache: no compile for a new size.
-    compiles, stats = run("aten::add.Tensor", tmp_path, torch.add, [21, 3], lambda n: (torch.randn(n, 16), torch.randn(16)))
+    compiles, stats = run("aten::add.Tensor", tmp_path, torch.add, [21, 3], make, device)
     assert compiles == [0, 0] and stats["cache_loads"] == 1 and stats["hits"] == 1
 
-    listed = KernelCache(tmp_path, environment_name(torch.device("cpu"), compile_options("cpu")))
+    listed = KernelCache(tmp_path, environment_name(torch.device(device), compile_options(device)))
     dynamic = [listed.lookup(op, key).dynamic for op, key in listed.entries("aten::add.Tensor")]
     assert [d for d in dynamic if d] == [{"dims": [[0], []], "guards": [[0, 0, 0, 0]], "ranges": [[2, UNBOUNDED]]}]
+    main(["--cache-dir", str(tmp_path), "cache", "list", "--op", "aten::add.Tensor"])
+    assert "(self=float32[s0, 16], other=float32[16], alpha=1; s0 in [2, inf])" in capsys.readouterr().out
 
 
 def test_equal_dims_and_broadcasting_never_reach_a_kernel_not_compiled_for_them(tmp_path):
