@@ -16,6 +16,7 @@ Example::
     >>> aoti_eager.stats()["aten::abs"]["hits"]
     1
     >>> aoti_eager.disable()        # the original kernels are back
+    >>> aoti_eager.enable(ops=aoti_eager.ops_reached(model, x))   # every op a model's forward reaches
 """
 
 from __future__ import annotations
@@ -36,9 +37,10 @@ from aoti_eager.cache import default_root
 from aoti_eager.kernels import signature as _signature
 from aoti_eager.manifest import Recorder
 from aoti_eager._prewarm import prewarm
+from aoti_eager._reach import ReachedOps, ops_reached
 from aoti_eager.version import __version__
 
-__all__ = ["cache_dir", "disable", "enable", "enabled", "prewarm", "stats"]
+__all__ = ["ReachedOps", "cache_dir", "disable", "enable", "enabled", "ops_reached", "prewarm", "stats"]
 
 log = logging.getLogger("aoti_eager")
 

@@ -114,9 +114,17 @@ def refusal(op: OpOverload) -> str | None:
             isinstance(r.type, torch.ListType) and not isinstance(r.type.getElementType(), torch.TensorType)
         ):
             return f"it returns a non-tensor value ({r.type})"
-    name = op.name()
-    if torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd") and not any(
-        torch._C._dispatch_has_kernel_for_dispatch_key(name, k) for k in ("CPU", "CUDA", "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional")
-    ):
+    if decomposes(op):
         return "it is a composite op that decomposes into other aten ops before reaching a device kernel; enable those ops instead"
     return None
+
+
+def decomposes(op: OpOverload, dispatch_keys: tuple[str, ...] = ("CPU", "CUDA")) -> bool:
+    """Whether ``op`` runs its CompositeImplicitAutograd decomposition at
+    ``dispatch_keys``: it has no kernel of its own there, and its calls reach
+    the device kernels as other aten ops."""
+    name = op.name()
+    return torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeImplicitAutograd") and not any(
+        torch._C._dispatch_has_kernel_for_dispatch_key(name, k)
+        for k in (*dispatch_keys, "CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional")
+    )

@@ -14,7 +14,7 @@ import tempfile
 
 import torch
 
-from timing import compare
+from timing import compare, machine
 
 
 def cases(device: str):
@@ -42,8 +42,7 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows))
         return
-    print(f"torch {torch.__version__}, device {args.device}"
-          + (f" ({torch.cuda.get_device_name()})" if args.device == "cuda" else ""))
+    print(machine(args.device))
     print(f"{'case':<22}{'aoti_eager us':>15}{'eager us':>10}{'ratio':>8}")
     for r in rows:
         print(f"{r['case']:<22}{r['aoti_us']:>15.2f}{r['eager_us']:>10.2f}{r['ratio']:>8.2f}")

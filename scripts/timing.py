@@ -11,6 +11,11 @@ import torch
 import aoti_eager
 
 
+def machine(device: str) -> str:
+    """A benchmark's first line: the torch version and the device (the GPU's name on CUDA)."""
+    return f"torch {torch.__version__}, device {device}" + (f" ({torch.cuda.get_device_name()})" if device == "cuda" else "")
+
+
 def per_call_seconds(fn: Callable[[], object], calls: int) -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
