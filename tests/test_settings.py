@@ -68,7 +68,8 @@ def test_defaults(monkeypatch):
         monkeypatch.delenv(setting.name, raising=False)
     assert {s.name: s.get() for s in settings.ALL} == {
         "AOTI_EAGER_CACHE_DIR": None, "AOTI_EAGER_CACHE_SIZE": 10 << 30, "AOTI_EAGER_CACHE_GROUP": None,
-        "AOTI_EAGER_LOCK_TIMEOUT": 900.0, "AOTI_EAGER_MAX_VALUE_VARIANTS": 8, "AOTI_EAGER_KEEP_FASTER": True,
+        "AOTI_EAGER_LOCK_TIMEOUT": 900.0, "AOTI_EAGER_MAX_VALUE_VARIANTS": 8, "AOTI_EAGER_MAX_SHAPE_COMPILES": 4,
+        "AOTI_EAGER_DYNAMIC_SHAPES": True, "AOTI_EAGER_KEEP_FASTER": True,
         "AOTI_EAGER_SPLIT_WRAPPER": True, "AOTI_EAGER_RECORD": None, "AOTI_EAGER_SIGNING_KEY": None,
         "AOTI_EAGER_TRUSTED_KEYS": [], "AOTI_EAGER_VERBOSE_BUILD": False,
     }
