@@ -91,11 +91,12 @@ class UseKernel:
 
 @dataclass(frozen=True)
 class RunEagerly:
-    """Calls of the signature run the original kernel, for good in this process."""
+    """Calls of the signature run the original kernel, for good in this
+    process; with ``dynamic``, every call of its shape family that it admits."""
 
     reason: str
+    dynamic: ShapeFamily | None = None
     kernel: ClassVar[None] = None
-    dynamic: ClassVar[None] = None
     remember: ClassVar[bool] = True
 
 
@@ -362,11 +363,13 @@ class Override:
         family = self._family(signature)
         limit = settings.max_shape_compiles.get()
         if family.compiles >= limit:
-            return self._eager(
+            reason = (
                 f"{family.compiles} kernels already compiled for shapes of this family "
-                f"({settings.max_shape_compiles.name}={limit}); further shapes run eagerly",
-                signature,
+                f"({settings.max_shape_compiles.name}={limit}); further shapes run eagerly"
             )
+            self._eager(reason, signature)
+            # The C++ side keeps it for the whole family: its further shapes do not ask again.
+            return self._remember(signature, RunEagerly(reason, ShapeFamily.any_shape(signature)))
         family.compiles += 1
         load = lambda library, counts: self._load(library, counts, signature, known_good=False)  # noqa: E731
         dims = self._dims_to_compile(signature, family)

@@ -154,9 +154,7 @@ void OpOverride::call(
 
   std::optional<Entry> entry = lookup(key);
   if (!entry && has_families_.load(std::memory_order_acquire)) {
-    if (auto kernel = lookup_dynamic(args)) {
-      entry = Entry{std::move(kernel)};
-    }
+    entry = lookup_dynamic(args);
   }
   if (!entry) {
     counters_.misses.fetch_add(1, std::memory_order_relaxed);
@@ -180,7 +178,7 @@ std::optional<OpOverride::Entry> OpOverride::lookup(const CallKey& key) const {
   return it->second;
 }
 
-std::shared_ptr<const CompiledKernel> OpOverride::lookup_dynamic(
+std::optional<OpOverride::Entry> OpOverride::lookup_dynamic(
     c10::ArrayRef<c10::IValue> args) const {
   std::shared_lock<std::shared_mutex> lock(mutex_);
   CallKey key;
@@ -192,10 +190,10 @@ std::shared_ptr<const CompiledKernel> OpOverride::lookup_dynamic(
     }
     auto it = family.kernels.find(key);
     if (it != family.kernels.end() && it->second.guards.admit(tensors)) {
-      return it->second.kernel;
+      return Entry{it->second.kernel};
     }
   }
-  return nullptr;
+  return std::nullopt;
 }
 
 void OpOverride::add_dynamic(
@@ -354,6 +352,7 @@ std::optional<OpOverride::Entry> OpOverride::on_miss(
       return std::nullopt;
     }
     py::object kernel = decision.attr("kernel");
+    py::object dynamic = decision.attr("dynamic");
     if (!kernel.is_none()) {
       entry.kernel = kernel.cast<std::shared_ptr<const CompiledKernel>>();
       TORCH_CHECK(
@@ -362,10 +361,9 @@ std::optional<OpOverride::Entry> OpOverride::on_miss(
           entry.kernel->output_counts().size(),
           " returns, the op has ",
           return_aliases_.size());
-      py::object dynamic = decision.attr("dynamic");
-      if (!dynamic.is_none()) {
-        add_dynamic(torch::jit::last(*stack, num_arguments_), entry.kernel, dynamic);
-      }
+    }
+    if (!dynamic.is_none()) {
+      add_dynamic(torch::jit::last(*stack, num_arguments_), entry.kernel, dynamic);
     }
   } catch (const std::exception& e) {
     // The miss handler logs its own failures; anything that still escapes it

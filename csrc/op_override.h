@@ -69,7 +69,7 @@ class OpOverride : public std::enable_shared_from_this<OpOverride> {
   // Dynamic kernels whose dynamic dims are the same: keyed by the family key
   // (compute_call_key with `dims`), each with the guards it was compiled for.
   struct DynamicEntry {
-    std::shared_ptr<const CompiledKernel> kernel;
+    std::shared_ptr<const CompiledKernel> kernel; // null: the family runs eagerly
     ShapeGuards guards;
   };
   struct Family {
@@ -83,9 +83,10 @@ class OpOverride : public std::enable_shared_from_this<OpOverride> {
       torch::jit::Stack* stack);
   void run_kernel(const CompiledKernel& kernel, torch::jit::Stack* stack);
   std::optional<Entry> lookup(const CallKey& key) const;
-  // A dynamic kernel whose family key and guards the call matches, or null.
-  std::shared_ptr<const CompiledKernel> lookup_dynamic(c10::ArrayRef<c10::IValue> args) const;
-  // Keeps `kernel` for the call's family, where its guards admit the call.
+  // The decision of a family whose key and guards the call matches: a
+  // dynamic kernel, or eager for a family that compiles no more.
+  std::optional<Entry> lookup_dynamic(c10::ArrayRef<c10::IValue> args) const;
+  // Keeps `kernel` (null: eager) for the call's family, where its guards admit the call.
   void add_dynamic(
       c10::ArrayRef<c10::IValue> args,
       std::shared_ptr<const CompiledKernel> kernel,
@@ -129,8 +130,9 @@ std::unique_ptr<c10::RegistrationHandleRAII> register_override(
 //                   call eagerly and ask again on the next
 //   kernel:         the CompiledKernel to run, or None for the original kernel
 //   dynamic:        None, or the kernel's dynamic dims and guards
-//                   (kernels/dynamic.py: ShapeFamily): the kernel then also
-//                   serves every later call of its family that the guards admit
+//                   (kernels/dynamic.py: ShapeFamily): the kernel (or eager,
+//                   for a family that compiles no more) then also serves every
+//                   later call of its family that the guards admit
 // With decide false the call's arguments cannot be keyed: the handler only
 // records why, and the call runs eagerly whatever it returns.
 void set_miss_handler(pybind11::object handler);

@@ -126,6 +126,12 @@ class ShapeFamily:
     guards: tuple[tuple[int, int, int, int], ...] = ()
     ranges: tuple[tuple[int, int], ...] = ()
 
+    @classmethod
+    def any_shape(cls, signature: CallSignature) -> "ShapeFamily":
+        """Every dim of every tensor dynamic, unguarded: the whole family of
+        ``signature`` (its contiguous tensors), for a decision that holds for all of it."""
+        return cls(tuple(tuple(range(len(t.sizes))) for t in tensor_args(signature)))
+
     @property
     def dim_bits(self) -> list[int]:
         """``dims`` as csrc/call_key.h's DynamicDims: a bit per dynamic dim."""
