@@ -376,7 +376,8 @@ class Override:
         outcome: Outcome | None = None
         if dims is not None:
             outcome = compile_signature(self.op, signature, cache, load, ShapeFamily(dims), seen=family.seen)
-            if isinstance(outcome, NotCompiled) and not outcome.eager_raised:
+            # Where the compiler itself failed, a static compile would too.
+            if isinstance(outcome, NotCompiled) and not outcome.eager_raised and outcome.compiler_error is None:
                 family.dynamic_failed = outcome.reason
                 log.info("aoti_eager: no dynamic-shape kernel for %s (%s): %s; compiling this shape alone",
                          self.name, signature.short(), outcome.reason)
