@@ -37,6 +37,7 @@ from typing import Any, Iterator
 import sympy
 import torch
 
+from aoti_eager.kernels.examples import example_tensor
 from aoti_eager.kernels.signature import (
     CallSignature, ListArg, RuntimeNumberArg, TensorArg, argument_from_json, clone_exact, _digest, _key_form,
 )
@@ -177,15 +178,10 @@ class ShapeFamily:
     def export_shapes(self, signature: CallSignature) -> tuple[Any, ...]:
         """``dynamic_shapes`` for exporting the call's kernel inputs (flat_tensor_inputs order)."""
         dims = iter(self.dims)
-        specs: list[Any] = []
-        for described in signature.described:
-            if isinstance(described, RuntimeNumberArg):
-                specs.append(None)
-                continue
-            for _ in _tensors_in(described):
-                dynamic = next(dims)
-                specs.append({d: torch.export.Dim.DYNAMIC for d in dynamic} if dynamic else None)
-        return (tuple(specs),)
+        return (tuple(
+            {d: torch.export.Dim.DYNAMIC for d in next(dims)} or None if is_tensor else None
+            for is_tensor in _flat_kinds(signature)
+        ),)
 
     def with_guards(self, signature: CallSignature, exported_shapes: list[tuple[Any, ...]], ranges: dict[Any, Any]) -> "ShapeFamily":
         """This family with the guards of the exported program whose input
@@ -216,8 +212,8 @@ class ShapeFamily:
 
     def resized(self, signature: CallSignature, values: dict[int, int]) -> CallSignature | None:
         """``signature``'s call with each symbol at ``values``' size: new
-        contiguous tensors where a dim is dynamic (random values, as the call's
-        own: integer tensors keep values below 8, valid indices for most ops)."""
+        contiguous tensors where a dim is dynamic, with its alignment (random
+        values, as :func:`~aoti_eager.kernels.examples.example_tensor` makes them)."""
         sizes: dict[tuple[int, int], int] = {}
         for tensor, dim, symbol, _ in self.guards:
             if symbol >= 0:
@@ -230,16 +226,14 @@ class ShapeFamily:
                 if not self.dims[index]:
                     return clone_exact(value)
                 shape = [sizes.get((index, d), n) for d, n in enumerate(described.sizes)]
-                t = torch.empty(shape, dtype=value.dtype, device=value.device)
-                if t.is_floating_point() or t.is_complex():
-                    return t.normal_()
-                return t.random_(0, 2) if t.dtype == torch.bool else t.random_(0, 8)
+                strides = torch.empty(shape, device="meta").stride()
+                return example_tensor(replace(described, sizes=tuple(shape), strides=strides), value.device)
             if isinstance(described, ListArg):
                 return [rebuild(v, d) for v, d in zip(value, described.items)]
             return value
 
-        args = [rebuild(v, d) for v, d in zip(signature.args, signature.described)]
         try:
+            args = [rebuild(v, d) for v, d in zip(signature.args, signature.described)]
             fresh = CallSignature.of(signature.op, signature.device.type, args)
         except Exception:  # noqa: BLE001 - a call that cannot be rebuilt is not checked
             return None

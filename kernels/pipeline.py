@@ -120,13 +120,17 @@ def compile_signature(
             kernel = load(artifact.library, artifact.output_counts)
             artifact.seconds["load"] = time.perf_counter() - loading
             check_matches_eager(kernel, signature, op, reference_args, expected)
-            for other in _other_calls(signature, family, seen or []):
-                # A kernel with runtime numbers must follow them, not hold the
-                # values it was traced with; a dynamic one, its sizes.
+            if signature.runtime_arguments:
+                # It must follow its runtime numbers, not hold the values it was traced with.
+                other = signature.with_other_numbers()
+                other_reference = clone_args(other.args)
+                check_matches_eager(kernel, other, op, other_reference, call_op(op, other_reference))
+            for other in _other_shapes(signature, family, seen or []):
+                # A dynamic kernel must follow its sizes.
                 other_reference = clone_args(other.args)
                 try:
                     other_expected = call_op(op, other_reference)
-                except Exception:  # noqa: BLE001 - values eager rejects (indices out of range) check nothing
+                except Exception:  # noqa: BLE001 - random values eager rejects (indices out of range) check nothing
                     continue
                 check_matches_eager(kernel, other, op, other_reference, other_expected)
         except Exception as e:  # noqa: BLE001
@@ -143,12 +147,9 @@ def compile_signature(
     return Published(seconds, artifact.seconds, key, family)
 
 
-def _other_calls(signature: CallSignature, family: ShapeFamily | None, seen: list[list[tuple[int, ...]]]) -> Iterator[CallSignature]:
-    """The further calls a new kernel is checked on: other values of its
-    runtime numbers; for a dynamic kernel, the seen shapes its guards admit
-    and one shape none of them had."""
-    if signature.runtime_arguments:
-        yield signature.with_other_numbers()
+def _other_shapes(signature: CallSignature, family: ShapeFamily | None, seen: list[list[tuple[int, ...]]]) -> Iterator[CallSignature]:
+    """The further calls a dynamic kernel is checked on: the seen shapes its
+    guards admit and one shape none of them had."""
     if family is None:
         return
     admitted = [v for v in (family.symbol_values_of_sizes(sizes) for sizes in seen) if v is not None]
