@@ -305,9 +305,11 @@ class Override:
             for i, more in enumerate(dynamic.dims):
                 dims[i].update(d for d in more if sizes[i][d] >= 2)
         wanted = tuple(tuple(sorted(d)) for d in dims)
-        if not any(wanted) or any(wanted == dynamic.dims for _, dynamic in known):
-            # Nothing moved, or a kernel with these dims refuses the shape (a size
-            # export specialized): this shape gets its own kernel.
+        if not any(wanted) or ShapeFamily(wanted).entry_key(signature) in {key for key, _ in known}:
+            # Nothing moved, or the kernel of these dims and of this shape's fixed
+            # sizes refuses it (a size export specialized): it gets its own kernel.
+            # (Other fixed sizes, e.g. a size 1 where the kernel has 16, make another
+            # dynamic kernel: a decode step's linear layers after the prompt's.)
             return None
         return wanted
 

@@ -99,8 +99,12 @@ bool add_tensor(const at::Tensor& t, KeyBuilder& builder) {
       return false;
     }
   } else {
-    for (int64_t stride : t.strides()) {
-      key.words.push_back(stride);
+    // A size-1 dim's stride never moves through memory, and views give it
+    // any value: kernels are keyed on the strides that step (as
+    // kernels/signature.py's TensorArg is).
+    const auto strides = t.strides();
+    for (size_t d = 0; d < strides.size(); ++d) {
+      key.words.push_back(sizes[d] == 1 ? kAnySize : strides[d]);
     }
   }
   key.words.push_back(is_aligned(t));

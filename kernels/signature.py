@@ -26,8 +26,9 @@ argument            C++ words                           Python JSON
 ==================  ==================================  ==========================================
 (the op)            none: one table per override        the schema string
 tensor              tag, dtype, device type and index,  ``TensorArg``: dtype, device type, sizes,
-                    rank, sizes, strides, 16-byte       strides, aligned (to ``ALIGNMENT`` bytes);
-                    alignment                           the index is in ``decision_key`` only
+                    rank, sizes, strides (not those of  strides (a size-1 dim's as a contiguous
+                    size-1 dims), 16-byte alignment     tensor's), aligned (to ``ALIGNMENT``
+                                                        bytes); the index is in ``decision_key`` only
 undefined tensor    tag                                 ``NoneArg`` (Python receives None)
 int, float          tag, value (a double's bits)        ``NumberArg``: value (a float's ``repr``)
 a number given for  tag, dtype, value: the dispatcher   ``NumberArg``: as an int or float, which
@@ -123,9 +124,29 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _canonical_strides(sizes: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, ...]:
+    """``strides`` with a size-1 dim's stride as a contiguous tensor's: an
+    index into it is always 0, so its stride never moves through memory, and
+    views give it any value (``x[:, -1:]`` of a growing ``x`` a new one per
+    length). Kernels and keys depend only on the strides that step.
+
+        >>> _canonical_strides((1, 4), (37, 1))
+        (4, 1)
+    """
+    if 1 not in sizes:
+        return tuple(strides)
+    canonical, step = [], 1
+    for size, stride in zip(reversed(sizes), reversed(strides)):
+        canonical.append(step if size == 1 else stride)
+        step *= max(size, 1)
+    return tuple(reversed(canonical))
+
+
 @dataclass(frozen=True)
 class TensorArg:
-    """A tensor the kernel takes as an input, compiled for exactly these sizes and strides."""
+    """A tensor the kernel takes as an input, compiled for exactly these sizes
+    and strides (a size-1 dim's stride as a contiguous tensor's, whatever the
+    call's: see :func:`_canonical_strides`)."""
 
     dtype: str  # e.g. "float32"
     device: str  # the device type: "cpu" or "cuda"
@@ -141,7 +162,8 @@ class TensorArg:
             raise Unsupported("tensors with a lazy conjugate or negative bit")
         if t.device != device:
             raise Unsupported(f"a {t.device} tensor in a call on {device}")
-        return cls(_dtype_name(t.dtype), t.device.type, tuple(t.shape), t.stride(), t.data_ptr() % ALIGNMENT == 0)
+        sizes = tuple(t.shape)
+        return cls(_dtype_name(t.dtype), t.device.type, sizes, _canonical_strides(sizes, t.stride()), t.data_ptr() % ALIGNMENT == 0)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -163,3 +163,20 @@ def test_compiles_per_shape_family_are_bounded(tmp_path, monkeypatch, caplog):
     assert compiles == [1, 0, 0] and stats["fallbacks"] == 2
     assert stats["misses"] == 2  # the family is eager as a whole: 8 does not ask Python again
     assert "AOTI_EAGER_MAX_SHAPE_COMPILES=1" in stats["fallback_reason"]
+
+
+def test_a_size_one_dims_stride_does_not_make_a_new_signature(tmp_path):
+    # x[:, -1:] of a growing x: one row, one column, a new stride each length;
+    # and a column whose size-1 dim has a new stride each time.
+    last = lambda n: (torch.randn(1, n)[:, -1:], torch.randn(3).as_strided((3, 1), (1, n)))  # noqa: E731
+    assert last(5)[0].stride() != last(9)[0].stride()
+    assert signature(A.add.Tensor, *last(5)).key == signature(A.add.Tensor, *last(9)).key
+    compiles, stats = run("aten::add.Tensor", tmp_path, torch.add, [5, 9, 17], last)
+    assert compiles == [1, 0, 0] and stats["misses"] == 1
+
+
+def test_other_fixed_sizes_make_another_dynamic_kernel_not_one_per_shape(tmp_path):
+    # A model's linear layers: weights of several widths at the prompt's 16 rows, then at one row.
+    shapes = [(16, 12), (16, 20), (1, 12), (1, 28), (1, 36)]
+    compiles, _ = run("aten::mm", tmp_path, torch.mm, shapes, lambda s: (torch.randn(s[0], 8), torch.randn(8, s[1])))
+    assert compiles == [1, 1, 1, 0, 0]
