@@ -180,3 +180,16 @@ def test_other_fixed_sizes_make_another_dynamic_kernel_not_one_per_shape(tmp_pat
     shapes = [(16, 12), (16, 20), (1, 12), (1, 28), (1, 36)]
     compiles, _ = run("aten::mm", tmp_path, torch.mm, shapes, lambda s: (torch.randn(s[0], 8), torch.randn(8, s[1])))
     assert compiles == [1, 1, 1, 0, 0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_further_shape_with_indices_out_of_its_range_is_not_run(tmp_path, device):
+    # Two embedding tables (a model's tokens and positions): the kernel is checked at
+    # the first table's size with the second call's indices, which are out of its
+    # range. On a GPU, eager on those would be a device-side assert, not an error.
+    def make(rows):
+        return torch.randn(rows, 8, device=device), torch.randint(rows - 4, rows, (1, 4), device=device)
+
+    compiles, stats = run("aten::embedding", tmp_path, torch.nn.functional.embedding, [64, 1000, 700],
+                          lambda rows: make(rows)[::-1])
+    assert compiles == [1, 1, 0] and stats["fallbacks"] == 0
