@@ -192,25 +192,18 @@ def _other_shapes(signature: CallSignature, family: ShapeFamily, seen: list[list
 def _entry(
     name: str, signature: CallSignature, artifact: Artifact, seconds: float, timing: Timing | None, family: ShapeFamily | None
 ) -> Entry:
-    dynamic = family.to_json() if family is not None else None
-    if timing is not None and timing.ratio > SLOWER_THAN_EAGER:
-        return Entry(
-            op=name,
-            signature=signature.to_json(),
-            reason=f"eager is faster: kernel {timing.ratio:.2f}x eager's time (measured at compile)",
-            compile_seconds=round(seconds, 3),
-            timing=timing.to_json(),
-            dynamic=dynamic,
-        )
-    return Entry(
+    entry = Entry(
         op=name,
         signature=signature.to_json(),
-        output_counts=artifact.output_counts,
-        library=artifact.library,
         compile_seconds=round(seconds, 3),
         timing=timing.to_json() if timing is not None else None,
-        dynamic=dynamic,
+        dynamic=family.to_json() if family is not None else None,
     )
+    if timing is not None and timing.ratio > SLOWER_THAN_EAGER:
+        entry.reason = f"eager is faster: kernel {timing.ratio:.2f}x eager's time (measured at compile)"
+    else:
+        entry.output_counts, entry.library = artifact.output_counts, artifact.library
+    return entry
 
 
 def _time(kernel: Any, signature: CallSignature, op: torch._ops.OpOverload, name: str) -> Timing | None:
