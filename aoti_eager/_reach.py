@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import collections
-import contextlib
-import threading
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -12,7 +9,7 @@ from torch._ops import OpOverload
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from aoti_eager import _extension, _ops, _runtime
+from aoti_eager import _ops, _runtime
 from aoti_eager.kernels.signature import qualified_name
 
 
@@ -83,7 +80,7 @@ def ops_reached(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ReachedOps
         >>> y = model(x)
     """
     observer = _Observer()
-    with _compiles_held_back(), observer:
+    with _runtime.misses_held_back(), observer:
         fn(*args, **kwargs)
     return observer.reached()
 
@@ -149,39 +146,3 @@ def _refusal(op: OpOverload, device: str) -> str | None:
     elif reason is None and not torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), _runtime.DISPATCH_KEYS[device]):
         reason = f"it has no {device} kernel to override"
     return reason
-
-
-# Threads inside ops_reached (thread id -> depth): their misses are not decided.
-_observing: collections.Counter[int] = collections.Counter()
-_observing_lock = threading.Lock()
-
-
-def _on_miss(token: int, args: list[Any], decide: bool) -> Any:
-    if decide and threading.get_ident() in _observing:
-        return _runtime.RetryLater("aoti_eager.ops_reached is observing the call")
-    return _runtime._on_miss(token, args, decide)
-
-
-@contextlib.contextmanager
-def _compiles_held_back() -> Iterator[None]:
-    """Misses of enabled ops on this thread run the original kernel, and are
-    decided at their next call after the block: observing compiles nothing.
-    Hits run their kernels, and other threads are unaffected."""
-    if not _runtime.installed():  # no override, no miss (and no need to build the extension)
-        yield
-        return
-    C = _extension.load()
-    me = threading.get_ident()
-    with _observing_lock:
-        if not _observing:
-            C.set_miss_handler(_on_miss)
-        _observing[me] += 1
-    try:
-        yield
-    finally:
-        with _observing_lock:
-            _observing[me] -= 1
-            if not _observing[me]:
-                del _observing[me]
-            if not _observing:
-                C.set_miss_handler(_runtime._on_miss)

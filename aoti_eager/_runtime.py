@@ -14,13 +14,14 @@ CompiledKernel to run, or None for the original kernel).
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar, Iterator, Union
 
 import torch
 from torch._ops import OpOverload
@@ -513,12 +514,30 @@ _installed: dict[tuple[OpOverload, str], Override] = {}
 _handler_set = False
 
 
+# Per thread: how deep it is in misses_held_back().
+_holding_back = threading.local()
+
+
+@contextlib.contextmanager
+def misses_held_back() -> Iterator[None]:
+    """Misses of enabled ops on this thread run the original kernel, and are
+    decided at their next call after the block: nothing is compiled or
+    loaded. Hits run their kernels, and other threads are unaffected."""
+    _holding_back.depth = getattr(_holding_back, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _holding_back.depth -= 1
+
+
 def _on_miss(token: int, args: list[Any], decide: bool) -> Decision:
     """The miss handler of csrc/op_override.h. With ``decide`` false the call
     could not be keyed: it runs eagerly, and only why is recorded."""
     override = _by_token.get(token)
     if override is None:
         return RetryLater("the override was removed")
+    if decide and getattr(_holding_back, "depth", 0):
+        return RetryLater("misses are held back on this thread")
     try:
         if not decide:
             override.report_unkeyable(args)
