@@ -1,10 +1,14 @@
-"""Background compiles: a queue of manifest entries and one thread that runs
-them in a worker process (see :mod:`aoti_eager._worker`), kept while entries
-keep coming.
+"""Background compiles: a queue of manifest entries served by a pool of
+threads, each driving its own worker process (see :mod:`aoti_eager._worker`),
+kept while entries keep coming.
 
-The thread is a daemon and a worker still running when the process exits is
-stopped, so a process never waits for a compiler, not even at exit; the next
-process compiles what was left.
+Each miss starts a thread, up to ``AOTI_EAGER_BACKGROUND_JOBS`` of them
+(default: as many as ``prewarm`` runs on this machine), so that a model's
+first forward compiles its signatures side by side instead of one after
+another. A thread starts its worker at its first entry; idle for
+``IDLE_SECONDS``, it stops its worker and ends. Threads are daemons and a worker still running when the
+process exits is stopped, so a process never waits for a compiler, not even
+at exit; the next process compiles what was left.
 """
 
 from __future__ import annotations
@@ -16,14 +20,14 @@ import threading
 from concurrent.futures import Future
 from pathlib import Path
 
-from aoti_eager import _worker
+from aoti_eager import _worker, settings
 from aoti_eager.manifest import ManifestEntry
 
 log = logging.getLogger("aoti_eager")
 
 _queue: queue.Queue[tuple[ManifestEntry, Path, Future]] = queue.Queue()
-_thread: threading.Thread | None = None
-_thread_lock = threading.Lock()
+_threads: set[threading.Thread] = set()
+_threads_lock = threading.Lock()
 # An idle worker holds torch and Inductor in memory: it is stopped after this long.
 IDLE_SECONDS = 60.0
 
@@ -31,33 +35,56 @@ IDLE_SECONDS = 60.0
 def submit(entry: ManifestEntry, root: Path) -> Future:
     """Queues a compile of ``entry`` into the cache at ``root``; the future's
     result is the worker's :class:`aoti_eager._worker.Outcome`."""
-    global _thread
     future: Future = Future()
-    _queue.put((entry, root, future))
-    with _thread_lock:
-        if _thread is None or not _thread.is_alive():
-            _thread = threading.Thread(target=_serve, name="aoti_eager-background-compiles", daemon=True)
-            _thread.start()
+    with _threads_lock:
+        _queue.put((entry, root, future))
+        if len(_threads) < _jobs():
+            thread = threading.Thread(target=_serve, name="aoti_eager-background-compiles", daemon=True)
+            _threads.add(thread)
+            thread.start()
     return future
+
+
+def _jobs() -> int:
+    return settings.background_jobs.get() or _worker.default_jobs()
 
 
 def _serve() -> None:
     workers: dict[Path, _worker.Worker] = {}
+    try:
+        while (item := _next()) is not None:
+            entry, root, future = item
+            try:
+                outcome = workers.setdefault(root, _worker.Worker(root)).compile(entry)
+            except Exception as e:  # noqa: BLE001 - e.g. no process could be started
+                outcome = _worker.Outcome("failed", f"{type(e).__name__}: {e}")
+            if outcome.status == "failed" and not _worker.stopped:
+                log.warning("aoti_eager: background compile of %s on %s failed: %s", entry.op, entry.device, outcome.reason)
+            future.set_result(outcome)
+    finally:
+        for worker in workers.values():
+            worker.close()
+
+
+def _next() -> tuple[ManifestEntry, Path, Future] | None:
+    """The next queued entry; None when the thread has left the pool: after
+    ``IDLE_SECONDS`` without an entry, or where the pool is larger than the
+    setting now allows."""
     while True:
         try:
-            entry, root, future = _queue.get(timeout=IDLE_SECONDS if workers else None)
+            item = _queue.get(timeout=IDLE_SECONDS)
         except queue.Empty:
-            for worker in workers.values():
-                worker.close()
-            workers.clear()
-            continue
-        try:
-            outcome = workers.setdefault(root, _worker.Worker(root)).compile(entry)
-        except Exception as e:  # noqa: BLE001 - e.g. no process could be started
-            outcome = _worker.Outcome("failed", f"{type(e).__name__}: {e}")
-        if outcome.status == "failed" and not _worker.stopped:
-            log.warning("aoti_eager: background compile of %s on %s failed: %s", entry.op, entry.device, outcome.reason)
-        future.set_result(outcome)
+            item = None
+        with _threads_lock:
+            # Under the lock that submit() holds: an entry queued from now on
+            # sees one thread fewer, and starts one if it must.
+            if item is None and _queue.empty() or item is not None and len(_threads) > _jobs():
+                if item is not None:
+                    _queue.put(item)
+                _threads.discard(threading.current_thread())
+                return None
+        if item is not None:
+            return item
 
 
 atexit.register(_worker.shutdown)

@@ -21,21 +21,6 @@ from typing import Iterable, TextIO
 from aoti_eager import _worker
 from aoti_eager.manifest import ManifestEntry, read_manifest
 
-# Memory one compile may take, to size the default number of jobs.
-_BYTES_PER_JOB = 2 << 30
-
-
-def default_jobs() -> int:
-    """One job per core, as many as memory allows at about 2 GiB a compile."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    try:
-        with open("/proc/meminfo") as f:
-            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return cores
-    return max(1, min(cores, available // _BYTES_PER_JOB))
-
-
 @dataclass
 class Result:
     entry: ManifestEntry
@@ -130,7 +115,7 @@ def prewarm(
         manifest: a manifest recorded with ``enable(record=...)`` or
             ``$AOTI_EAGER_RECORD``.
         jobs: worker processes compiling at once, each one entry at a time;
-            default :func:`default_jobs`.
+            default :func:`aoti_eager._worker.default_jobs`.
             Entries of one op compile one at a time (they share the op's lock).
         devices: only entries for these device types; default cpu, and cuda
             when available.
@@ -180,7 +165,7 @@ def prewarm(
 
     if pending:
         try:
-            with ThreadPoolExecutor(max_workers=jobs or default_jobs()) as pool:
+            with ThreadPoolExecutor(max_workers=jobs or _worker.default_jobs()) as pool:
                 futures = {pool.submit(compile_entry, entry): entry for entry in pending}
                 try:
                     for future in as_completed(futures):

@@ -29,6 +29,21 @@ from pathlib import Path
 from aoti_eager import settings
 from aoti_eager.manifest import ManifestEntry
 
+# Memory one compile may take, to size the default number of jobs.
+_BYTES_PER_JOB = 2 << 30
+
+
+def default_jobs() -> int:
+    """One job per core, as many as memory allows at about 2 GiB a compile."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return cores
+    return max(1, min(cores, available // _BYTES_PER_JOB))
+
+
 # The command that runs a worker (tests replace it to make workers fail).
 COMMAND = [sys.executable, "-m", "aoti_eager._worker"]
 

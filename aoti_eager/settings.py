@@ -141,7 +141,7 @@ cache_size = Setting("AOTI_EAGER_CACHE_SIZE", SIZE, "10GiB",
 cache_group = Setting("AOTI_EAGER_CACHE_GROUP", GROUP, "",
                       "a team cache: the group whose members may write it (unset: only this user)")
 lock_timeout = Setting("AOTI_EAGER_LOCK_TIMEOUT", SECONDS, "900",
-                       "how long a miss waits for another process compiling the same op before running eagerly")
+                       "how long a miss waits for another process compiling the same signature before running eagerly")
 max_value_variants = Setting("AOTI_EAGER_MAX_VALUE_VARIANTS", COUNT, "8",
                              "compiles of one op and signature shape that differ only in numbers compiled in; "
                              "further values run eagerly")
@@ -151,6 +151,9 @@ max_shape_compiles = Setting("AOTI_EAGER_MAX_SHAPE_COMPILES", COUNT, "4",
 dynamic_shapes = Setting("AOTI_EAGER_DYNAMIC_SHAPES", BOOLEAN, "1",
                          "compile a dynamic-shape kernel when a second shape of a family arrives; 0: every shape "
                          "compiles its own kernel")
+background_jobs = Setting("AOTI_EAGER_BACKGROUND_JOBS", COUNT, "0",
+                          "worker processes compiling `compile=\"background\"` misses at once; 0: one per core, "
+                          "as memory allows (as `prewarm`)")
 keep_faster = Setting("AOTI_EAGER_KEEP_FASTER", BOOLEAN, "1",
                       "time each new kernel against eager, and keep the signature eager where eager is faster")
 split_wrapper = Setting("AOTI_EAGER_SPLIT_WRAPPER", BOOLEAN, "1",

@@ -5,7 +5,8 @@ Layout under the root::
 
     <root>/v2/<environment>/<op>/<signature>/entry.json   metadata, written last
     <root>/v2/<environment>/<op>/<signature>/kernel.so    the AOTInductor library
-    <root>/v2/<environment>/<op>/.lock                    one compile of this op at a time
+    <root>/v2/<environment>/<op>/.lock                    held shared by each compile of the op, exclusively to clean up
+    <root>/v2/<environment>/<op>/.lock-<signature>        one compile of a signature at a time
 
 ``<environment>`` names everything that shapes an artifact besides the call
 itself (device kind and capability, compiler, torch build, this package's

@@ -30,12 +30,13 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from aoti_eager import settings
 from aoti_eager.cache import layout
@@ -238,11 +239,45 @@ def remove_entry(root: Path, directory: Path) -> bool:
     return True
 
 
+# In each op's directory: held shared by every compile of the op, exclusively to clean up.
+OP_LOCK = ".lock"
+# In each op's directory, then the signature's key: one compile of the signature at a time.
+SIGNATURE_LOCK_PREFIX = ".lock-"
+
+
+def _lock_mode() -> int:
+    return 0o600 if settings.cache_group.get() is None else 0o660
+
+
+def _lock_file(path: Path, timeout: float = -1) -> FileLock:
+    """An exclusive flock on ``path`` (see :meth:`KernelCache.lock_signature`)."""
+    return FileLock(str(path), timeout=timeout, mode=_lock_mode())
+
+
+@contextlib.contextmanager
+def _shared_flock(path: Path, timeout: float = -1) -> Iterator[None]:
+    """A shared flock on the lock file ``path``, which only a cleanup or the
+    command line holds exclusively; raises filelock.Timeout after ``timeout``
+    seconds (< 0: waits forever)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, _lock_mode())
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if 0 <= timeout and deadline <= time.monotonic():
+                    raise Timeout(str(path)) from None
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)
+
+
 def op_lock(op_dir: Path, timeout: float = -1) -> FileLock:
-    """The lock held while an entry of the op in ``op_dir`` is compiled or
-    published (see :meth:`KernelCache.lock`)."""
-    mode = 0o600 if settings.cache_group.get() is None else 0o660
-    return FileLock(str(op_dir / ".lock"), timeout=timeout, mode=mode)
+    """The op's lock (:data:`OP_LOCK`), exclusively: no compile of the op is under way while it is held."""
+    return _lock_file(op_dir / OP_LOCK, timeout)
 
 
 def op_dirname(op: str) -> str:
@@ -279,24 +314,36 @@ class KernelCache(EntryStore):
     def entry_dir(self, op: str, signature_key: str) -> Path:
         return self._op_dir(op) / signature_key
 
-    def lock(self, op: str, timeout: float = -1) -> FileLock:
-        """The lock held while an entry of ``op`` is compiled.
+    @contextlib.contextmanager
+    def lock_signature(self, op: str, signature_key: str, timeout: float = -1) -> Iterator[None]:
+        """Held while the entry of one signature is compiled and published:
+        each signature is compiled once, and other signatures of the op at the
+        same time, in this process or others.
 
-        An flock: the kernel releases it when its holder dies, however it dies,
-        so a lock is never stale: the next process simply gets it. ``timeout``
-        < 0 waits forever.
+        The signature's own lock orders its compiles. The op's lock is held
+        shared meanwhile, so that :meth:`remove_abandoned`, which takes it
+        exclusively and without waiting, never removes what a living compile
+        is assembling. Both are flocks: the kernel releases them when their
+        holder dies, however it dies, so a lock is never stale. ``timeout``
+        < 0 waits forever for the signature's lock (raises TimeoutError).
         """
+        with self.signature_lock(op, signature_key, timeout):
+            self.remove_abandoned(op)
+            with _shared_flock(self._op_dir(op) / OP_LOCK, timeout):
+                yield
+
+    def signature_lock(self, op: str, signature_key: str, timeout: float = -1) -> FileLock:
+        """The lock that orders the compiles of one signature (see :meth:`lock_signature`)."""
+        op_dir = self._op_dir(op)
+        layout.make_cache_dirs(op_dir)
+        return _lock_file(op_dir / f"{SIGNATURE_LOCK_PREFIX}{signature_key}", timeout)
+
+    def lock(self, op: str, timeout: float = -1) -> FileLock:
+        """The op's lock, exclusively: while it is held no compile of the op
+        is under way, and none starts (see :meth:`lock_signature`)."""
         op_dir = self._op_dir(op)
         layout.make_cache_dirs(op_dir)
         return op_lock(op_dir, timeout)
-
-    @contextlib.contextmanager
-    def lock_signature(self, op: str, signature_key: str, timeout: float = -1) -> Iterator[None]:
-        """:meth:`lock` (per op for now: one compile of an op at a time), then
-        :meth:`remove_abandoned`."""
-        with self.lock(op, timeout):
-            self.remove_abandoned(op)
-            yield
 
     def temporary_directory(self, op: str) -> tempfile.TemporaryDirectory:
         """A directory in which an entry of ``op`` is assembled (an import),
@@ -314,15 +361,20 @@ class KernelCache(EntryStore):
         return layout.private_directory("shared", self.directory.name)
 
     def remove_abandoned(self, op: str) -> None:
-        """Removes what processes that died while publishing or removing left.
-
-        Call it holding :meth:`lock`: compiles and publications happen under
-        it, so any temporary directory then belongs to no living process (or to
-        an eviction that is removing it anyway).
-        """
-        for tmp in self._op_dir(op).glob(f"{TEMPORARY_PREFIX}*"):
-            log.info("aoti_eager: removing %s, left by a process that died while compiling or publishing", tmp)
-            remove_tree(self.root, tmp)
+        """Removes what processes that died while publishing or removing left,
+        unless a compile of the op is under way (see :meth:`lock_signature`):
+        then any temporary directory may be that compile's."""
+        lock = op_lock(self._op_dir(op), timeout=0)
+        try:
+            lock.acquire()
+        except (Timeout, OSError):
+            return  # the next compile cleans up
+        try:
+            for tmp in self._op_dir(op).glob(f"{TEMPORARY_PREFIX}*"):
+                log.info("aoti_eager: removing %s, left by a process that died while compiling or publishing", tmp)
+                remove_tree(self.root, tmp)
+        finally:
+            lock.release()
 
     @contextlib.contextmanager
     def in_use(self, op: str, signature_key: str) -> Iterator[None]:

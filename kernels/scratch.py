@@ -98,12 +98,16 @@ def compiling() -> Iterator[None]:
                           "_HEADER_LOCK_DIR": str(inductor / "precompiled_headers" / "locks")}
     saved_variables = {name: os.environ.get(name) for name in variables}
     saved_attributes = {name: getattr(codecache, name) for name in attributes}
+    # Python reads TMPDIR once, and default_cache_dir() above has made it read it:
+    # Inductor's own temporary directories (a header's preprocessing) follow tempdir.
+    saved_tempdir, tempfile.tempdir = tempfile.tempdir, str(temporary)
     os.environ.update(variables)
     for name, value in attributes.items():
         setattr(codecache, name, value)
     try:
         yield
     finally:
+        tempfile.tempdir = saved_tempdir
         for name, value in saved_attributes.items():
             setattr(codecache, name, value)
         for name, value in saved_variables.items():

@@ -12,6 +12,7 @@ import aoti_eager
 from aoti_eager import _runtime
 from aoti_eager.cache import KernelCache, UntrustedEntry
 from aoti_eager.kernels import CompileError, load_probe, pipeline
+from aoti_eager.kernels.signature import CallSignature
 from helpers import assert_same_as_eager
 
 A = torch.ops.aten
@@ -125,7 +126,8 @@ def test_waiting_on_another_process_compile_times_out_to_eager(tmp_path, monkeyp
     x = torch.randn(8)
     aoti_eager.enable(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path)
     override = _runtime.installed()[0]
-    with override.cache(torch.device("cpu")).lock("aten::abs"):  # as if another process were compiling
+    key = CallSignature.of(torch.ops.aten.abs.default, "cpu", [x]).key
+    with override.cache(torch.device("cpu")).signature_lock("aten::abs", key):  # as if another process were compiling it
         ys = [torch.abs(x) for _ in range(2)]
     stats = aoti_eager.stats()["aten::abs"]
     aoti_eager.disable()
@@ -133,6 +135,19 @@ def test_waiting_on_another_process_compile_times_out_to_eager(tmp_path, monkeyp
         assert_same_as_eager(y, x.abs())
     # Not remembered as eager: each call asks again until the lock is free.
     assert (stats["misses"], stats["fallbacks"], stats["compiles"]) == (2, 2, 0), stats
+
+
+def test_another_signature_of_the_op_compiles_while_one_is_compiling(tmp_path, monkeypatch):
+    monkeypatch.setenv("AOTI_EAGER_LOCK_TIMEOUT", "1")
+    x, other = torch.randn(8), torch.randn(9)
+    aoti_eager.enable(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path)
+    cache = _runtime.installed()[0].cache(torch.device("cpu"))
+    with cache.lock_signature("aten::abs", CallSignature.of(torch.ops.aten.abs.default, "cpu", [x]).key):
+        y = torch.abs(other)
+    stats = aoti_eager.stats()["aten::abs"]
+    aoti_eager.disable()
+    assert_same_as_eager(y, other.abs())
+    assert (stats["compiles"], stats["fallbacks"]) == (1, 0), stats
 
 
 def test_new_scalar_values_stop_compiling_past_the_limit(tmp_path, monkeypatch, caplog):

@@ -231,10 +231,26 @@ def test_what_dead_publications_left_is_removed_under_the_lock(cache, tmp_path):
     abandoned = op_dir / ".tmp-deadbeef"
     abandoned.mkdir()
     (abandoned / LIBRARY_FILE).write_bytes(b"half")
-    with cache.lock("aten::abs"):
-        cache.remove_abandoned("aten::abs")
-    assert not abandoned.exists()
+    with cache.lock_signature("aten::abs", "live"):  # cleans up first
+        assert not abandoned.exists()
+        live = op_dir / ".tmp-live"  # what the compile assembles
+        live.mkdir()
+        cache.remove_abandoned("aten::abs")  # as another signature's compile starting
+        assert live.exists()
+    cache.remove_abandoned("aten::abs")
+    assert not live.exists()
     assert cache.lookup("aten::abs", "sig") is not None
+
+
+def test_signatures_of_one_op_compile_side_by_side_and_one_signature_once(cache):
+    with cache.lock_signature("aten::abs", "one"):
+        with cache.lock_signature("aten::abs", "two", timeout=0.1):
+            pass
+        with pytest.raises(filelock.Timeout):
+            cache.lock_signature("aten::abs", "one", timeout=0.1).__enter__()
+        # Cleaning up the op waits for its compiles.
+        with pytest.raises(filelock.Timeout):
+            cache.lock("aten::abs", timeout=0.1).acquire()
 
 
 @pytest.mark.parametrize("what", ["entry-dir", "artifact", "op-dir", "environment-dir"])

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import aoti_eager
-from aoti_eager import _worker
+from aoti_eager import _background, _worker
 from aoti_eager._ops import overload_named, qualified_name
 from aoti_eager.cache import KernelCache, inventory, signing
 from aoti_eager.cache.store import LIBRARY_FILE
@@ -230,6 +230,26 @@ for line in sys.stdin:
         os.kill(os.getpid(), signal.SIGKILL)
     print(json.dumps({"status": "compiled", "reason": str(os.getpid())}), flush=True)
 """
+
+
+# Answers each entry with its own pid, a second after it came.
+_SLOW_WORKER = r"""
+import json, os, sys, time
+for line in sys.stdin:
+    time.sleep(1)
+    print(json.dumps({"status": "compiled", "reason": str(os.getpid())}), flush=True)
+"""
+
+
+@pytest.mark.parametrize("jobs, workers", [(3, 3), (1, 1)])
+def test_background_compiles_run_side_by_side_up_to_the_setting(tmp_path, monkeypatch, jobs, workers):
+    monkeypatch.setattr(_worker, "COMMAND", [sys.executable, "-c", _SLOW_WORKER])
+    monkeypatch.setenv("AOTI_EAGER_BACKGROUND_JOBS", str(jobs))
+    # A root of its own: a thread left idle by another test starts a worker for it too.
+    entries = [ManifestEntry("aten::abs.default", "cpu", f"key-{i}", []) for i in range(3)]
+    futures = [_background.submit(entry, tmp_path / "cache") for entry in entries]
+    answered_by = {future.result(timeout=120).reason for future in futures}
+    assert len(answered_by) == workers
 
 
 def test_one_worker_compiles_entry_after_entry_and_a_dead_one_is_replaced(tmp_path, monkeypatch):
