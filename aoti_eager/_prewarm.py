@@ -94,10 +94,8 @@ class _Progress:
         if self.tty:
             self.output.write(f"\r{status}" + ("\n" if self.done == self.total else ""))
         else:
-            from aoti_eager.kernels.signature import short_form
-
             entry = result.entry
-            self.output.write(f"[{status}] {result.outcome.status} {entry.op} on {entry.device} ({short_form(entry.signature)})\n")
+            self.output.write(f"[{status}] {result.outcome.status} {entry.op} on {entry.device} ({_described(entry)})\n")
         self.output.flush()
 
 
@@ -187,10 +185,14 @@ def prewarm(
     return report
 
 
-def summary(report: PrewarmReport) -> str:
-    """A table per op and device, then the reason of every failed or eager entry."""
+def _described(entry: ManifestEntry) -> str:
     from aoti_eager.kernels.signature import short_form
 
+    return short_form(entry.signature) + ("; dynamic-shape kernel" if entry.dynamic else "")
+
+
+def summary(report: PrewarmReport) -> str:
+    """A table per op and device, then the reason of every failed or eager entry."""
     statuses = ["compiled", "cached", "eager", "failed"]
     rows: dict[tuple[str, str], Counter] = {}
     seconds: Counter = Counter()
@@ -209,5 +211,5 @@ def summary(report: PrewarmReport) -> str:
     for r in report.results:
         if r.outcome.status in ("failed", "eager"):
             lines.append(f"{r.outcome.status.upper()} {r.entry.op} on {r.entry.device} "
-                         f"({short_form(r.entry.signature)}): {r.outcome.reason}")
+                         f"({_described(r.entry)}): {r.outcome.reason}")
     return "\n".join(lines)

@@ -173,8 +173,9 @@ class Override:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     # CallSignature.shape_key -> compiles attempted for it in this process.
     _value_variants: dict[str, int] = field(default_factory=dict)
-    # CallSignature.decision_key -> the background compile of that signature.
-    _queued: dict[tuple[str, str], Any] = field(default_factory=dict)
+    # CallSignature.decision_key -> the manifest entry compiling in the background
+    # for that signature, and its future.
+    _queued: dict[tuple[str, str], tuple[ManifestEntry, Any]] = field(default_factory=dict)
     # CallSignature.decision_key of signatures kept eager because eager is faster.
     _eager_faster: set[tuple[str, str]] = field(default_factory=set)
     # (device, family_key) -> what this process knows of the shape family.
@@ -221,19 +222,28 @@ class Override:
                 cache = self.cache(signature.device)
                 queued = self._queued.get(signature.decision_key)
                 if queued is not None:
-                    if not queued.done():
+                    entry, compiling = queued
+                    if not compiling.done():
                         return RetryLater("compiling in the background")
                     del self._queued[signature.decision_key]
-                    outcome = queued.result()
+                    outcome = compiling.result()
                     if outcome.status == "failed":
-                        return self._eager(f"background compile failed: {outcome.reason}", signature)
+                        if entry.dynamic is None:
+                            return self._eager(f"background compile failed: {outcome.reason}", signature)
+                        # As after a dynamic compile that fails here: the family's shapes
+                        # compile alone (the worker may have compiled this one).
+                        self._family(signature).dynamic_failed = outcome.reason
                 decision = self._from_cache(cache, signature) or self._from_family(cache, signature)
                 if decision is None:
-                    self._record(signature)
+                    missed = self._manifest_entry(signature)
+                    self._record(missed)
+                    if self.compile != "now":
+                        # No compile here sees the shape; the family must, for the dims of its next one.
+                        self._family(signature).see(signature)
                     if self.compile == "never":
                         return self._remember(signature, RunEagerly("compile='never'"))
                     if self.compile == "background":
-                        return self._queue(signature)
+                        return self._queue(signature, missed)
                     with _compile_lock, cache.lock_signature(self.name, signature.key, timeout=settings.lock_timeout.get()):
                         # Another process may have compiled it while we waited.
                         decision = self._from_cache(cache, signature) or self._from_family(cache, signature)
@@ -323,12 +333,22 @@ class Override:
             reason = str(e)
         self._eager(f"unsupported input: {reason}")
 
-    def _record(self, signature: CallSignature) -> None:
+    def _record(self, entry: ManifestEntry) -> None:
         if self.recorder is not None:
-            self.recorder.record(self._manifest_entry(signature))
+            self.recorder.record(entry)
 
     def _manifest_entry(self, signature: CallSignature) -> ManifestEntry:
-        return ManifestEntry(self.name, self.device, signature.key, signature.to_json())
+        """What a miss of ``signature`` would compile: its own kernel, or the
+        dynamic kernel of the dims that moved in its family (:meth:`_compile`
+        decides the same way), with the span of sizes seen of each."""
+        family = self._family(signature)
+        dims = self._dims_to_compile(signature, family)
+        dynamic = ShapeFamily(dims) if dims is not None else None
+        key = dynamic.entry_key(signature) if dynamic is not None else None
+        if key is None:
+            return ManifestEntry(self.name, self.device, signature.key, signature.to_json())
+        span = {"dims": [list(d) for d in dims], "seen": dynamic.size_span(signature, family.seen)}
+        return ManifestEntry(self.name, self.device, key, signature.to_json(), dynamic=span)
 
     def _too_many_variants(self, signature: CallSignature) -> RunEagerly | None:
         """Counts a compile of ``signature``; eager past the limit."""
@@ -344,13 +364,19 @@ class Override:
         self._value_variants[signature.shape_key] = variants + 1
         return None
 
-    def _queue(self, signature: CallSignature) -> Decision:
-        """Starts a background compile; this call and those until it ends run eagerly."""
+    def _queue(self, signature: CallSignature, entry: ManifestEntry) -> Decision:
+        """Starts a background compile of ``entry``, the kernel a miss of
+        ``signature`` needs; this call and those until it ends run eagerly."""
         if (too_many := self._too_many_variants(signature)) is not None:
             return too_many
-        self._queued[signature.decision_key] = _background.submit(self._manifest_entry(signature), self.root)
-        self.stats.queued += 1
-        log.info("aoti_eager: compiling %s for (%s) in the background", self.name, signature.short())
+        # The shapes of one dynamic kernel wait for its one compile.
+        compiling = next((future for queued, future in self._queued.values() if queued.id == entry.id), None)
+        if compiling is None:
+            compiling = _background.submit(entry, self.root)
+            self.stats.queued += 1
+            log.info("aoti_eager: compiling %s for (%s) in the background%s", self.name, signature.short(),
+                     " as a dynamic-shape kernel" if entry.dynamic else "")
+        self._queued[signature.decision_key] = (entry, compiling)
         return RetryLater("compiling in the background")
 
     def _compile(self, cache: EntryStore, signature: CallSignature) -> Decision:

@@ -4,7 +4,11 @@ Prewarming and background compiles run their entries in child processes
 (``python -m aoti_eager._worker CACHE_DIR``): a compiler that crashes or runs
 out of memory then takes down only the child. A child rebuilds each call from
 its signature and makes it with the op enabled, so the entry is compiled,
-validated and published exactly as the miss of a real call would be.
+validated and published exactly as the miss of a real call would be. A
+dynamic-shape entry's call comes after calls at the ends of the span of sizes
+recorded for it, made with ``compile="never"``: the op's shape family then
+knows the shapes the recording process had seen, and the call compiles the
+dynamic kernel compiled there, under the same key.
 
 A child compiles one entry after another (entries as JSON lines on its stdin,
 outcomes as JSON lines on its stdout), so that only its first entry pays for
@@ -66,7 +70,9 @@ def warm(entry: ManifestEntry, root: Path) -> Outcome:
     from aoti_eager import _ops
     from aoti_eager.cache import KernelCache
     from aoti_eager.kernels.compile import call_op, compile_options
+    from aoti_eager.kernels.dynamic import ShapeFamily
     from aoti_eager.kernels.examples import example_arguments
+    from aoti_eager.kernels.signature import CallSignature
     from aoti_eager.kernels.toolchain import environment_name
 
     op = _ops.overload_named(entry.op)
@@ -74,8 +80,13 @@ def warm(entry: ManifestEntry, root: Path) -> Outcome:
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     args = example_arguments(entry.signature, device)
-    aoti_eager.enable([op], devices=[entry.device], cache_dir=root, record=None)
     try:
+        if entry.dynamic is not None:
+            family = ShapeFamily(tuple(tuple(dims) for dims in entry.dynamic["dims"]))
+            aoti_eager.enable([op], devices=[entry.device], cache_dir=root, record=None, compile="never")
+            for seen in family.span_ends(CallSignature.of(op, entry.device, args), entry.dynamic["seen"]):
+                call_op(op, list(seen.args))
+        aoti_eager.enable([op], devices=[entry.device], cache_dir=root, record=None)
         call_op(op, args)
         stats = aoti_eager.stats()[entry.op]
     finally:

@@ -7,8 +7,20 @@ A manifest is a JSON Lines file, one call per line::
 ``signature`` is :meth:`CallSignature.to_json`, from which
 :func:`aoti_eager.kernels.examples.example_arguments` rebuilds the call, and
 ``key`` the cache entry the call needs. Several processes may record into one
-manifest: each line is appended by one ``write`` under a file lock, and a
-signature already in the file is not written again.
+manifest: each line is appended by one ``write`` under a file lock, and an
+entry already in the file is not written again.
+
+A call that needs a dynamic-shape kernel (kernels/dynamic.py) is recorded
+with the kernel's entry key and ``dynamic``: the dims that moved, for each
+tensor argument, and the smallest and largest size of each among the shapes
+of its family that the recording process had seen (one ``[min, max]`` per
+dim, in ``dims`` order)::
+
+    {"op": "aten::add.Tensor", "device": "cpu", "key": "9b1e...-04d2...", "signature": [...],
+     "dynamic": {"dims": [[0], []], "seen": [[5, 9]]}}
+
+Further shapes that kernel would serve are not recorded; a later widening
+(another dim moves) is an entry of its own.
 """
 
 from __future__ import annotations
@@ -31,10 +43,19 @@ class ManifestEntry:
     device: str  # the device type: "cpu" or "cuda"
     key: str
     signature: list[dict[str, Any]]
+    # A dynamic-shape kernel's {"dims", "seen"} (see above); None: the signature's own kernel.
+    dynamic: dict[str, Any] | None = None
 
     @property
     def id(self) -> tuple[str, str, str]:
         return (self.op, self.device, self.key)
+
+    def to_json(self) -> dict[str, Any]:
+        """The entry as a manifest line holds it (no ``dynamic`` for a static kernel)."""
+        data = asdict(self)
+        if self.dynamic is None:
+            del data["dynamic"]
+        return data
 
 
 def read_manifest(path: str | os.PathLike) -> list[ManifestEntry]:
@@ -74,7 +95,7 @@ class Recorder:
                     self._seen |= recorded
                     if entry.id in recorded:
                         return  # another process recorded it
-                line = (json.dumps(asdict(entry), sort_keys=True) + "\n").encode()
+                line = (json.dumps(entry.to_json(), sort_keys=True) + "\n").encode()
                 fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
                 try:
                     os.write(fd, line)  # one write: a line is never interleaved with another

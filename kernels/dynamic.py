@@ -211,13 +211,16 @@ class ShapeFamily:
         return replace(self, guards=tuple(guards), ranges=tuple(bounds))
 
     def resized(self, signature: CallSignature, values: dict[int, int]) -> CallSignature | None:
-        """``signature``'s call with each symbol at ``values``' size: new
-        contiguous tensors where a dim is dynamic, with its alignment (random
-        values, as :func:`~aoti_eager.kernels.examples.example_tensor` makes them)."""
-        sizes: dict[tuple[int, int], int] = {}
-        for tensor, dim, symbol, _ in self.guards:
-            if symbol >= 0:
-                sizes[(tensor, dim)] = values[symbol]
+        """``signature``'s call with each symbol at ``values``' size (see :meth:`_with_sizes`)."""
+        sizes = {(tensor, dim): values[symbol] for tensor, dim, symbol, _ in self.guards if symbol >= 0}
+        return self._with_sizes(signature, sizes)
+
+    def _with_sizes(self, signature: CallSignature, sizes: dict[tuple[int, int], int]) -> CallSignature | None:
+        """``signature``'s call with dim ``dim`` of its tensor ``tensor`` at
+        ``sizes[tensor, dim]``: new contiguous tensors where a dim is dynamic,
+        with its alignment (random values, as
+        :func:`~aoti_eager.kernels.examples.example_tensor` makes them); None
+        for a call that cannot be rebuilt."""
         counter = iter(range(len(self.dims)))
 
         def rebuild(value: Any, described: Any) -> Any:
@@ -240,6 +243,46 @@ class ShapeFamily:
         # The tensors as they are now; every other argument as the kernel takes it.
         described = tuple(f if isinstance(f, (TensorArg, ListArg)) else d for f, d in zip(fresh.described, signature.described))
         return replace(signature, args=tuple(args), described=described)
+
+    def size_span(self, signature: CallSignature, seen: list[list[tuple[int, ...]]]) -> list[list[int]]:
+        """``[smallest, largest]`` size of each dynamic dim (``dims`` order,
+        tensor by tensor) among ``signature`` and the ``seen`` calls of its
+        family (each its tensors' sizes): what a manifest records of them.
+
+        Example::
+
+            >>> call = CallSignature.of(torch.ops.aten.add.Tensor, "cpu", [torch.randn(9, 8), torch.randn(8)])
+            >>> ShapeFamily(dims=((0,), ())).size_span(call, [[(5, 8), (8,)], [(12, 8), (8,)]])
+            [[5, 12]]
+        """
+        shapes = [*seen, [t.sizes for t in tensor_args(signature)]]
+        return [
+            [min(sizes[tensor][dim] for sizes in shapes), max(sizes[tensor][dim] for sizes in shapes)]
+            for tensor, dims in enumerate(self.dims) for dim in dims
+        ]
+
+    def span_ends(self, signature: CallSignature, span: list[list[int]]) -> list[CallSignature]:
+        """``signature``'s call with every dynamic dim at the smallest size of
+        its ``span`` (as :meth:`size_span` gives it), then at the largest: calls
+        of its family that moved those dims (an end at ``signature``'s own
+        sizes is left out).
+
+        Example::
+
+            >>> call = CallSignature.of(torch.ops.aten.add.Tensor, "cpu", [torch.randn(9, 8), torch.randn(8)])
+            >>> [[t.sizes for t in tensor_args(end)] for end in ShapeFamily(dims=((0,), ())).span_ends(call, [[5, 12]])]
+            [[(5, 8), (8,)], [(12, 8), (8,)]]
+        """
+        own = tensor_args(signature)
+        dims = [(tensor, dim) for tensor, tensor_dims in enumerate(self.dims) for dim in tensor_dims]
+        ends = []
+        for end in (0, 1):
+            sizes = {(tensor, dim): bounds[end] for (tensor, dim), bounds in zip(dims, span)}
+            if any(own[tensor].sizes[dim] != size for (tensor, dim), size in sizes.items()):
+                rebuilt = self._with_sizes(signature, sizes)
+                if rebuilt is not None:
+                    ends.append(rebuilt)
+        return ends
 
     def further_values(self, seen: list[dict[int, int]]) -> dict[int, int]:
         """Symbol sizes that none of the ``seen`` calls had, within the ranges."""

@@ -9,6 +9,7 @@ from typing import Any, Callable
 
 import torch
 
+import aoti_eager
 from aoti_eager.cache import Entry, KernelCache
 from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE, metadata_digest
 
@@ -85,6 +86,24 @@ def assert_same_as_eager(actual: Any, expected: Any, what: str = "result", **tol
             assert_same_as_eager(actual[k], expected[k], f"{what}[{k!r}]", **tolerances)
     else:
         assert actual == expected, f"{what}: {actual!r} != {expected!r}"
+
+
+def run_shapes(op_name: str, cache_dir: Path, op: Callable, shapes: list, make: Callable, device: str = "cpu",
+               **options: Any) -> tuple[list[int], dict[str, Any]]:
+    """Each call of ``op`` on ``make(shape)`` with the op enabled (``options``:
+    more of enable()'s), compared with eager; the compiles each call made, and
+    the op's stats."""
+    compiles, results = [], []
+    with aoti_eager.enabled([op_name], devices=[device], cache_dir=cache_dir, **options):
+        for shape in shapes:
+            args = make(shape)
+            before = aoti_eager.stats()[op_name]["compiles"]
+            results.append((op(*args), args))
+            compiles.append(aoti_eager.stats()[op_name]["compiles"] - before)
+        stats = aoti_eager.stats()[op_name]
+    for result, args in results:
+        assert_same_as_eager(result, op(*args), atol=0, rtol=0)
+    return compiles, stats
 
 
 def xfail_if_kernels_cannot_load(stats: dict[str, Any]) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-import aoti_eager
 from aoti_eager.cli import main
 from aoti_eager.cache import KernelCache
 from aoti_eager.kernels.compile import compile_options
@@ -15,7 +14,7 @@ from aoti_eager.kernels.dynamic import MAX_NUMEL, UNBOUNDED, ShapeFamily, change
 from aoti_eager.kernels.signature import CallSignature
 from aoti_eager.kernels.toolchain import environment_name
 from conftest import DEVICES
-from helpers import assert_same_as_eager
+from helpers import run_shapes
 
 A = torch.ops.aten
 
@@ -82,6 +81,22 @@ def test_a_family_round_trips_through_json():
     assert ADD.dim_bits == [1, 1]
 
 
+def test_a_span_of_sizes_seen_gives_back_calls_at_its_ends():
+    # What a manifest records of a dynamic kernel's dims, and the calls a worker replays from it.
+    family = ShapeFamily(dims=((0, 1), (0,)))
+    call = signature(A.add.Tensor, torch.randn(9, 24), torch.randn(24), 2)
+    span = family.size_span(call, [[(5, 16), (16,)], [(17, 16), (16,)]])
+    assert span == [[5, 17], [16, 24], [16, 24]]
+    ends = family.span_ends(call, span)
+    shapes = [[t.sizes for t in tensor_args(end)] for end in ends]
+    assert shapes == [[(5, 16), (16,)], [(17, 24), (24,)]]
+    assert changed_dims(call, shapes) == family.dims
+    assert [end.args[2] for end in ends] == [2, 2] and all(end.args[0].is_contiguous() for end in ends)
+    # A call at an end of the span is not one of the shapes it saw.
+    (end,) = family.span_ends(call, [[9, 12], [24, 24], [24, 24]])
+    assert [t.sizes for t in tensor_args(end)] == [(12, 24), (24,)]
+
+
 def test_export_gives_equal_dims_one_symbol():
     call = signature(A.mm.default, torch.randn(6, 7), torch.randn(7, 3))
     family = ShapeFamily(dims=((0, 1), (0,)))
@@ -102,34 +117,18 @@ class _Mm(torch.nn.Module):
 
 # -- through the runtime ------------------------------------------------------------------------
 
-def run(op_name, cache_dir, op, shapes, make, device="cpu"):
-    """Each call of ``op`` on ``make(shape)`` with the op enabled, compared
-    with eager; the compiles each call made, and the op's stats."""
-    compiles, results = [], []
-    with aoti_eager.enabled([op_name], devices=[device], cache_dir=cache_dir):
-        for shape in shapes:
-            args = make(shape)
-            before = aoti_eager.stats()[op_name]["compiles"]
-            results.append((op(*args), args))
-            compiles.append(aoti_eager.stats()[op_name]["compiles"] - before)
-        stats = aoti_eager.stats()[op_name]
-    for result, args in results:
-        assert_same_as_eager(result, op(*args), atol=0, rtol=0)
-    return compiles, stats
-
-
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_second_shape_compiles_one_kernel_that_serves_later_shapes(tmp_path, device, capsys):
     def make(n):
         return torch.randn(n, 16, device=device), torch.randn(16, device=device)
 
-    compiles, stats = run("aten::add.Tensor", tmp_path, torch.add, [5, 9, 17, 33, 2, 1, 0, 64], make, device)
+    compiles, stats = run_shapes("aten::add.Tensor", tmp_path, torch.add, [5, 9, 17, 33, 2, 1, 0, 64], make, device)
     # 5: static; 9: dynamic; 17, 33, 2, 64: the dynamic kernel; 1 and 0: export specializes them, each its own.
     assert compiles == [1, 1, 0, 0, 0, 1, 1, 0]
     assert stats["hits"] == 4 and stats["fallbacks"] == 0
 
     # A new process finds the dynamic kernel in the cache: no compile for a new size.
-    compiles, stats = run("aten::add.Tensor", tmp_path, torch.add, [21, 3], make, device)
+    compiles, stats = run_shapes("aten::add.Tensor", tmp_path, torch.add, [21, 3], make, device)
     assert compiles == [0, 0] and stats["cache_loads"] == 1 and stats["hits"] == 1
 
     listed = KernelCache(tmp_path, environment_name(torch.device(device), compile_options(device)))
@@ -141,15 +140,15 @@ def test_a_second_shape_compiles_one_kernel_that_serves_later_shapes(tmp_path, d
 
 def test_equal_dims_and_broadcasting_never_reach_a_kernel_not_compiled_for_them(tmp_path):
     same = lambda n: (torch.randn(n, 8), torch.randn(n, 8))  # noqa: E731
-    compiles, _ = run("aten::mul.Tensor", tmp_path, torch.mul, [5, 9, 12], same)
+    compiles, _ = run_shapes("aten::mul.Tensor", tmp_path, torch.mul, [5, 9, 12], same)
     assert compiles == [1, 1, 0]
     # x's dim 0 and y's were one symbol: y of 1 row (broadcast) or of another count is not that kernel's.
-    compiles, _ = run("aten::mul.Tensor", tmp_path, torch.mul, [(7, 1), (6, 1)], lambda s: (torch.randn(s[0], 8), torch.randn(s[1], 8)))
+    compiles, _ = run_shapes("aten::mul.Tensor", tmp_path, torch.mul, [(7, 1), (6, 1)], lambda s: (torch.randn(s[0], 8), torch.randn(s[1], 8)))
     assert compiles[0] == 1
 
 
 def test_a_dim_that_moves_later_widens_the_kernel(tmp_path):
-    compiles, _ = run(
+    compiles, _ = run_shapes(
         "aten::sub.Tensor", tmp_path, torch.sub, [(5, 16), (9, 16), (9, 24), (13, 40), (3, 7)],
         lambda s: (torch.randn(*s), torch.randn(s[1])),
     )
@@ -159,7 +158,7 @@ def test_a_dim_that_moves_later_widens_the_kernel(tmp_path):
 def test_compiles_per_shape_family_are_bounded(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("AOTI_EAGER_MAX_SHAPE_COMPILES", "1")
     monkeypatch.setenv("AOTI_EAGER_DYNAMIC_SHAPES", "0")
-    compiles, stats = run("aten::abs", tmp_path, torch.abs, [4, 6, 8], lambda n: (torch.randn(n),))
+    compiles, stats = run_shapes("aten::abs", tmp_path, torch.abs, [4, 6, 8], lambda n: (torch.randn(n),))
     assert compiles == [1, 0, 0] and stats["fallbacks"] == 2
     assert stats["misses"] == 2  # the family is eager as a whole: 8 does not ask Python again
     assert "AOTI_EAGER_MAX_SHAPE_COMPILES=1" in stats["fallback_reason"]
@@ -171,14 +170,14 @@ def test_a_size_one_dims_stride_does_not_make_a_new_signature(tmp_path):
     last = lambda n: (torch.randn(1, n)[:, -1:], torch.randn(3).as_strided((3, 1), (1, n)))  # noqa: E731
     assert last(5)[0].stride() != last(9)[0].stride()
     assert signature(A.add.Tensor, *last(5)).key == signature(A.add.Tensor, *last(9)).key
-    compiles, stats = run("aten::add.Tensor", tmp_path, torch.add, [5, 9, 17], last)
+    compiles, stats = run_shapes("aten::add.Tensor", tmp_path, torch.add, [5, 9, 17], last)
     assert compiles == [1, 0, 0] and stats["misses"] == 1
 
 
 def test_other_fixed_sizes_make_another_dynamic_kernel_not_one_per_shape(tmp_path):
     # A model's linear layers: weights of several widths at the prompt's 16 rows, then at one row.
     shapes = [(16, 12), (16, 20), (1, 12), (1, 28), (1, 36)]
-    compiles, _ = run("aten::mm", tmp_path, torch.mm, shapes, lambda s: (torch.randn(s[0], 8), torch.randn(8, s[1])))
+    compiles, _ = run_shapes("aten::mm", tmp_path, torch.mm, shapes, lambda s: (torch.randn(s[0], 8), torch.randn(8, s[1])))
     assert compiles == [1, 1, 1, 0, 0]
 
 

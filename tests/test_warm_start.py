@@ -13,6 +13,7 @@ import sys
 import tarfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ from aoti_eager.kernels.examples import example_arguments
 from aoti_eager.kernels.signature import CallSignature
 from aoti_eager.kernels.toolchain import environment_name
 from aoti_eager.manifest import ManifestEntry, read_manifest
-from helpers import assert_same_as_eager, publish_kernel
+from helpers import assert_same_as_eager, publish_kernel, run_shapes
 
 A = torch.ops.aten
 
@@ -78,9 +79,12 @@ def test_two_processes_record_into_one_manifest(tmp_path, shared_cache):
     lines = manifest.read_text().splitlines()
     entries = [ManifestEntry(**json.loads(line)) for line in lines]
     assert len({e.id for e in entries}) == len(entries), "a signature was recorded twice"
-    abs_keys = {CallSignature.of(A.abs.default, "cpu", [torch.randn(n)]).key for n in (3, 5, 7)}
-    assert {e.key for e in entries if e.op == "aten::abs"} == abs_keys
-    assert len([e for e in entries if e.op == "aten::add.Tensor"]) == 3  # sizes 3, 5 and 7
+    # Each process's first size (3, 5) is its own kernel; its second makes the size a
+    # symbol: the one dynamic kernel both processes recorded.
+    abs_keys = {CallSignature.of(A.abs.default, "cpu", [torch.randn(n)]).key for n in (3, 5)}
+    assert {e.key for e in entries if e.op == "aten::abs" and e.dynamic is None} == abs_keys
+    assert [e.dynamic["dims"] for e in entries if e.op == "aten::abs" and e.dynamic] == [[[0]]]
+    assert len([e for e in entries if e.op == "aten::add.Tensor"]) == 3
 
 
 def test_example_arguments_rebuild_the_recorded_signature(tmp_path, shared_cache):
@@ -277,13 +281,12 @@ def test_a_worker_that_does_not_answer_in_time_is_stopped(tmp_path, monkeypatch)
     assert time.monotonic() - start < 30 and worker._process is None
 
 
-def test_export_then_import_into_an_empty_cache_compiles_nothing(shared_cache, tmp_path, capsys):
-    x = torch.randn(4, 4)
-    with aoti_eager.enabled(["aten::abs"], devices=["cpu"], cache_dir=shared_cache):
-        torch.abs(x)  # compiled here unless another test did
+def ship(source: Path, tmp_path: Path, capsys) -> Path:
+    """The cache at ``source`` exported as a signed bundle and imported into an
+    empty cache, every entry imported and verified; that cache's root."""
     bundle, imported = tmp_path / "kernels.tar.gz", tmp_path / "imported"
     signing.generate_key_pair(tmp_path / "key")
-    assert main(["--cache-dir", str(shared_cache), "cache", "export", str(bundle), "--sign-key", str(tmp_path / "key")]) == 0
+    assert main(["--cache-dir", str(source), "cache", "export", str(bundle), "--sign-key", str(tmp_path / "key")]) == 0
     capsys.readouterr()
     assert main(["--cache-dir", str(imported), "cache", "import", str(bundle), "--trust-key", str(tmp_path / "key.pub"), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -291,6 +294,14 @@ def test_export_then_import_into_an_empty_cache_compiles_nothing(shared_cache, t
         "/".join(listing.directory.parts[-3:]) for listing in inventory.entries(imported)
     )
     assert inventory.verify(imported) == []
+    return imported
+
+
+def test_export_then_import_into_an_empty_cache_compiles_nothing(shared_cache, tmp_path, capsys):
+    x = torch.randn(4, 4)
+    with aoti_eager.enabled(["aten::abs"], devices=["cpu"], cache_dir=shared_cache):
+        torch.abs(x)  # compiled here unless another test did
+    imported = ship(shared_cache, tmp_path, capsys)
     aoti_eager.enable(["aten::abs"], devices=["cpu"], cache_dir=imported)
     result = torch.abs(x)
     stats = aoti_eager.stats()["aten::abs"]
@@ -298,10 +309,121 @@ def test_export_then_import_into_an_empty_cache_compiles_nothing(shared_cache, t
     assert (stats["compiles"], stats["cache_loads"]) == (0, 1), stats
 
 
-
-
 def test_prewarm_names_a_malformed_manifest_line(tmp_path, capsys):
     manifest = tmp_path / "bad.jsonl"
     manifest.write_text('{"op": "aten::abs"}\n')
     assert main(["--cache-dir", str(tmp_path / "cache"), "prewarm", str(manifest)]) == 1
     assert f"{manifest}:1: not a manifest entry" in capsys.readouterr().err
+
+
+# -- dynamic-shape kernels --------------------------------------------------------------------
+
+def rows(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``add``'s arguments with ``n`` rows: a shape family whose dim 0 moves."""
+    return torch.randn(n, 16), torch.randn(16)
+
+
+def dynamic_entries(root: Path) -> list[tuple[str, dict]]:
+    """(key, dims and guards) of each dynamic kernel of add.Tensor in the CPU cache at ``root``."""
+    cache = KernelCache(root, environment_name(torch.device("cpu"), compile_options("cpu")))
+    found = [(key, cache.lookup(op, key).dynamic) for op, key in cache.entries("aten::add.Tensor")]
+    return [(key, dynamic) for key, dynamic in found if dynamic]
+
+
+@pytest.fixture(scope="module")
+def dynamic_run(tmp_path_factory):
+    """A recording run that compiled a static kernel (5 rows) and a dynamic
+    one (9), which then served 17 rows; its manifest's dynamic entry prewarmed
+    into an empty cache."""
+    base = tmp_path_factory.mktemp("dynamic")
+    manifest, compiled, prewarmed = base / "misses.jsonl", base / "compiled", base / "prewarmed"
+    compiles, _ = run_shapes("aten::add.Tensor", compiled, torch.add, [5, 9, 17], rows, record=manifest)
+    assert compiles == [1, 1, 0]
+    # Without the static kernel: the dynamic entry needs no other entry's kernel.
+    dynamic_only = base / "dynamic.jsonl"
+    dynamic_only.write_text(manifest.read_text().splitlines(keepends=True)[1])
+    report = aoti_eager.prewarm(dynamic_only, jobs=1, cache_dir=prewarmed)
+    return SimpleNamespace(manifest=manifest, compiled=compiled, prewarmed=prewarmed, report=report)
+
+
+def test_a_dynamic_compile_is_recorded_with_its_dims_and_the_sizes_seen(dynamic_run):
+    static, dynamic = read_manifest(dynamic_run.manifest)  # 17 rows: the dynamic kernel's, not recorded
+    assert static.dynamic is None
+    assert static.key == CallSignature.of(A.add.Tensor, "cpu", [*rows(5), 1]).key
+    ((key, _),) = dynamic_entries(dynamic_run.compiled)
+    assert dynamic.key == key
+    assert dynamic.signature == CallSignature.of(A.add.Tensor, "cpu", [*rows(9), 1]).to_json()
+    assert dynamic.dynamic == {"dims": [[0], []], "seen": [[5, 9]]}
+
+
+def test_prewarm_compiles_a_dynamic_entry_into_the_kernel_the_run_compiled(dynamic_run):
+    assert [r.outcome.status for r in dynamic_run.report.results] == ["compiled"], dynamic_run.report
+    assert dynamic_entries(dynamic_run.prewarmed) == dynamic_entries(dynamic_run.compiled)
+    compiles, stats = run_shapes("aten::add.Tensor", dynamic_run.prewarmed, torch.add, [33, 3], rows)
+    assert compiles == [0, 0] and (stats["cache_loads"], stats["hits"]) == (1, 1), stats
+
+
+def test_a_dynamic_entry_survives_export_and_import(dynamic_run, tmp_path, capsys):
+    imported = ship(dynamic_run.prewarmed, tmp_path, capsys)
+    assert main(["--cache-dir", str(imported), "cache", "verify"]) == 0
+    assert main(["--cache-dir", str(imported), "cache", "list"]) == 0
+    assert "(self=float32[s0, 16], other=float32[16], alpha=1; s0 in [2, inf])" in capsys.readouterr().out
+    compiles, stats = run_shapes("aten::add.Tensor", imported, torch.add, [21, 40], rows)
+    assert compiles == [0, 0] and (stats["cache_loads"], stats["hits"]) == (1, 1), stats
+
+
+def test_recording_without_compiling_records_the_dynamic_kernels_a_run_would_compile(tmp_path):
+    manifest = tmp_path / "misses.jsonl"
+    shapes = [(5, 16), (9, 16), (17, 16), (13, 24), (3, 24)]
+    compiles, _ = run_shapes("aten::add.Tensor", tmp_path / "cache", torch.add, shapes,
+                             lambda s: (torch.randn(*s), torch.randn(s[1])), record=manifest, compile="never")
+    assert compiles == [0] * len(shapes)
+    # 5 rows: static; 9: dim 0 moved; 17 is that kernel's; 13x24: the widening, of which 3x24 is.
+    assert [(e.signature[0]["sizes"], e.dynamic) for e in read_manifest(manifest)] == [
+        ([5, 16], None),
+        ([9, 16], {"dims": [[0], []], "seen": [[5, 9]]}),
+        ([13, 24], {"dims": [[0, 1], [0]], "seen": [[5, 17], [16, 24], [16, 24]]}),
+    ]
+
+
+def test_a_background_compile_of_a_second_shape_compiles_the_dynamic_kernel(tmp_path):
+    aoti_eager.enable(["aten::add.Tensor"], devices=["cpu"], cache_dir=tmp_path, compile="background")
+    calls = {n: rows(n) for n in (5, 9, 17, 33)}
+    results = {n: torch.add(*calls[n]) for n in (5, 9, 17)}  # 17 waits for 9's compile: nothing more queued
+    assert aoti_eager.stats()["aten::add.Tensor"]["queued"] == 2
+    served = lambda: aoti_eager.stats()["aten::add.Tensor"]["hits"] > 0  # noqa: E731
+    _calls_until(served, lambda: torch.add(*calls[9]))
+    results[33] = torch.add(*calls[33])
+    stats = aoti_eager.stats()["aten::add.Tensor"]
+    assert (stats["queued"], stats["compiles"], stats["hits"]) == (2, 0, 2), stats
+    assert [dynamic["dims"] for _, dynamic in dynamic_entries(tmp_path)] == [[[0], []]]
+    aoti_eager.disable()
+    for n, result in results.items():
+        assert_same_as_eager(result, torch.add(*calls[n]), atol=0, rtol=0)
+
+
+# Writes each entry it gets to the file named by its first argument; fails them all.
+_FAILING_WORKER = r"""
+import json, sys
+for line in sys.stdin:
+    with open(sys.argv[1], "a") as received:
+        received.write(line)
+    print(json.dumps({"status": "failed", "reason": "no kernel"}), flush=True)
+"""
+
+
+def test_after_a_failed_background_dynamic_compile_the_familys_shapes_compile_alone(tmp_path, monkeypatch):
+    received = tmp_path / "received.jsonl"
+    monkeypatch.setattr(_worker, "COMMAND", [sys.executable, "-c", _FAILING_WORKER, str(received)])
+    aoti_eager.enable(["aten::add.Tensor"], devices=["cpu"], cache_dir=tmp_path / "cache", compile="background")
+    calls = {n: rows(n) for n in (5, 9, 17)}
+    entries = lambda: read_manifest(received) if received.exists() else []  # noqa: E731
+    results = {}
+    for n, queued in [(5, 1), (9, 3), (17, 4)]:  # 9's dynamic compile fails: 9, then 17, compile alone
+        results[n] = _calls_until(lambda: len(entries()) == queued, lambda: torch.add(*calls[n]), timeout=60)  # noqa: B023
+    assert [(e.signature[0]["sizes"][0], e.dynamic is not None) for e in entries()] == [
+        (5, False), (9, True), (9, False), (17, False)
+    ]
+    aoti_eager.disable()
+    for n, result in results.items():
+        assert_same_as_eager(result, torch.add(*calls[n]), atol=0, rtol=0)
