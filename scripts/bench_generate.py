@@ -32,7 +32,7 @@ import transformers
 from transformers import GPT2Config, GPT2LMHeadModel, StoppingCriteria, StoppingCriteriaList
 
 import aoti_eager
-from timing import machine, per_call_seconds
+from timing import machine, total_compiles, warm_rounds
 
 LAST_COMPILING_TOKEN = 3  # no compiles after the 4th token
 COMPILES_PER_OP = 4
@@ -51,31 +51,6 @@ class CompilesPerToken(StoppingCriteria):
 
     def per_token(self) -> list[int]:
         return [after - before for before, after in zip(self.totals, self.totals[1:])]
-
-
-def total_compiles() -> int:
-    return sum(s["compiles"] for s in aoti_eager.stats().values())
-
-
-def warm_rounds(generate, ops, rounds: int, **enable_kwargs) -> dict:
-    """Median seconds of a generate with ``ops`` enabled and of eager's, in
-    alternating rounds. Each round enables the ops again, so its first
-    generate loads the decisions from the cache (and compiles what the
-    process kept only in memory); the second is timed, and should compile nothing."""
-    enabled, eager, reload_compiles, timed_compiles = [], [], 0, 0
-    for _ in range(rounds):
-        aoti_eager.enable(ops, **enable_kwargs)
-        generate()
-        loaded = total_compiles()  # counted from this enable()
-        enabled.append(per_call_seconds(generate, 1))
-        reload_compiles, timed_compiles = reload_compiles + loaded, timed_compiles + total_compiles() - loaded
-        aoti_eager.disable()
-        eager.append(per_call_seconds(generate, 1))
-    return dict(
-        warm_generate_s=statistics.median(enabled), eager_generate_s=statistics.median(eager),
-        warm_ratio=statistics.median(enabled) / statistics.median(eager),
-        reload_compiles=reload_compiles, timed_compiles=timed_compiles,
-    )
 
 
 def synchronize(device: str) -> None:
@@ -160,8 +135,8 @@ def main() -> None:
           f"mean {row['mean_compiles_per_op']:.1f}; last token that compiled: {row['last_compiling_token']}")
     print("compiles per op: " + ", ".join(f"{name} {n}" for name, n in per_op.items()))
     print(f"tokens equal to eager's: {row['tokens_equal']}")
-    print(f"cold generate {cold_s:.1f} s; warm generate {row['warm_generate_s'] * 1e3:.1f} ms, "
-          f"eager {row['eager_generate_s'] * 1e3:.1f} ms, ratio {row['warm_ratio']:.2f} (median of {args.rounds} rounds)")
+    print(f"cold generate {cold_s:.1f} s; warm generate {row['warm_s'] * 1e3:.1f} ms, "
+          f"eager {row['eager_s'] * 1e3:.1f} ms, ratio {row['warm_ratio']:.2f} (median of {args.rounds} rounds)")
     print(f"compiles in the warm rounds: {row['reload_compiles']} while loading from the cache, "
           f"{row['timed_compiles']} in timed generates")
     print("targets: " + ", ".join(f"{name} {'met' if met else 'MISSED'}" for name, met in row["targets"].items()))

@@ -43,3 +43,33 @@ def compare(fn: Callable[[], object], ops: list, calls: int, rounds: int = 7, **
         aoti_eager.disable()
         eager.append(per_call_seconds(fn, calls))
     return statistics.median(compiled), statistics.median(eager)
+
+
+def total_compiles() -> int:
+    """Kernels compiled since the ops were enabled, over every enabled op."""
+    return sum(s["compiles"] for s in aoti_eager.stats().values())
+
+
+def warm_rounds(fn: Callable[[], object], ops: list, rounds: int, **enable_kwargs) -> dict:
+    """Median seconds of ``fn`` with ``ops`` enabled and of eager's, in
+    alternating rounds, for a workload whose signatures were decided by an
+    earlier (cold) run on the same cache.
+
+    Each round enables the ops again, so its first call of ``fn`` loads the
+    decisions from the cache (and compiles what the earlier process kept only
+    in memory); the second is timed, and should compile nothing.
+    """
+    enabled, eager, reloads, timed_compiles = [], [], [], 0
+    for _ in range(rounds):
+        aoti_eager.enable(ops, **enable_kwargs)
+        fn()
+        reloads.append(total_compiles())  # counted from this enable()
+        enabled.append(per_call_seconds(fn, 1))
+        timed_compiles += total_compiles() - reloads[-1]
+        aoti_eager.disable()
+        eager.append(per_call_seconds(fn, 1))
+    return dict(
+        warm_s=statistics.median(enabled), eager_s=statistics.median(eager),
+        warm_ratio=statistics.median(enabled) / statistics.median(eager),
+        reload_compiles=sum(reloads), reload_compiles_per_round=reloads, timed_compiles=timed_compiles,
+    )
