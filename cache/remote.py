@@ -232,8 +232,13 @@ def entries(server: Server, environment: str | None = None, op: str | None = Non
     """Every entry the server holds (of ``environment`` and ``op``, if
     given), with its size (its files, manifest and signature). Raises
     ServerUnavailable."""
-    pattern = f"{NAMESPACE}:entry:{environment or '*'}:{op_dirname(op) if op else '*'}:*"
+    # An op named without its overload (aten::add) stands for all of them.
+    pattern = f"{NAMESPACE}:entry:{environment or '*'}:{op_dirname(op) + '*' if op else '*'}:*"
     keys = server.run(lambda client: list(client.scan_iter(match=pattern, count=1000)))
+    if op is not None:
+        wanted = op_dirname(op)
+        op_dirs = [key.decode().split(":")[4] for key in keys]
+        keys = [key for key, found in zip(keys, op_dirs) if found == wanted or found.startswith(wanted + ".")]
     fields = (*ENTRY_FILES, MANIFEST_FIELD, SIGNATURE_FIELD)
 
     def sizes(client: Any) -> list[int]:

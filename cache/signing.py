@@ -78,6 +78,12 @@ def fingerprint(public_key: Ed25519PublicKey) -> str:
     return "ed25519:" + hashlib.sha256(raw).hexdigest()[:16]
 
 
+def key_file_fingerprint(path: Path, private: bool = False) -> str:
+    """The fingerprint of the key in ``path`` (of its public half, for a private key)."""
+    key = _read_key(path, private)
+    return fingerprint(key.public_key() if private else key)
+
+
 def _read_key(path: Path, private: bool):
     kind = "private" if private else "public"
     try:

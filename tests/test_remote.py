@@ -402,3 +402,59 @@ def test_calls_are_right_and_prompt_when_the_server_is_killed_mid_run(keys, tmp_
     assert aoti_eager.stats()["aten::sigmoid"]["misses"] == 6
     said = refusals(caplog)
     assert len(said) == 1 and "cannot connect" in said[0], said
+
+
+# ---- the command line ----
+
+def test_push_stats_and_pull(server, keys, tmp_path, capsys):
+    from aoti_eager import cli
+
+    here = cli._environments_here()[0]
+    machine_a = KernelCache(tmp_path / "a", here)
+    for key in ("k1", "k2"):
+        publish_kernel(machine_a, tmp_path, key=key, content=f"\x7fELF {key}".encode())
+    publish_kernel(machine_a, tmp_path, key="k3", op="aten::add.Tensor")
+
+    def run(*argv: str) -> tuple[int, dict]:
+        code = cli.main([*argv, "--url", server.url, "--json"])
+        return code, json.loads(capsys.readouterr().out)
+
+    code, pushed = run("--cache-dir", str(tmp_path / "a"), "remote", "push")
+    assert code == 0 and len(pushed["pushed"]) == 3, pushed
+    code, again = run("--cache-dir", str(tmp_path / "a"), "remote", "push")
+    assert len(again["pushed"]) == 0 and len(again["already_present"]) == 3, again
+    code, stats = run("remote", "stats")
+    assert (stats["entries"], stats["environments"]) == (3, [here]), stats
+    assert stats["by_op"]["aten::abs"]["entries"] == 2 and stats["by_op"]["aten::add.Tensor"]["entries"] == 1
+    assert stats["bytes"] == sum(len(v) for key in server.client.keys() for v in server.client.hvals(key))
+    code, pulled = run("--cache-dir", str(tmp_path / "b"), "remote", "pull", "--op", "abs")
+    assert code == 0 and len(pulled["pulled"]) == 2, pulled
+    machine_b = KernelCache(tmp_path / "b", here)
+    assert machine_b.lookup("aten::abs", "k2").library.read_bytes() == b"\x7fELF k2"
+    assert machine_b.entry_dir("aten::add.Tensor", "k3").exists() is False
+
+
+def test_push_without_a_signing_key_and_an_unreachable_server_say_what_to_do(server, keys, tmp_path, monkeypatch, capsys):
+    from aoti_eager import cli
+
+    monkeypatch.delenv(settings.signing_key.name)
+    assert cli.main(["--cache-dir", str(tmp_path), "remote", "push", "--url", server.url]) == 1
+    assert "AOTI_EAGER_SIGNING_KEY is unset" in capsys.readouterr().err
+    assert cli.main(["remote", "stats", "--url", f"redis://127.0.0.1:{free_port()}/0"]) == 1
+    assert "cannot connect" in capsys.readouterr().err
+
+
+def test_doctor_says_whether_the_server_answers_and_which_keys_are_trusted(server, keys, monkeypatch):
+    from aoti_eager import cli
+
+    monkeypatch.setenv(settings.remote.name, server.url)
+    report, problems = cli._remote_report()
+    fingerprint = signing.key_file_fingerprint(keys, private=True)
+    assert report["reachable"] and problems == []
+    assert report["signing_key"]["fingerprint"] == fingerprint == report["trusted_keys"][0]["fingerprint"]
+    assert "answers in" in cli._remote_line(report) and fingerprint in cli._remote_line(report)
+    monkeypatch.setattr(remote, "_servers", {})
+    monkeypatch.setenv(settings.remote.name, f"redis://127.0.0.1:{free_port()}/0")
+    report, problems = cli._remote_report()
+    assert not report["reachable"] and "cannot connect" in problems[0]
+    assert "does not answer" in cli._remote_line(report)
