@@ -91,6 +91,7 @@ def enable(
     cache_dir: str | os.PathLike | None = None,
     record: str | os.PathLike | None = None,
     compile: str = "now",
+    remote: str | None = None,
 ) -> None:
     """Overrides ``ops`` with compiled kernels; calling it again adds ops.
 
@@ -109,6 +110,11 @@ def enable(
             worker process, and calls use the kernel once it is in the cache;
             ``"never"``: a miss runs the original kernel (to record a run
             without compiling; kernels already in the cache are used).
+        remote: the fleet cache, a Redis server behind the local cache
+            (``"redis://host:6379/0"``); default ``$AOTI_EAGER_REMOTE``, else
+            none. Entries are published there only signed
+            (``$AOTI_EAGER_SIGNING_KEY``) and used only when a key of
+            ``$AOTI_EAGER_TRUSTED_KEYS`` signed them.
 
     Raises:
         ValueError: an op does not exist, or is a view, random or data-dependent
@@ -119,10 +125,16 @@ def enable(
         >>> aoti_eager.enable(ops=["aten::gelu", torch.ops.aten._softmax.default])
         >>> aoti_eager.enable(ops=["aten::mul"], devices=["cpu"])   # adds mul
         >>> aoti_eager.enable(ops=["aten::gelu"], record="misses.jsonl", compile="background")
+        >>> aoti_eager.enable(ops=["aten::gelu"], remote="redis://cache-host:6379/0")
     """
     global _root
     if compile not in ("now", "background", "never"):
         raise ValueError(f'aoti_eager: compile is "now", "background" or "never", not {compile!r}')
+    if remote is not None:
+        try:
+            remote = settings.URL.parse(str(remote))
+        except ValueError:
+            raise ValueError(f"aoti_eager: remote={remote!r} is not {settings.URL.expected}") from None
     if record is None:
         record = settings.record.get()
     recorder = Recorder(record) if record is not None else None
@@ -140,7 +152,7 @@ def enable(
         warnings.filterwarnings("ignore", message="(?s).*previously registered kernel")
         for op in selected:
             for device in devices:
-                _runtime.install(op, device, root, recorder=recorder, compile=compile)
+                _runtime.install(op, device, root, recorder=recorder, compile=compile, remote=remote)
 
 
 def disable(ops: Iterable[OpSpec] | OpSpec | None = None) -> None:

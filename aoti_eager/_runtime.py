@@ -27,7 +27,7 @@ import torch
 from torch._ops import OpOverload
 
 from aoti_eager import _background, _extension, settings
-from aoti_eager.cache import DamagedEntry, Entry, KernelCache, UntrustedEntry, inventory
+from aoti_eager.cache import DamagedEntry, Entry, KernelCache, UntrustedEntry, inventory, remote
 from aoti_eager.cache.entry_store import EntryStore
 from aoti_eager.cache.store import TEMPORARY_PREFIX
 from aoti_eager.kernels import CallSignature, Unsupported
@@ -166,6 +166,8 @@ class Override:
     # "now": a miss compiles before the call returns; "background": in a
     # worker process, while calls run eagerly; "never": misses run eagerly.
     compile: str = "now"
+    # The fleet cache's URL (cache/remote.py); None: $AOTI_EAGER_REMOTE, if set.
+    remote: str | None = None
     stats: OpStats = field(default_factory=OpStats)
     # CallSignature.decision_key -> what its calls run (never RetryLater).
     decisions: dict[tuple[str, str], Decision] = field(default_factory=dict)
@@ -188,7 +190,11 @@ class Override:
     def cache(self, device: torch.device) -> EntryStore:
         """The cache of kernels for ``device`` (keyed by its capability, not its index)."""
         if str(device) not in self._caches:
-            self._caches[str(device)] = KernelCache(self.root, environment_name(device, compile_options(device.type)))
+            cache = KernelCache(self.root, environment_name(device, compile_options(device.type)))
+            url = self.remote or settings.remote.get()
+            if url is not None:
+                cache.behind = remote.tier(url, cache.directory.name)
+            self._caches[str(device)] = cache
         return self._caches[str(device)]
 
     def decide(self, args: list[Any]) -> Decision:
@@ -575,14 +581,18 @@ def _on_miss(token: int, args: list[Any], decide: bool) -> Decision:
 
 
 def install(
-    op: OpOverload, device: str, root: Path, recorder: Recorder | None = None, compile: str = "now"
+    op: OpOverload, device: str, root: Path, recorder: Recorder | None = None, compile: str = "now",
+    remote: str | None = None,
 ) -> Override | None:
     """Overrides ``op`` at ``device``'s dispatch key; for an op already
-    overridden, only the recorder and the compile mode change."""
+    overridden, only the recorder, the compile mode and the fleet cache change."""
     global _handler_set
     key = (op, device)
     if key in _installed:
         _installed[key].recorder, _installed[key].compile = recorder, compile
+        if remote is not None and remote != _installed[key].remote:
+            _installed[key].remote = remote
+            _installed[key]._caches.clear()
         return _installed[key]
     if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), DISPATCH_KEYS[device]):
         return None
@@ -590,7 +600,7 @@ def install(
     if not _handler_set:
         C.set_miss_handler(_on_miss)
         _handler_set = True
-    override = Override(op, device, root, next(_tokens), recorder=recorder, compile=compile)
+    override = Override(op, device, root, next(_tokens), recorder=recorder, compile=compile, remote=remote)
     override.handle = C.Override(op._schema.name, op._schema.overload_name, DISPATCH_KEYS[device], override.token)
     _by_token[override.token] = override
     _installed[key] = override

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from aoti_eager import settings
-from aoti_eager.cache import bundle, default_root, inventory, signing, store
+from aoti_eager.cache import bundle, default_root, inventory, remote, signing, store
 from aoti_eager.version import __version__
 
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -246,20 +246,145 @@ def cache_export(root: Path, args: argparse.Namespace) -> int:
     return 0
 
 
-def cache_import(root: Path, args: argparse.Namespace) -> int:
+def _environments_here() -> list[str]:
+    """The names of this machine's cache environments (its CPU's, and its GPU's)."""
     import torch
 
     from aoti_eager.kernels.compile import compile_options
     from aoti_eager.kernels.toolchain import environment_name
 
     devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
-    here = [environment_name(torch.device(d), compile_options(d)) for d in devices]
+    return [environment_name(torch.device(d), compile_options(d)) for d in devices]
+
+
+def cache_import(root: Path, args: argparse.Namespace) -> int:
+    here = _environments_here()
     transfer = bundle.import_bundle(root, args.file, here, args.trust_key + settings.trusted_keys.get(), args.allow_unsigned)
     if transfer.untrusted_because:
         print(f"aoti-eager: warning: imported {args.file} without a trusted signature ({transfer.untrusted_because}): "
               "its kernels are native code that will run in this user's processes", file=sys.stderr)
     _report_transfer(transfer, "imported", args)
     return 0
+
+
+def _fleet_server(args: argparse.Namespace) -> remote.Server:
+    """The fleet cache's server (--url, else $AOTI_EAGER_REMOTE), checked to answer."""
+    url = args.url or settings.remote.get()
+    if url is None:
+        raise ValueError(f"no fleet cache: set ${settings.remote.name}=redis://host:port/db or pass --url")
+    server = remote.server(settings.URL.parse(url))
+    server.run(lambda client: client.ping())
+    return server
+
+
+def remote_stats(root: Path, args: argparse.Namespace) -> int:
+    server = _fleet_server(args)
+    by_op: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+    environments: set[str] = set()
+    for entry in remote.entries(server):
+        by_op[entry.op][0] += 1
+        by_op[entry.op][1] += entry.bytes
+        environments.add(entry.environment)
+    total = [sum(n for n, _ in by_op.values()), sum(b for _, b in by_op.values())]
+    if args.json:
+        print(json.dumps({"server": remote.redacted(server.url), "entries": total[0], "bytes": total[1],
+                          "environments": sorted(environments),
+                          "by_op": {op: {"entries": n, "bytes": b} for op, (n, b) in sorted(by_op.items())}}, indent=1))
+        return 0
+    print(f"{remote.redacted(server.url)}: {total[0]} entries, {_human(total[1])}, {len(environments)} environments")
+    for op, (n, b) in sorted(by_op.items()):
+        print(f"  {op:40} {n:6} entries  {_human(b):>10}")
+    return 0
+
+
+def remote_push(root: Path, args: argparse.Namespace) -> int:
+    server = _fleet_server(args)
+    if settings.signing_key.get() is None:
+        raise ValueError(f"nothing to push with: only signed entries are shared, and ${settings.signing_key.name} is "
+                         "unset (`aoti-eager cache keygen KEY`, then set it to KEY)")
+    transfer = bundle.Transfer()
+    for listing in inventory.entries(root):
+        name = "/".join(listing.directory.parts[-3:])
+        try:
+            if store.read_entry(listing.directory, root) is None:
+                continue  # removed meanwhile
+        except (store.DamagedEntry, store.UntrustedEntry) as e:
+            transfer.skipped.append((name, str(e)))
+            continue
+        tier = remote.RedisTier(server, listing.environment)
+        published = tier.offer(listing.op, listing.directory.name, listing.directory)
+        server.run(lambda client: client.ping())  # a failure of the offer is the server's: say so
+        (transfer.done if published else transfer.already_present).append(name)
+    _report_transfer(transfer, "pushed", args)
+    return 0
+
+
+def remote_pull(root: Path, args: argparse.Namespace) -> int:
+    server = _fleet_server(args)
+    here = set(_environments_here())
+    transfer = bundle.Transfer()
+    for found in remote.entries(server, op=args.op):
+        name = f"{found.environment}/{store.op_dirname(found.op)}/{found.signature_key}"
+        if found.environment not in here:
+            transfer.skipped.append((name, "built for another environment (torch, compiler, CPU or GPU)"))
+            continue
+        cache = store.KernelCache(root, found.environment)
+        if cache.lookup(found.op, found.signature_key) is not None:
+            transfer.already_present.append(name)
+            continue
+        cache.behind = remote.RedisTier(server, found.environment)
+        with cache.lock_signature(found.op, found.signature_key):
+            pulled = cache.lookup(found.op, found.signature_key)
+        if pulled is None:
+            transfer.skipped.append((name, "refused: see the warning above (unsigned, untrusted or altered)"))
+        else:
+            transfer.done.append(name)
+    _report_transfer(transfer, "pulled", args)
+    return 1 if any(why.startswith("refused") for _, why in transfer.skipped) else 0
+
+
+def _remote_report() -> tuple[dict[str, Any], list[str]]:
+    """Whether the fleet cache answers, and the keys that sign and are trusted."""
+    url = settings.remote.get()
+    report: dict[str, Any] = {"url": remote.redacted(url) if url else None}
+    problems = []
+    keys = [("signing_key", settings.signing_key.get(), True)] + [("trusted", k, False) for k in settings.trusted_keys.get()]
+    report["trusted_keys"] = []
+    for kind, path, private in keys:
+        if path is None:
+            report[kind] = None
+            continue
+        try:
+            described = {"path": str(path), "fingerprint": signing.key_file_fingerprint(path, private)}
+        except signing.KeyFileError as e:
+            described = {"path": str(path), "error": str(e)}
+            problems.append(str(e))
+        if private:
+            report[kind] = described
+        else:
+            report["trusted_keys"].append(described)
+    if url is not None:
+        started = time.perf_counter()
+        try:
+            remote.server(url).run(lambda client: client.ping())
+            report["reachable"], report["ping_ms"] = True, round((time.perf_counter() - started) * 1000, 2)
+        except remote.ServerUnavailable as e:
+            report["reachable"], report["error"] = False, str(e)
+            problems.append(str(e))
+        if not report["trusted_keys"]:
+            problems.append(f"the fleet cache is set but no key is trusted (${settings.trusted_keys.name}): "
+                            "its entries are never used")
+    return report, problems
+
+
+def _remote_line(report: dict[str, Any]) -> str:
+    if report["url"] is None:
+        return f"none (${settings.remote.name} unset)"
+    reach = f"answers in {report['ping_ms']} ms" if report["reachable"] else f"does not answer ({report['error']})"
+    signing_key = report["signing_key"] or {"fingerprint": "nothing (no signing key)"}
+    signs = signing_key.get("fingerprint", signing_key.get("error"))
+    trusted = ", ".join(k.get("fingerprint", k.get("error", "?")) for k in report["trusted_keys"]) or "none"
+    return f"{report['url']} {reach}; publishes signed by {signs}; trusts {trusted}"
 
 
 def prewarm_command(root: Path, args: argparse.Namespace) -> int:
@@ -344,6 +469,8 @@ def doctor(root: Path, args: argparse.Namespace) -> int:
     report["load_probe"], load_problems = _load_probe_report(root)
     problems += load_problems
     report["settings"] = _settings_report()
+    report["remote"], remote_problems = _remote_report()
+    problems += remote_problems
     try:
         _extension.load()
         report["extension"] = {"loads": True, "directory": str(_extension.build_directory())}
@@ -372,6 +499,7 @@ def doctor(root: Path, args: argparse.Namespace) -> int:
         print(f"cache      {cache['path']} ({permissions})")
         print(f"extension  {'builds and loads' if report['extension']['loads'] else report['extension']['error']}")
         print(f"load probe {_load_probe_line(report['load_probe'])}")
+        print(f"fleet      {_remote_line(report['remote'])}")
         for check in report["kernels"]:
             verdict = f"FAILED at the {check['failed_stage']} stage" if check["failed_stage"] else "compiled, loaded, ran: eager's result"
             print(f"kernel     {check['device']}: abs {verdict} ({check['seconds']:.1f} s to the first result)")
@@ -430,6 +558,14 @@ def _parser() -> argparse.ArgumentParser:
     warm.add_argument("manifest", type=Path, help="recorded with enable(record=...) or $AOTI_EAGER_RECORD")
     warm.add_argument("--jobs", "-j", type=int, help="compiles at once (default: from cores and memory)")
     warm.add_argument("--devices", nargs="+", choices=["cpu", "cuda"], help="only these devices' entries")
+    fleet = commands.add_parser("remote", help="the fleet cache (a Redis server, $AOTI_EAGER_REMOTE)").add_subparsers(
+        dest="action", required=True)
+    for sub in (command(fleet, "stats", remote_stats, "entries and bytes the server holds, by op"),
+                command(fleet, "push", remote_push, f"publish the local cache's entries, signed with ${settings.signing_key.name}"),
+                pull := command(fleet, "pull", remote_pull, "fetch an op's entries for this machine into the local cache, "
+                                "each verified against the trusted keys")):
+        sub.add_argument("--url", help=f"the server (default: ${settings.remote.name})")
+    pull.add_argument("--op", type=_op, required=True, help="the op (aten::add.Tensor)")
     command(commands, "doctor", doctor, "check the environment (torch, compiler, ISA, CUDA, cache, C++ extension), then compile, load and run one kernel per device")
     return parser
 
@@ -453,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 # Failures that name their cause (a file, a setting, a bundle): reported as they are.
-_EXPECTED = (OSError, ValueError, bundle.BadBundle, signing.SignatureError, signing.KeyFileError)
+_EXPECTED = (OSError, ValueError, bundle.BadBundle, signing.SignatureError, signing.KeyFileError, remote.ServerUnavailable)
 
 
 if __name__ == "__main__":

@@ -112,6 +112,15 @@ def _paths(text: str) -> list[Path]:
     return [Path(path).expanduser() for path in text.split(":") if path]
 
 
+def _remote_url(text: str) -> str | None:
+    """A Redis server's URL: ``redis://`` (plain), ``rediss://`` (TLS) or ``unix://``."""
+    if not text:
+        return None
+    if text.split("://", 1)[0] not in ("redis", "rediss", "unix") or "://" not in text:
+        raise ValueError(text)
+    return text
+
+
 def _group_id(text: str) -> int | None:
     """A group's name or id -> its id."""
     if not text:
@@ -133,6 +142,7 @@ BOOLEAN = Type("boolean", _boolean, "a boolean (1 or 0)")
 PATH = Type("path", _path, "a path")
 PATHS = Type("paths", _paths, "paths separated by ':'")
 GROUP = Type("group", _group_id, "a group name or id on this machine")
+URL = Type("url", _remote_url, "a Redis URL (redis://host:port/db, rediss:// for TLS, unix:///path)")
 
 cache_dir = Setting("AOTI_EAGER_CACHE_DIR", PATH, "",
                     "the kernel cache (unset: the platform's per-user cache directory)")
@@ -161,9 +171,21 @@ split_wrapper = Setting("AOTI_EAGER_SPLIT_WRAPPER", BOOLEAN, "1",
 record = Setting("AOTI_EAGER_RECORD", PATH, "",
                  "a manifest that `enable()` appends every cache miss to, for prewarm")
 signing_key = Setting("AOTI_EAGER_SIGNING_KEY", PATH, "",
-                      "the private key that `cache export` signs bundles with")
+                      "the private key that `cache export` signs bundles with, and the fleet cache's entries")
 trusted_keys = Setting("AOTI_EAGER_TRUSTED_KEYS", PATHS, "",
-                       "the public keys whose bundles `cache import` accepts, separated by `:`")
+                       "the public keys whose bundles `cache import` and whose entries the fleet cache accept, "
+                       "separated by `:`")
+remote = Setting("AOTI_EAGER_REMOTE", URL, "",
+                 "the fleet cache: a Redis server behind the local cache (unset: local only)")
+remote_connect_timeout = Setting("AOTI_EAGER_REMOTE_CONNECT_TIMEOUT", SECONDS, "0.1",
+                                 "how long connecting to the fleet cache's server may take")
+remote_timeout = Setting("AOTI_EAGER_REMOTE_TIMEOUT", SECONDS, "1",
+                         "how long one command to the fleet cache's server may take (an entry's transfer included)")
+remote_retry = Setting("AOTI_EAGER_REMOTE_RETRY", SECONDS, "60",
+                       "after the fleet cache's server fails, how long a process runs local-only before trying it again")
+remote_lock_ttl = Setting("AOTI_EAGER_REMOTE_LOCK_TTL", SECONDS, "30",
+                          "the fleet-wide compile lock's lifetime, renewed while its holder compiles: how soon a dead "
+                          "holder's lock is taken over")
 verbose_build = Setting("AOTI_EAGER_VERBOSE_BUILD", BOOLEAN, "0",
                         "show the compiler's commands when the C++ extension is built")
 

@@ -23,7 +23,6 @@ import contextlib
 import gzip
 import hashlib
 import io
-import json
 import os
 import re
 import stat
@@ -45,11 +44,12 @@ from aoti_eager.cache.store import (
     UntrustedEntry,
     op_of_dirname,
     read_entry,
+    received_entry,
 )
 
 MANIFEST = "manifest.json"
 MANIFEST_SIGNATURE = "manifest.sig"
-MANIFEST_FORMAT = "aoti_eager bundle 1"
+MANIFEST_FORMAT = signing.MANIFEST_FORMAT
 # The largest member a bundle may hold: a kernel library, and any JSON
 # (entry.json, kernel.json, the manifest of every member).
 MAX_LIBRARY_BYTES = 512 << 20
@@ -141,7 +141,7 @@ def export_bundle(root: Path, path: Path, signing_key: Path | None = None) -> Tr
                     transfer.skipped.append((name, str(e)))
                     continue
                 transfer.done.append(name)
-            manifest = json.dumps({"format": MANIFEST_FORMAT, "members": members}, indent=1, sort_keys=True).encode()
+            manifest = signing.manifest_of(members)
             _add_bytes(tar, MANIFEST, manifest)
             if signing_key is not None:
                 signature = signing.sign(manifest, signing_key)
@@ -227,18 +227,7 @@ def _scan(tar: tarfile.TarFile) -> _Contents:
 def _check_signature(contents: _Contents, trusted_keys: list[Path]) -> str:
     """The fingerprint of the trusted key that signed the manifest, every
     member matching it; SignatureError saying why not."""
-    if contents.manifest is None:
-        raise signing.SignatureError("it is not signed (no manifest)")
-    signer = signing.trusted_signer(contents.manifest, contents.signature, trusted_keys)
-    try:
-        manifest = json.loads(contents.manifest)
-        listed = manifest["members"] if manifest["format"] == MANIFEST_FORMAT else None
-    except (ValueError, TypeError, KeyError) as e:
-        raise signing.SignatureError(f"its manifest is unreadable: {e}") from None
-    if listed != contents.digests:
-        differing = sorted(n for n in listed.keys() | contents.digests.keys() if listed.get(n) != contents.digests.get(n))
-        raise signing.SignatureError(f"{len(differing)} members, e.g. {differing[0]!r}, do not match its signed manifest")
-    return signer
+    return signing.check_manifest(contents.manifest, contents.signature, contents.digests, trusted_keys)
 
 
 def import_bundle(
@@ -299,18 +288,7 @@ def _install(cache: KernelCache, name: str, tar: tarfile.TarFile, files: dict[st
                 with open(paths[file], "wb") as target:
                     if _copy(tar, member, target) != digests[member.name]:
                         raise DamagedEntry(f"{member.name} changed while it was imported")
-            try:
-                data = json.loads(paths.pop(ENTRY_FILE).read_bytes())
-                entry = Entry(**{**data, "library": None})
-            except (KeyError, ValueError, TypeError) as e:
-                raise DamagedEntry(f"no readable {ENTRY_FILE}: {e}") from None
-            if entry.op != op:
-                raise DamagedEntry(f"{ENTRY_FILE} names {entry.op!r}, not {op!r}")
-            if data.get("library") is None:
-                paths.pop(LIBRARY_FILE, None)
-            elif LIBRARY_FILE not in paths or digests[f"{name}/{LIBRARY_FILE}"]["sha256"] != entry.sha256:
-                raise DamagedEntry("artifact does not match its recorded sha256")
-            else:
-                entry.library = paths[LIBRARY_FILE]
+            library = digests.get(f"{name}/{LIBRARY_FILE}")
+            entry, paths = received_entry(op, paths, library["sha256"] if library else None)
             cache.publish(key, entry, paths)
     return True

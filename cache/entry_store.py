@@ -5,11 +5,12 @@ through :class:`EntryStore`. Its first implementation is the local
 filesystem store, :class:`aoti_eager.cache.store.KernelCache`; every entry the
 C++ hit path loads comes from there, verified.
 
-A remote tier (a fleet cache, see DESIGN.md "Trust and the fleet") is another
-``EntryStore`` set as the local store's ``behind``: on a local miss the local
-store looks it up and publishes what it returns locally before answering, as
-Triton's ``RemoteCacheManager`` materializes remote hits into its
-``FileCacheManager``. The runtime does not change for it.
+A remote tier (the fleet cache, :mod:`aoti_eager.cache.remote`) is a
+:class:`RemoteTier` set as the local store's ``behind``: on a local miss the
+local store fetches the entry from it and publishes it locally before
+answering, as Triton's ``RemoteCacheManager`` materializes remote hits into
+its ``FileCacheManager``; a local publication is offered to it, and a compile
+holds its lock too. The runtime does not change for it.
 """
 
 from __future__ import annotations
@@ -99,3 +100,26 @@ class EntryStore(Protocol):
     def shared_directory(self) -> Path:
         """A local directory for build products that every compile of this
         environment shares."""
+
+
+class RemoteTier(Protocol):
+    """A store behind the local one, shared by other machines: it answers a
+    local miss, is offered what is published locally, and orders compiles
+    across machines. Nothing it holds is loaded before it has verified it
+    (see :mod:`aoti_eager.cache.remote`), and it never raises for its
+    server's failures: it is then simply empty."""
+
+    def fetch(self, op: str, signature_key: str, into: Path) -> tuple[Entry, dict[str, Path]] | None:
+        """The entry it holds, verified, with its files written into the
+        directory ``into`` (name in the entry -> path); None if it has none
+        that may be used."""
+
+    def offer(self, op: str, signature_key: str, directory: Path) -> bool:
+        """Publishes the local entry in ``directory`` unless it holds one for
+        the key already; whether it did."""
+
+    def lock_signature(self, op: str, signature_key: str, timeout: float = -1) -> ContextManager[bool]:
+        """Held while the signature is compiled, across machines; yields
+        whether the lock is held (False: the entry was published meanwhile,
+        or the tier is unreachable). Raises ``TimeoutError`` after
+        ``timeout`` seconds (< 0: waits forever)."""

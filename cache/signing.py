@@ -1,5 +1,5 @@
 """Ed25519 signatures over manifests: what a receiver of cache entries (a
-bundle, later a fleet cache) checks before it runs their code.
+bundle, or the fleet cache's entries) checks before it runs their code.
 
 A hash written by the sender proves nothing; a signature by a key that the
 receiver was told to trust does. Keys are PEM files: the private key (mode
@@ -8,6 +8,14 @@ shipped to every machine that imports them.
 
 A signature is a small JSON document naming the public key that made it, so
 that a refusal can say whether the signer is unknown or the manifest altered.
+
+A manifest lists files by name with the sha256 and size of each; bundles and
+the fleet cache write the same one::
+
+    >>> members = {"env/aten.abs/key/kernel.so": file_digest(b"...")}
+    >>> signature = sign(manifest_of(members), key)
+    >>> check_manifest(manifest_of(members), signature, members, [key_pub])   # the signer's fingerprint
+    'ed25519:...'
 """
 
 from __future__ import annotations
@@ -22,6 +30,10 @@ from typing import Iterable
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+
+# Bundles wrote it first; the fleet cache's entries carry the same format.
+MANIFEST_FORMAT = "aoti_eager bundle 1"
 
 
 class SignatureError(Exception):
@@ -64,6 +76,12 @@ def fingerprint(public_key: Ed25519PublicKey) -> str:
     """A short name for a public key, for messages: ``ed25519:<16 hex digits>``."""
     raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     return "ed25519:" + hashlib.sha256(raw).hexdigest()[:16]
+
+
+def key_file_fingerprint(path: Path, private: bool = False) -> str:
+    """The fingerprint of the key in ``path`` (of its public half, for a private key)."""
+    key = _read_key(path, private)
+    return fingerprint(key.public_key() if private else key)
 
 
 def _read_key(path: Path, private: bool):
@@ -122,3 +140,37 @@ def trusted_signer(manifest: bytes, signature: bytes | None, trusted: Iterable[P
     except InvalidSignature:
         raise SignatureError(f"its signature by {fingerprint(key)} does not match its contents (altered after signing)") from None
     return fingerprint(key)
+
+
+def file_digest(data: bytes) -> dict:
+    """A manifest's record of one file: its sha256 and size."""
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
+def manifest_of(members: dict[str, dict]) -> bytes:
+    """The manifest listing ``members`` (name -> :func:`file_digest`), as it is signed."""
+    return json.dumps({"format": MANIFEST_FORMAT, "members": members}, indent=1, sort_keys=True).encode()
+
+
+def check_manifest(manifest: bytes | None, signature: bytes | None, members: dict[str, dict],
+                   trusted: Iterable[Path]) -> str:
+    """The fingerprint of the trusted key that signed ``manifest``, which must
+    list exactly ``members`` (name -> :func:`file_digest` of what was received).
+
+    Raises SignatureError saying why not, KeyFileError for a trusted key that
+    cannot be read.
+    """
+    if manifest is None:
+        raise SignatureError("it is not signed (no manifest)")
+    signed_by = trusted_signer(manifest, signature, trusted)
+    try:
+        record = json.loads(manifest)
+        listed = record["members"] if record["format"] == MANIFEST_FORMAT else None
+        if not isinstance(listed, dict):
+            raise ValueError(f"format {record['format']!r}, not {MANIFEST_FORMAT!r}")
+    except (ValueError, TypeError, KeyError) as e:
+        raise SignatureError(f"its manifest is unreadable: {e}") from None
+    if listed != members:
+        differing = sorted(n for n in listed.keys() | members.keys() if listed.get(n) != members.get(n))
+        raise SignatureError(f"{len(differing)} members, e.g. {differing[0]!r}, do not match its signed manifest")
+    return signed_by

@@ -10,12 +10,15 @@ library is loaded, and what the C++ side takes from it is checked against the
 op's schema. Removal is a rename
 to a temporary name too, and leaves alone an entry that a process is loading.
 
-A remote tier plugs in as ``KernelCache.behind``, another ``EntryStore``: on a
-local miss :meth:`KernelCache.lookup` asks it, publishes what it returns here
-(its files are copied from beside its ``library``) and answers with the local
-copy, so that the C++ hit path only ever loads local, checked files. What the
-tier returns it must have verified itself (signatures, DESIGN.md "Trust and
-the fleet"): publication records the sha256 of the files as they arrive.
+A remote tier plugs in as ``KernelCache.behind``, a
+:class:`~aoti_eager.cache.entry_store.RemoteTier` (the fleet cache,
+:mod:`aoti_eager.cache.remote`): on a local miss :meth:`KernelCache.lookup`
+fetches the entry from it into a temporary directory of the op, publishes it
+here and answers with the local copy, read back and checked like any local
+entry, so that the C++ hit path only ever loads local, checked files. What the
+tier returns it has verified itself (its signature). A local publication is
+offered to it, and :meth:`KernelCache.lock_signature` holds its lock too, so
+that a signature is compiled once by the whole fleet.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from filelock import FileLock, Timeout
 
 from aoti_eager import settings
 from aoti_eager.cache import layout
-from aoti_eager.cache.entry_store import Entry, EntryStore, metadata_digest
+from aoti_eager.cache.entry_store import Entry, EntryStore, RemoteTier, metadata_digest
 
 log = logging.getLogger("aoti_eager")
 
@@ -127,6 +130,32 @@ def read_entry(directory: Path, root: Path) -> Entry | None:
     if entry.library is not None:
         check_output_counts(entry.op, entry.output_counts)
     return entry
+
+
+def received_entry(op: str, files: dict[str, Path], library_sha256: str | None) -> tuple[Entry, dict[str, Path]]:
+    """The entry that ``files`` (name -> path), received from elsewhere (a
+    bundle, the fleet cache) and checked against their signed manifest, make
+    up; with the files to publish beside it (see :meth:`KernelCache.publish`).
+
+    ``library_sha256`` is the sha256 of the library as received. Raises
+    DamagedEntry for files that are no entry of ``op``, or a library other
+    than the one its ``entry.json`` records.
+    """
+    files = dict(files)
+    try:
+        data = json.loads(files.pop(ENTRY_FILE).read_bytes())
+        entry = Entry(**{**data, "library": None})
+    except (KeyError, ValueError, TypeError, OSError) as e:
+        raise DamagedEntry(f"no readable {ENTRY_FILE}: {e}") from None
+    if entry.op != op:
+        raise DamagedEntry(f"{ENTRY_FILE} names {entry.op!r}, not {op!r}")
+    if data.get("library") is None:
+        files.pop(LIBRARY_FILE, None)
+    elif LIBRARY_FILE not in files or library_sha256 != entry.sha256:
+        raise DamagedEntry("artifact does not match its recorded sha256")
+    else:
+        entry.library = files[LIBRARY_FILE]
+    return entry, files
 
 
 def in_place(root: Path, path: Path) -> bool:
@@ -306,7 +335,7 @@ class KernelCache(EntryStore):
         self.root = Path(root)
         self.directory = self.root / layout.LAYOUT_VERSION / environment
         # The tier a local miss is looked up in (see the module's docstring).
-        self.behind: EntryStore | None = None
+        self.behind: RemoteTier | None = None
 
     def _op_dir(self, op: str) -> Path:
         return self.directory / op_dirname(op)
@@ -326,11 +355,16 @@ class KernelCache(EntryStore):
         is assembling. Both are flocks: the kernel releases them when their
         holder dies, however it dies, so a lock is never stale. ``timeout``
         < 0 waits forever for the signature's lock (raises TimeoutError).
+        Then the signature's lock of the tier behind, if any (across machines).
         """
         with self.signature_lock(op, signature_key, timeout):
             self.remove_abandoned(op)
             with _shared_flock(self._op_dir(op) / OP_LOCK, timeout):
-                yield
+                if self.behind is None:
+                    yield
+                else:
+                    with self.behind.lock_signature(op, signature_key, timeout):
+                        yield
 
     def signature_lock(self, op: str, signature_key: str, timeout: float = -1) -> FileLock:
         """The lock that orders the compiles of one signature (see :meth:`lock_signature`)."""
@@ -420,16 +454,18 @@ class KernelCache(EntryStore):
         return entry
 
     def _materialize(self, op: str, signature_key: str) -> Entry | None:
-        """The entry of the store behind, published here; None if it has none."""
-        found = self.behind.lookup(op, signature_key)
-        if found is None:
+        """The entry of the tier behind, published here and read back; None if it has none."""
+        with self.temporary_directory(op) as workdir:
+            fetched = self.behind.fetch(op, signature_key, Path(workdir))
+            if fetched is None:
+                return None
+            entry, files = fetched
+            self.publish(signature_key, entry, files, offer=False)
+        try:
+            return read_entry(self.entry_dir(op, signature_key), self.root)
+        except DamagedEntry as e:
+            set_aside(self.root, self.entry_dir(op, signature_key), str(e))
             return None
-        files = None
-        if found.library is not None:
-            beside = found.library.parent
-            files = {LIBRARY_FILE: found.library}
-            files.update({name: beside / name for name in SIDECAR_FILES if (beside / name).exists()})
-        return self.publish(signature_key, dataclasses.replace(found), files)  # a copy: publish rewrites it
 
     def remove(self, op: str, signature_key: str) -> bool:
         """Removes a published entry (see :func:`remove_entry`)."""
@@ -445,8 +481,10 @@ class KernelCache(EntryStore):
                 if not entry_dir.name.startswith(TEMPORARY_PREFIX):
                     yield op_of_dirname(op_dir.name), entry_dir.name
 
-    def publish(self, signature_key: str, entry: Entry, files: dict[str, Path] | None = None) -> Entry:
-        """Publishes ``entry`` with ``files`` (name in the entry -> source path).
+    def publish(self, signature_key: str, entry: Entry, files: dict[str, Path] | None = None,
+                offer: bool = True) -> Entry:
+        """Publishes ``entry`` with ``files`` (name in the entry -> source path),
+        then, with ``offer``, offers it to the tier behind.
 
         Returns the entry as published; if another process published the same
         signature first, its entry wins and is returned.
@@ -478,6 +516,8 @@ class KernelCache(EntryStore):
                 raise
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        if offer and self.behind is not None:
+            self.behind.offer(entry.op, signature_key, final)
         if entry.library is not None:
             entry.library = final / LIBRARY_FILE
         return entry

@@ -9,5 +9,11 @@ fi
 if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
     "$VENV/bin/pip" install -q "torch==2.13.0"
 fi
-"$VENV/bin/pip" install -q -e ".[test]"
+"$VENV/bin/pip" install -q -e ".[test,remote]"
+# The fleet cache's tests run a real redis-server (tests/test_remote.py); they
+# skip, saying why, where it is missing and cannot be installed (not root).
+if ! command -v redis-server >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    apt-get install -y -q redis-server >/dev/null || (apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null) \
+        || echo "setup_env: redis-server could not be installed; the fleet cache's tests will skip" >&2
+fi
 PYTHON="$VENV/bin/python"

@@ -45,6 +45,8 @@ def test_every_variable_the_package_names_is_declared():
     (settings.verbose_build, "yes", True),
     (settings.cache_dir, "~/kernels", Path.home() / "kernels"),
     (settings.trusted_keys, "/a.pub::~/b.pub", [Path("/a.pub"), Path.home() / "b.pub"]),
+    (settings.remote, "redis://cache-host:6379/0", "redis://cache-host:6379/0"),
+    (settings.remote, "rediss://user:pw@cache-host:6380/1", "rediss://user:pw@cache-host:6380/1"),
     (settings.cache_group, str(os.getgid()), os.getgid()),
     (settings.cache_group, grp.getgrgid(os.getgid()).gr_name, os.getgid()),
 ])
@@ -71,7 +73,9 @@ def test_defaults(monkeypatch):
         "AOTI_EAGER_LOCK_TIMEOUT": 900.0, "AOTI_EAGER_MAX_VALUE_VARIANTS": 8, "AOTI_EAGER_MAX_SHAPE_COMPILES": 4,
         "AOTI_EAGER_DYNAMIC_SHAPES": True, "AOTI_EAGER_KEEP_FASTER": True,
         "AOTI_EAGER_SPLIT_WRAPPER": True, "AOTI_EAGER_RECORD": None, "AOTI_EAGER_SIGNING_KEY": None,
-        "AOTI_EAGER_TRUSTED_KEYS": [], "AOTI_EAGER_VERBOSE_BUILD": False,
+        "AOTI_EAGER_TRUSTED_KEYS": [], "AOTI_EAGER_REMOTE": None, "AOTI_EAGER_REMOTE_CONNECT_TIMEOUT": 0.1,
+        "AOTI_EAGER_REMOTE_TIMEOUT": 1.0, "AOTI_EAGER_REMOTE_RETRY": 60.0, "AOTI_EAGER_REMOTE_LOCK_TTL": 30.0,
+        "AOTI_EAGER_VERBOSE_BUILD": False,
     }
 
 
@@ -90,6 +94,7 @@ def test_read_on_every_call(monkeypatch):
     (settings.max_value_variants, "-1", "AOTI_EAGER_MAX_VALUE_VARIANTS='-1' is not a count (a whole number, 0 or more)"),
     (settings.keep_faster, "maybe", "AOTI_EAGER_KEEP_FASTER='maybe' is not a boolean (1 or 0)"),
     (settings.cache_group, "nosuchgroup", "AOTI_EAGER_CACHE_GROUP='nosuchgroup' is not a group name or id on this machine"),
+    (settings.remote, "http://cache-host", "AOTI_EAGER_REMOTE='http://cache-host' is not a Redis URL (redis://host:port/db, rediss:// for TLS, unix:///path)"),
 ])
 def test_a_bad_value_names_the_variable_its_value_and_what_is_expected(monkeypatch, setting, text, message):
     monkeypatch.setenv(setting.name, text)

@@ -9,9 +9,11 @@ their files, damage set aside, who may have written an entry, and the op lock.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import shutil
 import stat
 import threading
 
@@ -20,7 +22,7 @@ import pytest
 
 from aoti_eager.cache import DamagedEntry, Entry, KernelCache, UntrustedEntry, inventory
 from aoti_eager.cache.entry_store import EntryStore
-from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE
+from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE, TEMPORARY_PREFIX, received_entry
 from helpers import SIGNATURE, edit_entry_json, publish_kernel
 
 
@@ -118,16 +120,45 @@ def test_the_lock_cleans_up_after_dead_publishers(store, tmp_path):
     assert store.lookup("aten::abs", "sig") is not None
 
 
-def test_a_local_miss_materializes_the_entry_of_the_store_behind(store, tmp_path, monkeypatch):
-    behind = KernelCache(tmp_path / "fleet", "cpu-test-environment")
-    publish_kernel(behind, tmp_path, content=b"from the fleet")
-    store.behind = behind
-    asked = []
-    monkeypatch.setattr(behind, "lookup", lambda *key: asked.append(key) or KernelCache.lookup(behind, *key))
+class TierOfACache:
+    """A tier behind the local store (see RemoteTier) that serves another
+    local store's entries as the fleet cache serves its own: written into
+    the directory it is given, then received."""
+
+    def __init__(self, cache: KernelCache):
+        self.cache, self.fetched, self.offered = cache, [], []
+
+    def fetch(self, op, signature_key, into):
+        self.fetched.append((op, signature_key))
+        entry = self.cache.lookup(op, signature_key)
+        if entry is None:
+            return None
+        files = {name: into / name for name in (ENTRY_FILE, LIBRARY_FILE)}
+        for name, path in files.items():
+            shutil.copyfile(self.cache.entry_dir(op, signature_key) / name, path)
+        return received_entry(op, files, entry.sha256)
+
+    def offer(self, op, signature_key, directory):
+        self.offered.append((op, signature_key, sorted(p.name for p in directory.iterdir())))
+        return True
+
+    def lock_signature(self, op, signature_key, timeout=-1):
+        return contextlib.nullcontext(True)
+
+
+def test_a_local_miss_materializes_the_entry_of_the_store_behind(store, tmp_path):
+    fleet = KernelCache(tmp_path / "fleet", "cpu-test-environment")
+    publish_kernel(fleet, tmp_path, content=b"from the fleet")
+    store.behind = TierOfACache(fleet)
     found = store.lookup("aten::abs", "sig")
     assert found.library.is_relative_to(store.directory) and found.library.read_bytes() == b"from the fleet"
-    assert store.lookup("aten::abs", "sig") is not None and asked == [("aten::abs", "sig")]
+    assert store.lookup("aten::abs", "sig") is not None and store.behind.fetched == [("aten::abs", "sig")]
     assert store.lookup("aten::abs", "elsewhere") is None
+    assert not list(store.directory.rglob(f"{TEMPORARY_PREFIX}*"))
+    # What came from behind is not offered back; a local publication is.
+    assert store.behind.offered == []
+    publish_kernel(store, tmp_path, key="compiled here")
+    assert store.behind.offered == [("aten::abs", "compiled here", [ENTRY_FILE, LIBRARY_FILE])]
 
 
 def test_publish_then_lookup(cache, tmp_path):

@@ -1,0 +1,460 @@
+"""The fleet cache (cache/remote.py) against a real ``redis-server`` on a free
+loopback port: entries shared between cache roots (machines), only signed
+ones used, one compile for the fleet, and a server that fails in every way
+never in the way of a call."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+import aoti_eager
+from aoti_eager import settings
+from aoti_eager.cache import KernelCache, remote, signing
+from aoti_eager.cache.store import LIBRARY_FILE
+from aoti_eager.kernels.toolchain import environment_name
+from helpers import assert_same_as_eager, publish_kernel
+
+redis = pytest.importorskip("redis", reason="the fleet cache's tests need the redis client: pip install 'aoti-eager[remote]'")
+REDIS_SERVER = shutil.which("redis-server")
+pytestmark = pytest.mark.skipif(
+    REDIS_SERVER is None,
+    reason="redis-server is not installed (Debian: apt-get install -y redis-server; scripts/setup_env.sh installs it as root)",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """A ``redis-server`` of the test's own, on a free loopback port, keeping nothing on disk."""
+
+    def __init__(self, directory: Path, *options: str):
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process = subprocess.Popen(
+            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(directory), *options],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        self.client = redis.Redis(host="127.0.0.1", port=self.port, password=self._password(options))
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                self.client.ping()
+                return
+            except redis.ConnectionError:
+                assert self.process.poll() is None and time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.02)
+
+    @staticmethod
+    def _password(options: tuple[str, ...]) -> str | None:
+        return options[options.index("--requirepass") + 1] if "--requirepass" in options else None
+
+    def stop(self) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+@pytest.fixture(scope="session")
+def redis_session(tmp_path_factory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def server(redis_session, monkeypatch) -> RedisServer:
+    """The session's server, emptied, and this process's view of every
+    server forgotten (breakers, warnings given)."""
+    redis_session.client.flushall()
+    monkeypatch.setattr(remote, "_servers", {})
+    return redis_session
+
+
+@pytest.fixture
+def keys(tmp_path, monkeypatch) -> Path:
+    """A signing key set, and its public key trusted; returns the private key."""
+    signing.generate_key_pair(tmp_path / "fleet-key")
+    monkeypatch.setenv(settings.signing_key.name, str(tmp_path / "fleet-key"))
+    monkeypatch.setenv(settings.trusted_keys.name, str(tmp_path / "fleet-key.pub"))
+    return tmp_path / "fleet-key"
+
+
+ENVIRONMENT = "cpu-test-environment"
+
+
+def machine(root: Path, url: str) -> KernelCache:
+    """A machine's local cache at ``root``, the fleet cache at ``url`` behind it."""
+    cache = KernelCache(root, ENVIRONMENT)
+    cache.behind = remote.tier(url, ENVIRONMENT)
+    return cache
+
+
+def refusals(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "aoti_eager" in r.getMessage()]
+
+
+def test_an_entry_published_on_one_machine_is_used_on_another(server, keys, tmp_path):
+    first, second = machine(tmp_path / "a", server.url), machine(tmp_path / "b", server.url)
+    published = publish_kernel(first, tmp_path, key="k", content=b"\x7fELF the kernel")
+    assert second.entry_dir("aten::abs", "k").exists() is False
+    found = second.lookup("aten::abs", "k")
+    # Published into the second machine's local cache, where the hit path loads it from.
+    assert found.library == second.entry_dir("aten::abs", "k") / LIBRARY_FILE
+    assert found.library.read_bytes() == b"\x7fELF the kernel"
+    assert (found.sha256, found.signature, found.created) == (published.sha256, published.signature, published.created)
+    assert [(e.op, e.signature_key) for e in remote.entries(remote.server(server.url))] == [("aten::abs", "k")]
+    # A key no machine published is a miss, and leaves nothing behind.
+    assert second.lookup("aten::abs", "other") is None
+    assert not list(second.directory.rglob(".tmp-*"))
+
+
+def test_publication_is_set_if_absent(server, keys, tmp_path):
+    first, second = machine(tmp_path / "a", server.url), machine(tmp_path / "b", server.url)
+    publish_kernel(first, tmp_path, key="k", content=b"first")
+    publish_kernel(second, tmp_path, key="k", content=b"second")  # a local compile of the same key elsewhere
+    third = machine(tmp_path / "c", server.url)
+    assert third.lookup("aten::abs", "k").library.read_bytes() == b"first"
+
+
+def test_nothing_is_published_without_a_signing_key(server, keys, tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv(settings.signing_key.name)
+    first = machine(tmp_path / "a", server.url)
+    publish_kernel(first, tmp_path, key="k1")
+    publish_kernel(first, tmp_path, key="k2")
+    assert list(remote.entries(remote.server(server.url))) == []
+    assert first.lookup("aten::abs", "k1") is not None  # published locally all the same
+    said = [m for m in refusals(caplog) if settings.signing_key.name in m]
+    assert len(said) == 1, said
+
+
+def _stored(server: RedisServer, key: str = "k") -> str:
+    return remote.entry_key(ENVIRONMENT, "aten::abs", key)
+
+
+def test_an_unsigned_entry_is_refused_with_one_warning(server, keys, tmp_path, caplog):
+    publish_kernel(machine(tmp_path / "a", server.url), tmp_path, key="k")
+    server.client.hdel(_stored(server), remote.MANIFEST_FIELD, remote.SIGNATURE_FIELD)
+    second = machine(tmp_path / "b", server.url)
+    assert second.lookup("aten::abs", "k") is None
+    assert second.lookup("aten::abs", "k") is None
+    said = refusals(caplog)
+    assert len(said) == 1 and _stored(server) in said[0] and "not signed" in said[0], said
+    assert not second.entry_dir("aten::abs", "k").exists()
+
+
+def test_a_tampered_library_is_refused(server, keys, tmp_path, caplog):
+    publish_kernel(machine(tmp_path / "a", server.url), tmp_path, key="k", content=b"\x7fELF honest")
+    server.client.hset(_stored(server), LIBRARY_FILE, b"\x7fELF crafted")
+    second = machine(tmp_path / "b", server.url)
+    assert second.lookup("aten::abs", "k") is None
+    said = refusals(caplog)
+    assert len(said) == 1 and "do not match its signed manifest" in said[0], said
+
+
+def test_a_signed_entry_copied_under_another_key_is_refused(server, keys, tmp_path, caplog):
+    # Its manifest names the files with their key: a valid signature does not vouch for another signature.
+    publish_kernel(machine(tmp_path / "a", server.url), tmp_path, key="k")
+    server.client.copy(_stored(server, "k"), _stored(server, "other"))
+    assert machine(tmp_path / "b", server.url).lookup("aten::abs", "other") is None
+    assert "do not match its signed manifest" in refusals(caplog)[0]
+
+
+def test_an_entry_signed_by_a_key_that_is_not_trusted_is_refused(server, keys, tmp_path, monkeypatch, caplog):
+    publish_kernel(machine(tmp_path / "a", server.url), tmp_path, key="k")
+    signing.generate_key_pair(tmp_path / "mine")
+    monkeypatch.setenv(settings.trusted_keys.name, str(tmp_path / "mine.pub"))
+    assert machine(tmp_path / "b", server.url).lookup("aten::abs", "k") is None
+    assert "which is not a trusted key" in refusals(caplog)[0]
+    monkeypatch.delenv(settings.trusted_keys.name)
+    assert machine(tmp_path / "c", server.url).lookup("aten::abs", "k") is None
+    assert settings.trusted_keys.name in refusals(caplog)[1]
+
+
+def test_an_unreachable_server_costs_one_short_try_then_is_tried_again_later(server, keys, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv(settings.remote_retry.name, "1")
+    down = f"redis://127.0.0.1:{free_port()}/0"
+    cache = machine(tmp_path / "a", down)
+    started = time.monotonic()
+    for key in ("k1", "k2", "k3"):
+        assert cache.lookup("aten::abs", key) is None
+    publish_kernel(cache, tmp_path, key="k4")  # published locally; the offer is not even tried
+    assert time.monotonic() - started < 0.5
+    said = refusals(caplog)
+    assert len(said) == 1 and "cannot connect" in said[0] and "local cache alone" in said[0], said
+    # The server is tried again once the retry interval is over.
+    remote.server(down).url = server.url
+    remote.server(down)._client = None
+    assert cache.lookup("aten::abs", "k5") is None
+    assert list(remote.entries(remote.server(server.url))) == []
+    time.sleep(1.05)
+    publish_kernel(cache, tmp_path, key="k6")
+    assert [e.signature_key for e in remote.entries(remote.server(server.url))] == ["k6"]
+
+
+def test_an_unroutable_server_waits_at_most_the_connect_timeout(keys, tmp_path, monkeypatch):
+    monkeypatch.setattr(remote, "_servers", {})
+    monkeypatch.setenv(settings.remote_connect_timeout.name, "0.1")
+    cache = machine(tmp_path / "a", "redis://192.0.2.1:6379/0")  # TEST-NET-1: never answers
+    started = time.monotonic()
+    assert cache.lookup("aten::abs", "k") is None
+    assert cache.lookup("aten::abs", "k") is None
+    assert time.monotonic() - started < 0.5
+
+
+@contextlib.contextmanager
+def garbage_server() -> Iterator[str]:
+    """A server that answers every connection with bytes that are not Redis's protocol."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    stop = threading.Event()
+
+    def serve():
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                continue
+            with connection:
+                connection.recv(1 << 16)
+                connection.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"redis://127.0.0.1:{listener.getsockname()[1]}/0"
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+
+
+def test_a_server_answering_garbage_is_not_used(keys, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(remote, "_servers", {})
+    with garbage_server() as url:
+        cache = machine(tmp_path / "a", url)
+        started = time.monotonic()
+        assert cache.lookup("aten::abs", "k") is None
+        publish_kernel(cache, tmp_path, key="k")
+        assert cache.lookup("aten::abs", "k") is not None
+        assert time.monotonic() - started < 2
+    said = refusals(caplog)
+    assert len(said) == 1 and "not Redis's protocol" in said[0], said
+
+
+def test_a_wrong_password_is_refused_with_a_clear_error(keys, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(remote, "_servers", {})
+    protected = RedisServer(tmp_path, "--requirepass", "right")
+    try:
+        url = f"redis://:wrong@127.0.0.1:{protected.port}/0"
+        assert machine(tmp_path / "a", url).lookup("aten::abs", "k") is None
+        said = refusals(caplog)
+        assert len(said) == 1 and "refused the user or password" in said[0], said
+        assert "wrong" not in said[0], "a password in a message"
+        with pytest.raises(remote.ServerUnavailable, match="refused the user or password"):
+            list(remote.entries(remote.server(f"redis://127.0.0.1:{protected.port}/0")))
+    finally:
+        protected.stop()
+
+
+def test_a_tls_url_to_a_plain_server_is_refused_with_a_clear_error(server, keys, tmp_path, caplog):
+    url = server.url.replace("redis://", "rediss://")
+    assert machine(tmp_path / "a", url).lookup("aten::abs", "k") is None
+    said = refusals(caplog)
+    assert len(said) == 1 and "TLS connection failed" in said[0] and "use redis://" in said[0], said
+
+
+def test_a_full_server_leaves_the_entry_local(keys, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(remote, "_servers", {})
+    full = RedisServer(tmp_path, "--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
+    try:
+        published = publish_kernel(machine(tmp_path / "a", full.url), tmp_path, key="k", content=os.urandom(4 << 20))
+        assert published.library.stat().st_size == 4 << 20
+        said = refusals(caplog)
+        assert len(said) == 1 and "maxmemory" in said[0], said
+        assert full.client.dbsize() == 0
+    finally:
+        full.stop()
+
+
+def test_the_fleet_lock_is_held_by_one_and_released_only_by_its_holder(server, tmp_path):
+    first, second = machine(tmp_path / "a", server.url), machine(tmp_path / "b", server.url)
+    lock = remote.lock_key(ENVIRONMENT, "aten::abs", "k")
+    with first.behind.lock_signature("aten::abs", "k") as held:
+        assert held and server.client.get(lock) is not None
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="held the fleet cache's lock"):
+            with second.behind.lock_signature("aten::abs", "k", timeout=0.3):
+                pass
+        assert 0.3 <= time.monotonic() - started < 1
+        assert server.client.get(lock) is not None, "a waiter released the holder's lock"
+    assert server.client.get(lock) is None
+
+
+def test_the_fleet_lock_is_renewed_while_held_and_a_dead_holders_expires(server, tmp_path, monkeypatch):
+    monkeypatch.setenv(settings.remote_lock_ttl.name, "0.3")
+    first, second = machine(tmp_path / "a", server.url), machine(tmp_path / "b", server.url)
+    lock = remote.lock_key(ENVIRONMENT, "aten::abs", "k")
+    with first.behind.lock_signature("aten::abs", "k"):
+        time.sleep(0.8)  # longer than the TTL: renewed
+        assert server.client.get(lock) is not None
+    # A holder that died: its token stays until the TTL ends, then the next waiter takes it.
+    server.client.set(lock, "dead holder", px=300)
+    started = time.monotonic()
+    with second.behind.lock_signature("aten::abs", "k", timeout=5) as held:
+        assert held and 0.1 < time.monotonic() - started < 1
+
+
+def test_a_waiter_stops_waiting_once_the_entry_is_published(server, keys, tmp_path):
+    first, second = machine(tmp_path / "a", server.url), machine(tmp_path / "b", server.url)
+    with first.lock_signature("aten::abs", "k"):
+        threading.Timer(0.3, lambda: publish_kernel(first, tmp_path, key="k")).start()
+        started = time.monotonic()
+        with second.lock_signature("aten::abs", "k", timeout=10):
+            assert time.monotonic() - started < 2
+            assert second.lookup("aten::abs", "k") is not None
+
+
+# ---- the runtime, in processes (real compiles: one per test) ----
+
+FLEET = r"""
+import json, pathlib, sys, time, torch, aoti_eager
+cache_dir, url, index, processes = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3], int(sys.argv[4])
+x = torch.linspace(-4, 4, int(sys.argv[5]))
+expected = torch.sigmoid(x)
+aoti_eager.enable(["aten::sigmoid"], devices=["cpu"], cache_dir=cache_dir, remote=url)
+ready = pathlib.Path(sys.argv[6])
+(ready / index).touch()
+while len(list(ready.iterdir())) < processes:  # everyone misses at once
+    time.sleep(0.01)
+results = [torch.sigmoid(x) for _ in range(3)]
+for r in results:
+    torch.testing.assert_close(r, expected, rtol=0, atol=0)
+print(json.dumps(aoti_eager.stats()["aten::sigmoid"]))
+"""
+
+
+def run_fleet(roots: list[Path], url: str, size: int, ready: Path) -> list[dict]:
+    """Runs FLEET in a process per cache root (a machine's), all at once."""
+    ready.mkdir()
+    started = [
+        subprocess.Popen([sys.executable, "-c", FLEET, str(root), url, str(i), str(len(roots)), str(size), str(ready)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i, root in enumerate(roots)
+    ]
+    stats = []
+    for process in started:
+        out, err = process.communicate(timeout=600)
+        assert process.returncode == 0, err
+        stats.append(json.loads(out.strip().splitlines()[-1]))
+    return stats
+
+
+def test_a_second_machine_makes_no_compile(server, keys, tmp_path):
+    (first,) = run_fleet([tmp_path / "machine-a" / "cache"], server.url, 40, tmp_path / "ready-a")
+    assert (first["compiles"], first["fallbacks"]) == (1, 0), first
+    (second,) = run_fleet([tmp_path / "machine-b" / "cache"], server.url, 40, tmp_path / "ready-b")
+    assert (second["compiles"], second["cache_loads"], second["hits"], second["fallbacks"]) == (0, 1, 2, 0), second
+
+
+def test_eight_processes_on_two_machines_compile_once(server, keys, tmp_path):
+    roots = [tmp_path / f"machine-{i % 2}" / "cache" for i in range(8)]
+    stats = run_fleet(roots, server.url, 56, tmp_path / "ready")
+    assert sum(s["compiles"] for s in stats) == 1, stats
+    assert sum(s["cache_loads"] for s in stats) == 7, stats
+    assert sum(s["fallbacks"] for s in stats) == 0, stats
+
+
+def test_calls_are_right_and_prompt_when_the_server_is_killed_mid_run(keys, tmp_path, monkeypatch, caplog):
+    # compile="never": misses consult the caches (local, then the fleet's) and run eagerly; nothing compiles.
+    monkeypatch.setattr(remote, "_servers", {})
+    inputs = [torch.randn(size) for size in (3, 5, 7, 9, 11, 13)]
+    expected = [torch.sigmoid(x) for x in inputs]
+    doomed = RedisServer(tmp_path)
+    aoti_eager.enable(["aten::sigmoid"], devices=["cpu"], cache_dir=tmp_path / "cache", remote=doomed.url, compile="never")
+    for x, eager in zip(inputs[:2], expected):
+        assert_same_as_eager(torch.sigmoid(x), eager)
+    doomed.stop()
+    for x, eager in zip(inputs[2:], expected[2:]):
+        started = time.monotonic()
+        result = torch.sigmoid(x)
+        assert time.monotonic() - started < 0.5
+        assert_same_as_eager(result, eager)
+    assert aoti_eager.stats()["aten::sigmoid"]["misses"] == 6
+    said = refusals(caplog)
+    assert len(said) == 1 and "cannot connect" in said[0], said
+
+
+# ---- the command line ----
+
+def test_push_stats_and_pull(server, keys, tmp_path, capsys):
+    from aoti_eager import cli
+
+    here = cli._environments_here()[0]
+    machine_a = KernelCache(tmp_path / "a", here)
+    for key in ("k1", "k2"):
+        publish_kernel(machine_a, tmp_path, key=key, content=f"\x7fELF {key}".encode())
+    publish_kernel(machine_a, tmp_path, key="k3", op="aten::add.Tensor")
+
+    def run(*argv: str) -> tuple[int, dict]:
+        code = cli.main([*argv, "--url", server.url, "--json"])
+        return code, json.loads(capsys.readouterr().out)
+
+    code, pushed = run("--cache-dir", str(tmp_path / "a"), "remote", "push")
+    assert code == 0 and len(pushed["pushed"]) == 3, pushed
+    code, again = run("--cache-dir", str(tmp_path / "a"), "remote", "push")
+    assert len(again["pushed"]) == 0 and len(again["already_present"]) == 3, again
+    code, stats = run("remote", "stats")
+    assert (stats["entries"], stats["environments"]) == (3, [here]), stats
+    assert stats["by_op"]["aten::abs"]["entries"] == 2 and stats["by_op"]["aten::add.Tensor"]["entries"] == 1
+    assert stats["bytes"] == sum(len(v) for key in server.client.keys() for v in server.client.hvals(key))
+    code, pulled = run("--cache-dir", str(tmp_path / "b"), "remote", "pull", "--op", "abs")
+    assert code == 0 and len(pulled["pulled"]) == 2, pulled
+    machine_b = KernelCache(tmp_path / "b", here)
+    assert machine_b.lookup("aten::abs", "k2").library.read_bytes() == b"\x7fELF k2"
+    assert machine_b.entry_dir("aten::add.Tensor", "k3").exists() is False
+
+
+def test_push_without_a_signing_key_and_an_unreachable_server_say_what_to_do(server, keys, tmp_path, monkeypatch, capsys):
+    from aoti_eager import cli
+
+    monkeypatch.delenv(settings.signing_key.name)
+    assert cli.main(["--cache-dir", str(tmp_path), "remote", "push", "--url", server.url]) == 1
+    assert "AOTI_EAGER_SIGNING_KEY is unset" in capsys.readouterr().err
+    assert cli.main(["remote", "stats", "--url", f"redis://127.0.0.1:{free_port()}/0"]) == 1
+    assert "cannot connect" in capsys.readouterr().err
+
+
+def test_doctor_says_whether_the_server_answers_and_which_keys_are_trusted(server, keys, monkeypatch):
+    from aoti_eager import cli
+
+    monkeypatch.setenv(settings.remote.name, server.url)
+    report, problems = cli._remote_report()
+    fingerprint = signing.key_file_fingerprint(keys, private=True)
+    assert report["reachable"] and problems == []
+    assert report["signing_key"]["fingerprint"] == fingerprint == report["trusted_keys"][0]["fingerprint"]
+    assert "answers in" in cli._remote_line(report) and fingerprint in cli._remote_line(report)
+    monkeypatch.setattr(remote, "_servers", {})
+    monkeypatch.setenv(settings.remote.name, f"redis://127.0.0.1:{free_port()}/0")
+    report, problems = cli._remote_report()
+    assert not report["reachable"] and "cannot connect" in problems[0]
+    assert "does not answer" in cli._remote_line(report)
