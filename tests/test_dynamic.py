@@ -190,5 +190,5 @@ def test_a_further_shape_with_indices_out_of_its_range_is_not_run(tmp_path, devi
         return torch.randn(rows, 8, device=device), torch.randint(rows - 4, rows, (1, 4), device=device)
 
     compiles, stats = run_shapes("aten::embedding", tmp_path, torch.nn.functional.embedding, [64, 1000, 700],
-                                 lambda rows: make(rows)[::-1])
+                                 lambda rows: make(rows)[::-1], device)
     assert (compiles, stats["fallbacks"]) == ([1, 1, 0], 0), stats
