@@ -33,7 +33,7 @@ from aoti_eager.cache.store import TEMPORARY_PREFIX
 from aoti_eager.kernels import CallSignature, Unsupported
 from aoti_eager.kernels.compile import compile_options, flat_tensor_inputs
 from aoti_eager.kernels.load_probe import UnsafeToLoad, check_loads, runtime_crashes
-from aoti_eager.kernels.dynamic import ShapeFamily, changed_dims, family_key, tensor_args
+from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily, changed_dims, family_key, tensor_args
 from aoti_eager.kernels.pipeline import NotCompiled, Outcome, compile_signature
 from aoti_eager.kernels.signature import qualified_name
 from aoti_eager.kernels.toolchain import environment_name
@@ -291,7 +291,10 @@ class Override:
                     entry = cache.lookup(self.name, key)
                 except DamagedEntry:
                     entry = None
-                family.published[key] = ShapeFamily.from_json(entry.dynamic) if entry is not None and entry.dynamic else None
+                try:
+                    family.published[key] = ShapeFamily.from_json(entry.dynamic) if entry is not None and entry.dynamic else None
+                except NotDynamic:  # an entry of an earlier format: its guards meant something else
+                    family.published[key] = None
         for key, dynamic in family.dynamic():
             if not dynamic.admits(signature, key):
                 continue
@@ -309,26 +312,29 @@ class Override:
             return self._remember(signature, decision)
         return None
 
-    def _dims_to_compile(self, signature: CallSignature, family: _Family) -> tuple[tuple[int, ...], ...] | None:
-        """The dynamic dims of the kernel to compile for ``signature``: those
-        that changed across the family's shapes, with those of its dynamic
-        kernels (a widening); None for a static kernel."""
-        if not settings.dynamic_shapes.get() or family.dynamic_failed or not family.seen:
+    def _kernel_to_compile(self, signature: CallSignature, family: _Family) -> ShapeFamily | None:
+        """The dynamic kernel to compile for ``signature``, which none of its
+        family's kernels admits: at the family's second shape, one with the
+        dims that changed, or a general one where only strides changed; after
+        that, a general one (a widening); None for a static kernel."""
+        if not settings.dynamic_shapes.get():
             return None
+        planned = next((p for key, p in _planned.items() if p.entry_key(signature) == key), None)
+        if planned is not None:
+            return planned
+        if family.dynamic_failed or not family.seen:
+            return None
+        known = {key for key, _ in family.dynamic()}
+        if known:
+            general = ShapeFamily.general_for(signature)
+            # Where the general kernel refuses it (a size export fixed), the shape compiles alone.
+            return None if general.entry_key(signature) in known else general
+        changed = changed_dims(signature, family.seen)
+        if any(changed):
+            return ShapeFamily(changed)
+        # Only strides changed (a broadcast or a slice of a shape seen): a kernel that reads them.
         sizes = [t.sizes for t in tensor_args(signature)]
-        dims = [set(d) for d in changed_dims(signature, family.seen)]
-        known = family.dynamic()
-        for _, dynamic in known:
-            for i, more in enumerate(dynamic.dims):
-                dims[i].update(d for d in more if sizes[i][d] >= 2)
-        wanted = tuple(tuple(sorted(d)) for d in dims)
-        if not any(wanted) or ShapeFamily(wanted).entry_key(signature) in {key for key, _ in known}:
-            # Nothing moved, or the kernel of these dims and of this shape's fixed
-            # sizes refuses it (a size export specialized): it gets its own kernel.
-            # (Other fixed sizes, e.g. a size 1 where the kernel has 16, make another
-            # dynamic kernel: a decode step's linear layers after the prompt's.)
-            return None
-        return wanted
+        return ShapeFamily.general_for(signature) if sizes in family.seen and any(sizes) else None
 
     def report_unkeyable(self, args: list[Any]) -> None:
         """Records why the C++ side could not key a call (it runs eagerly)."""
@@ -348,12 +354,11 @@ class Override:
         dynamic kernel of the dims that moved in its family (:meth:`_compile`
         decides the same way), with the span of sizes seen of each."""
         family = self._family(signature)
-        dims = self._dims_to_compile(signature, family)
-        dynamic = ShapeFamily(dims) if dims is not None else None
+        dynamic = self._kernel_to_compile(signature, family)
         key = dynamic.entry_key(signature) if dynamic is not None else None
         if key is None:
             return ManifestEntry(self.name, self.device, signature.key, signature.to_json())
-        span = {"dims": [list(d) for d in dims], "seen": dynamic.size_span(signature, family.seen)}
+        span = {"dims": [list(d) for d in dynamic.dims], "seen": dynamic.size_span(signature, family.seen), "general": dynamic.general}
         return ManifestEntry(self.name, self.device, key, signature.to_json(), dynamic=span)
 
     def _too_many_variants(self, signature: CallSignature) -> RunEagerly | None:
@@ -407,10 +412,10 @@ class Override:
             return self._remember(signature, RunEagerly(reason, ShapeFamily.any_shape(signature)))
         family.compiles += 1
         load = lambda library, counts: self._load(library, counts, signature, known_good=False)  # noqa: E731
-        dims = self._dims_to_compile(signature, family)
+        dynamic = self._kernel_to_compile(signature, family)
         outcome: Outcome | None = None
-        if dims is not None:
-            outcome = compile_signature(self.op, signature, cache, load, ShapeFamily(dims), seen=family.seen)
+        if dynamic is not None:
+            outcome = compile_signature(self.op, signature, cache, load, dynamic, seen=family.seen)
             # Where the compiler itself failed, a static compile would too.
             if isinstance(outcome, NotCompiled) and not outcome.eager_raised and outcome.compiler_error is None:
                 family.dynamic_failed = outcome.reason
@@ -544,6 +549,16 @@ _tokens = itertools.count()
 _by_token: dict[int, Override] = {}
 _installed: dict[tuple[OpOverload, str], Override] = {}
 _handler_set = False
+
+
+# Entry key -> the dynamic kernel a prewarm worker compiles under it (see
+# plan()): a fresh process has not seen the shapes that chose it.
+_planned: dict[str, ShapeFamily] = {}
+
+
+def plan(key: str, family: ShapeFamily) -> None:
+    """A miss whose kernel of ``family`` has the entry ``key`` compiles that kernel."""
+    _planned[key] = family
 
 
 # Per thread: how deep it is in misses_held_back().

@@ -59,7 +59,7 @@ def _when(timestamp: float) -> str:
 
 
 def _listing_json(listing: inventory.Listing) -> dict[str, Any]:
-    from aoti_eager.kernels.dynamic import ShapeFamily
+    from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily
     from aoti_eager.kernels.signature import short_form
 
     meta = listing.metadata()
@@ -67,6 +67,8 @@ def _listing_json(listing: inventory.Listing) -> dict[str, Any]:
         # A dynamic-shape kernel shows its symbols where its sizes move.
         dynamic = meta.get("dynamic")
         signature = ShapeFamily.from_json(dynamic).short(meta["signature"]) if dynamic else short_form(meta["signature"])
+    except NotDynamic as e:
+        signature = f"{short_form(meta['signature'])} (unused: {e})"
     except (KeyError, TypeError, ValueError):
         signature = "(unreadable entry.json)"
     return {

@@ -12,12 +12,13 @@ entry already in the file is not written again.
 
 A call that needs a dynamic-shape kernel (kernels/dynamic.py) is recorded
 with the kernel's entry key and ``dynamic``: the dims that moved, for each
-tensor argument, and the smallest and largest size of each among the shapes
+tensor argument, the smallest and largest size of each among the shapes
 of its family that the recording process had seen (one ``[min, max]`` per
-dim, in ``dims`` order)::
+dim, in ``dims`` order), and whether it is a general kernel (every dim moves,
+strides read at run time)::
 
     {"op": "aten::add.Tensor", "device": "cpu", "key": "9b1e...-04d2...", "signature": [...],
-     "dynamic": {"dims": [[0], []], "seen": [[5, 9]]}}
+     "dynamic": {"dims": [[0], []], "seen": [[5, 9]], "general": false}}
 
 Further shapes that kernel would serve are not recorded; a later widening
 (another dim moves) is an entry of its own.
@@ -43,7 +44,7 @@ class ManifestEntry:
     device: str  # the device type: "cpu" or "cuda"
     key: str
     signature: list[dict[str, Any]]
-    # A dynamic-shape kernel's {"dims", "seen"} (see above); None: the signature's own kernel.
+    # A dynamic-shape kernel's {"dims", "seen", "general"} (see above); None: the signature's own kernel.
     dynamic: dict[str, Any] | None = None
 
     @property

@@ -92,13 +92,7 @@ bool add_tensor(const at::Tensor& t, KeyBuilder& builder) {
   for (size_t d = 0; d < sizes.size(); ++d) {
     key.words.push_back(d < 64 && (dynamic >> d) & 1 ? kAnySize : sizes[d]);
   }
-  if (dynamic != 0) {
-    // Its strides follow from its sizes: a dynamic kernel was compiled for
-    // contiguous tensors of any size.
-    if (!t.is_contiguous()) {
-      return false;
-    }
-  } else {
+  if (dynamic == 0) {
     // A size-1 dim's stride never moves through memory, and views give it
     // any value: kernels are keyed on the strides that step (as
     // kernels/signature.py's TensorArg is).
@@ -239,6 +233,46 @@ bool ShapeGuards::admit(const KeyedTensors& tensors) const {
       return false;
     }
     value = size;
+  }
+  const auto count = static_cast<int64_t>(tensors.size());
+  for (const Stride& rule : strides) {
+    if (rule.tensor >= count || rule.dim >= tensors[rule.tensor]->dim()) {
+      return false;
+    }
+    const at::Tensor& t = *tensors[rule.tensor];
+    if (t.sizes()[rule.dim] == 1) {
+      continue; // its index is always 0
+    }
+    int64_t expected = rule.scale;
+    for (const auto& [tensor, dim] : rule.factors) {
+      if (tensor >= count || dim >= tensors[tensor]->dim()) {
+        return false;
+      }
+      expected *= tensors[tensor]->sizes()[dim];
+    }
+    if (t.strides()[rule.dim] != expected) {
+      return false;
+    }
+  }
+  for (const Order& order : orders) {
+    if (order.tensor >= count) {
+      return false;
+    }
+    const at::Tensor& t = *tensors[order.tensor];
+    int64_t outer = std::numeric_limits<int64_t>::max();
+    for (int64_t d : order.dims) {
+      if (d >= t.dim()) {
+        return false;
+      }
+      const int64_t stride = t.strides()[d];
+      if (t.sizes()[d] == 1 || stride == 0) {
+        continue;
+      }
+      if (stride >= outer) {
+        return false;
+      }
+      outer = stride;
+    }
   }
   for (const at::Tensor* t : tensors) {
     if (t->numel() > kMaxNumel) {

@@ -42,8 +42,8 @@ using KeyedTensors = c10::SmallVector<const at::Tensor*, 8>;
 // entry hashes: the Keys section of kernels/signature.py.
 //
 // With `dynamic`, the key of a dynamic kernel's family: each dynamic dim's
-// size is left out, and a tensor with one has no strides in the key but must
-// be contiguous (false otherwise); `tensors` receives the tensor arguments.
+// size is left out, and so are the strides of a tensor with one (its kernel's
+// ShapeGuards check them); `tensors` receives the tensor arguments.
 bool compute_call_key(
     c10::ArrayRef<c10::IValue> args,
     bool mutates,
@@ -54,7 +54,9 @@ bool compute_call_key(
 // What a dynamic kernel was compiled for beyond its family's key, as
 // torch.export recorded it (kernels/dynamic.py builds them): each dynamic dim
 // is either one of the kernel's symbols, within the symbol's range, with dims
-// of one symbol equal, or a size export specialized it to.
+// of one symbol equal, or a size export specialized it to; each stride of a
+// tensor with a dynamic dim is a product of sizes, or read at run time from
+// a tensor whose dims step through memory in the order it was compiled for.
 struct ShapeGuards {
   struct Dim {
     int64_t tensor;
@@ -62,8 +64,22 @@ struct ShapeGuards {
     int64_t symbol; // < 0: the dim must be `size`
     int64_t size;
   };
+  // Unless the dim's size is 1: its stride is `scale` times the sizes of `factors`.
+  struct Stride {
+    int64_t tensor;
+    int64_t dim;
+    int64_t scale;
+    c10::SmallVector<std::pair<int64_t, int64_t>, 2> factors; // (tensor, dim)
+  };
+  // The tensor's dims of size > 1 and stride > 0 have falling strides in `dims`' order.
+  struct Order {
+    int64_t tensor;
+    c10::SmallVector<int64_t, 4> dims;
+  };
   std::vector<Dim> dims;
   std::vector<std::pair<int64_t, int64_t>> ranges; // per symbol: [min, max]
+  std::vector<Stride> strides;
+  std::vector<Order> orders;
   // Kernels index their dynamic tensors with 32-bit math up to this many elements.
   static constexpr int64_t kMaxNumel = (int64_t{1} << 31) - 1;
 

@@ -189,8 +189,13 @@ std::optional<OpOverride::Entry> OpOverride::lookup_dynamic(
       continue;
     }
     auto it = family.kernels.find(key);
-    if (it != family.kernels.end() && it->second.guards.admit(tensors)) {
-      return Entry{it->second.kernel};
+    if (it == family.kernels.end()) {
+      continue;
+    }
+    for (const DynamicEntry& entry : it->second) {
+      if (entry.guards.admit(tensors)) {
+        return Entry{entry.kernel};
+      }
     }
   }
   return std::nullopt;
@@ -216,6 +221,18 @@ void OpOverride::add_dynamic(
         "aoti_eager: a dynamic kernel's guard names symbol ", symbol, " of ", guards.ranges.size());
     guards.dims.push_back({tensor, d, symbol, size});
   }
+  for (auto rule : dynamic.attr("strides")) {
+    auto [tensor, d, scale, factors] = rule.cast<std::tuple<int64_t, int64_t, int64_t, py::tuple>>();
+    ShapeGuards::Stride stride{tensor, d, scale, {}};
+    for (auto factor : factors) {
+      stride.factors.push_back(factor.cast<std::pair<int64_t, int64_t>>());
+    }
+    guards.strides.push_back(std::move(stride));
+  }
+  for (auto item : dynamic.attr("orders")) {
+    auto [tensor, dims_in_order] = item.cast<std::pair<int64_t, std::vector<int64_t>>>();
+    guards.orders.push_back({tensor, {dims_in_order.begin(), dims_in_order.end()}});
+  }
   CallKey key;
   KeyedTensors tensors;
   if (!compute_call_key(args, mutates_, key, &dims, &tensors) || !guards.admit(tensors)) {
@@ -239,7 +256,13 @@ void OpOverride::add_dynamic(
             [&](size_t n, const Family& f) { return n < dynamic_dims(f.dims); }),
         Family{dims, {}});
   }
-  family->kernels.insert_or_assign(key, DynamicEntry{std::move(kernel), std::move(guards)});
+  // Newest first: a kernel compiled after another of its key was not admitted there.
+  auto& entries = family->kernels[key];
+  auto same = std::remove_if(entries.begin(), entries.end(), [&](const DynamicEntry& e) {
+    return e.kernel == kernel;
+  });
+  entries.erase(same, entries.end());
+  entries.insert(entries.begin(), DynamicEntry{std::move(kernel), std::move(guards)});
   has_families_.store(true, std::memory_order_release);
 }
 

@@ -67,14 +67,15 @@ class OpOverride : public std::enable_shared_from_this<OpOverride> {
   };
 
   // Dynamic kernels whose dynamic dims are the same: keyed by the family key
-  // (compute_call_key with `dims`), each with the guards it was compiled for.
+  // (compute_call_key with `dims`), each with the guards it was compiled for
+  // (one key may hold kernels of several layouts).
   struct DynamicEntry {
     std::shared_ptr<const CompiledKernel> kernel; // null: the family runs eagerly
     ShapeGuards guards;
   };
   struct Family {
     DynamicDims dims;
-    std::unordered_map<CallKey, DynamicEntry, CallKeyHash> kernels;
+    std::unordered_map<CallKey, c10::SmallVector<DynamicEntry, 1>, CallKeyHash> kernels;
   };
 
   void run_original(

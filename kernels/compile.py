@@ -8,6 +8,8 @@ ops stay mutating: the library writes into the given tensors.
 
 from __future__ import annotations
 
+import contextlib
+
 import shutil
 import subprocess
 import tempfile
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.fx.experimental import _config as fx_config
 
 from aoti_eager.cache.store import LIBRARY_FILE
 from aoti_eager.kernels import scratch
@@ -85,6 +88,7 @@ class Artifact:
     # Of a dynamic-shape compile: the exported program's input shapes (kernel
     # input order; symbolic sizes as SymInts) and its range constraints.
     input_shapes: list[tuple[Any, ...]] = field(default_factory=list)
+    input_strides: list[tuple[Any, ...]] = field(default_factory=list)
     range_constraints: dict[Any, Any] = field(default_factory=dict)
 
 
@@ -202,6 +206,17 @@ def _dynamic_options(signature: CallSignature, dynamic_shapes: tuple[Any, ...] |
     return {"cpp.dynamic_threads": True}
 
 
+def _size_oblivious(dynamic: bool) -> Any:
+    """A dynamic-shape kernel is traced and lowered with sizes 0 and 1
+    size-oblivious: its code does not branch on them, so one kernel also serves a batch of
+    one (kernels/dynamic.py admits 1 only where a check at 1 agreed with
+    eager). Without it, export fixes every dim that is 1 in a later call's
+    family to a kernel of its own."""
+    if not dynamic:
+        return contextlib.nullcontext()
+    return fx_config.patch(backed_size_oblivious=True)
+
+
 def compile_call(
     signature: CallSignature,
     eager_result: Any,
@@ -234,7 +249,7 @@ def compile_call(
     seconds: dict[str, float] = {}
     stage = "torch.export"
     try:
-        with warnings.catch_warnings(), scratch.compiling():
+        with warnings.catch_warnings(), scratch.compiling(), _size_oblivious(dynamic_shapes is not None):
             # Deprecation notices from PyTorch internals are not the user's concern.
             warnings.simplefilter("ignore")
             start = time.perf_counter()
@@ -265,6 +280,7 @@ def compile_call(
     if dynamic_shapes is not None:
         inputs = {node.name: node for node in exported.graph.nodes if node.op == "placeholder"}
         artifact.input_shapes = [tuple(inputs[name].meta["val"].shape) for name in exported.graph_signature.user_inputs]
+        artifact.input_strides = [tuple(inputs[name].meta["val"].stride()) for name in exported.graph_signature.user_inputs]
         artifact.range_constraints = dict(exported.range_constraints)
     return artifact
 

@@ -1,21 +1,27 @@
 """Dynamic-shape kernels: one kernel for every size of the dims that move.
 
-Calls of one op that differ only in tensor sizes are one *shape family*
-(:func:`family_key`: the same op, dtypes, devices, ranks, contiguity,
-alignment and other arguments). The first shape of a family compiles a static
-kernel. When a second shape arrives, the dims that changed are compiled as
-symbols (``torch.export`` with ``Dim.DYNAMIC``) into one kernel that serves
-every later shape its guards admit; a shape that differs in a further dim
-widens the kernel.
+Calls of one op that differ only in tensor sizes and strides are one *shape
+family* (:func:`family_key`: the same op, dtypes, devices, ranks, order of
+dims in memory (:func:`layout_order`), alignment and other arguments). The
+first shape of a family compiles a static kernel. When a second shape
+arrives, the dims that changed are compiled as symbols (``torch.export`` with
+``Dim.DYNAMIC``) into one kernel that serves every later shape its guards
+admit. A shape that kernel does not admit widens it, once: a *general*
+kernel, every dim a symbol and every stride but the innermost read at run
+time, serves the family's every shape its guards admit (a model's linear
+layers of every width, a slice of a batch and the batch itself).
 
 A dynamic kernel's guards are what the exported program says of its inputs
-(:class:`ShapeFamily`): each dynamic dim is a symbol within its range
-(export specializes sizes 0 and 1, so ranges start at 2), dims of one symbol
-are equal (``mm``'s inner dims, ``add``'s broadcast dims), and a dim export
-specialized stays that size. Tensors with a dynamic dim must be contiguous;
-every tensor has fewer than 2**31 elements. The C++ hit path
-(``ShapeGuards::admit`` in csrc/call_key.cpp) and :meth:`ShapeFamily.admits`
-check the same: a call is never run by a kernel that was not compiled for it.
+(:class:`ShapeFamily`): each dynamic dim is a symbol within its range, dims of
+one symbol are equal (``mm``'s inner dims, ``add``'s broadcast dims), a dim
+export specialized stays that size, and each stride of a tensor with a
+dynamic dim is the product of sizes export derived it from, or is read at run
+time in the order the kernel was compiled for; every tensor has fewer than
+2**31 elements. Sizes 0 and 1 are traced size-obliviously (the kernel's code
+does not branch on them) and admitted from 1 up where a check at 1 agreed with
+eager. The C++ hit path (``ShapeGuards::admit`` in csrc/call_key.cpp) and
+:meth:`ShapeFamily.admits` check the same: a call is never run by a kernel
+that was not compiled for it.
 
 Example::
 
@@ -66,26 +72,33 @@ def tensor_args(signature: CallSignature) -> list[TensorArg]:
     return [t for d in signature.described for t in _tensors_in(d)]
 
 
-def is_contiguous(t: TensorArg) -> bool:
-    """Whether ``t``'s strides are those of a contiguous tensor of its sizes, as torch counts them."""
-    if 0 in t.sizes:
-        return True
-    expected = 1
-    for size, stride in reversed(list(zip(t.sizes, t.strides))):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
+def layout_order(sizes: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, ...]:
+    """The dims outermost first: those that step through memory (size above 1,
+    stride above 0) by stride, largest first; each other dim (its index is
+    always 0, or it repeats) just before the first stepping dim of a greater
+    index. A contiguous tensor's order is its dims', and so is a batch
+    expanded from one row's, or a slice of a batch.
+
+        >>> layout_order((4, 8), (8, 1)), layout_order((4, 8), (0, 1)), layout_order((8, 4), (1, 8))
+        ((0, 1), (0, 1), (1, 0))
+    """
+    stepping = sorted((d for d, (n, s) in enumerate(zip(sizes, strides)) if n != 1 and s != 0), key=lambda d: (-strides[d], d))
+    order: list[int] = []
+    for other in sorted(set(range(len(sizes))) - set(stepping)):
+        while stepping and stepping[0] < other:
+            order.append(stepping.pop(0))
+        order.append(other)
+    return tuple(order + stepping)
 
 
 def _form(described: Any, dims: Iterator[tuple[int, ...]] | None) -> Any:
     """One argument as a family key hashes it: a tensor by its dtype, device,
-    rank, contiguity and alignment, and its sizes and strides where ``dims``
+    rank, layout order and alignment, and its sizes and strides where ``dims``
     does not make them dynamic; None for all sizes."""
     if isinstance(described, TensorArg):
         dynamic = set(next(dims, ())) if dims is not None else None
         form = {"kind": "tensor", "dtype": described.dtype, "device": described.device, "rank": len(described.sizes),
-                "contiguous": is_contiguous(described), "aligned": described.aligned}
+                "order": list(layout_order(described.sizes, described.strides)), "aligned": described.aligned}
         if dynamic is not None:
             form["sizes"] = [None if d in dynamic else n for d, n in enumerate(described.sizes)]
             if not dynamic:
@@ -97,7 +110,8 @@ def _form(described: Any, dims: Iterator[tuple[int, ...]] | None) -> Any:
 
 
 def family_key(signature: CallSignature) -> str:
-    """What calls of one shape family share: everything but tensor sizes and strides."""
+    """What calls of one shape family share: everything but tensor sizes and
+    strides (of these, only the order of dims in memory)."""
     return _digest([str(signature.op._schema), [_form(d, None) for d in signature.described]])
 
 
@@ -113,6 +127,14 @@ def changed_dims(signature: CallSignature, seen: list[list[tuple[int, ...]]]) ->
     return tuple(tuple(sorted(c)) for c in changed)
 
 
+# An entry's "dynamic" JSON of another format is not read: its guards meant something else.
+FORMAT = 2
+
+# ``(tensor, dim, scale, factors)``: the stride of a dim is ``scale`` times the
+# sizes of ``factors``, each a ``(tensor, dim)``.
+StrideRule = tuple[int, int, int, tuple[tuple[int, int], ...]]
+
+
 @dataclass(frozen=True)
 class ShapeFamily:
     """The dims a kernel takes at any size, and its guards.
@@ -121,17 +143,32 @@ class ShapeFamily:
     dynamic dims. ``guards``: ``(tensor, dim, symbol, size)`` for each dynamic
     dim, with ``symbol`` an index into ``ranges``, or -1 where export
     specialized the dim to ``size``. ``ranges``: ``(min, max)`` of each symbol.
+    ``strides``: a :data:`StrideRule` for each stride of a tensor with a
+    dynamic dim that export derived from sizes (or fixed); a dim of size 1
+    passes any. ``orders``: ``(tensor, dims)`` for each tensor with strides
+    the kernel reads at run time: its stepping dims must come in the order of
+    ``dims``, outermost first, as in the tensor it was compiled for.
+    ``general``: compiled with every dim a symbol and every stride but the
+    innermost read at run time (see :meth:`example`).
     """
 
     dims: tuple[tuple[int, ...], ...]
     guards: tuple[tuple[int, int, int, int], ...] = ()
     ranges: tuple[tuple[int, int], ...] = ()
+    strides: tuple[StrideRule, ...] = ()
+    orders: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    general: bool = False
 
     @classmethod
     def any_shape(cls, signature: CallSignature) -> "ShapeFamily":
         """Every dim of every tensor dynamic, unguarded: the whole family of
-        ``signature`` (its contiguous tensors), for a decision that holds for all of it."""
+        ``signature``, for a decision that holds for all of it."""
         return cls(tuple(tuple(range(len(t.sizes))) for t in tensor_args(signature)))
+
+    @classmethod
+    def general_for(cls, signature: CallSignature) -> "ShapeFamily":
+        """The general kernel of ``signature``'s family (not yet compiled)."""
+        return replace(cls.any_shape(signature), general=True)
 
     @property
     def dim_bits(self) -> list[int]:
@@ -140,20 +177,20 @@ class ShapeFamily:
 
     def entry_key(self, signature: CallSignature) -> str | None:
         """The cache key of this family's kernel for calls like ``signature``:
-        its family key, then the digest of what the kernel fixes; None where a
-        tensor with a dynamic dim is not contiguous."""
-        tensors = tensor_args(signature)
-        if len(tensors) != len(self.dims):
-            return None
-        if any(dims and not is_contiguous(t) for t, dims in zip(tensors, self.dims)):
+        its family key, then the digest of what the kernel fixes; None where
+        the call has another number of tensors."""
+        if len(tensor_args(signature)) != len(self.dims):
             return None
         fixed = iter(self.dims)
-        form = [str(signature.op._schema), [_form(d, fixed) for d in signature.described]]
+        form = [str(signature.op._schema), [_form(d, fixed) for d in signature.described], self.general]
         return f"{family_key(signature)}-{_digest(form)[:16]}"
 
     def symbol_values(self, signature: CallSignature) -> dict[int, int] | None:
         """Each symbol's size in ``signature``, or None where the guards do not admit it."""
-        return self.symbol_values_of_sizes([t.sizes for t in tensor_args(signature)])
+        tensors = tensor_args(signature)
+        if not self.layout_admitted(tensors):
+            return None
+        return self.symbol_values_of_sizes([t.sizes for t in tensors])
 
     def symbol_values_of_sizes(self, sizes: list[tuple[int, ...]]) -> dict[int, int] | None:
         """Each symbol's size for a call whose tensors have ``sizes``, or None where the guards do not admit it."""
@@ -171,24 +208,83 @@ class ShapeFamily:
             return None
         return values
 
+    def layout_admitted(self, tensors: list[TensorArg]) -> bool:
+        """Whether ``tensors`` (:func:`tensor_args`) have the strides the kernel takes."""
+        for tensor, dim, scale, factors in self.strides:
+            t = tensors[tensor]
+            if t.sizes[dim] != 1 and t.strides[dim] != scale * math.prod(tensors[f].sizes[d] for f, d in factors):
+                return False
+        for tensor, order in self.orders:
+            t = tensors[tensor]
+            stepping = [t.strides[d] for d in order if t.sizes[d] != 1 and t.strides[d] != 0]
+            if any(outer <= inner for outer, inner in zip(stepping, stepping[1:])):
+                return False
+        return True
+
     def admits(self, signature: CallSignature, entry_key: str) -> bool:
         """Whether the kernel published under ``entry_key`` was compiled for ``signature``."""
         return self.entry_key(signature) == entry_key and self.symbol_values(signature) is not None
 
     def export_shapes(self, signature: CallSignature) -> tuple[Any, ...]:
-        """``dynamic_shapes`` for exporting the call's kernel inputs (flat_tensor_inputs order)."""
-        dims = iter(self.dims)
-        return (tuple(
-            {d: torch.export.Dim.DYNAMIC for d in next(dims)} or None if is_tensor else None
-            for is_tensor in _flat_kinds(signature)
-        ),)
+        """``dynamic_shapes`` for exporting the call's kernel inputs
+        (flat_tensor_inputs order). A dim of size 1 there stays 1: traced
+        size-obliviously, a symbol would not broadcast."""
+        dims, tensors = iter(self.dims), iter(tensor_args(signature))
 
-    def with_guards(self, signature: CallSignature, exported_shapes: list[tuple[Any, ...]], ranges: dict[Any, Any]) -> "ShapeFamily":
-        """This family with the guards of the exported program whose input
-        shapes (flat_tensor_inputs order) are ``exported_shapes`` and whose
-        range constraints are ``ranges``. Raises NotDynamic."""
-        shapes = [shape for shape, d in zip(exported_shapes, _flat_kinds(signature)) if d]
+        def shape() -> dict[int, Any] | None:
+            sizes = next(tensors).sizes
+            return {d: torch.export.Dim.DYNAMIC for d in next(dims) if sizes[d] > 1} or None
+
+        return (tuple(shape() if is_tensor else None for is_tensor in _flat_kinds(signature)),)
+
+    def examples(self, signature: CallSignature) -> list[CallSignature | None]:
+        """The calls a kernel of this family is exported from, the first that
+        exports: ``signature``'s; for a general kernel, two of :meth:`example`:
+        its size-1 dims at 2, where export would fix a 1, then at 1, where a
+        1 broadcasts."""
+        return [self.example(signature), self.example(signature, grow=False)] if self.general else [signature]
+
+    def example(self, signature: CallSignature, grow: bool = True) -> CallSignature | None:
+        """``signature``'s call for exporting a general kernel: its tensors at
+        sizes of at least 2 (with ``grow``) with their values broadcast in,
+        and every tensor the op does not write padded after each step of
+        every dim but the innermost, so that export reads those strides at
+        run time. None where a tensor is empty."""
+        written = {i for i, a in enumerate(signature.op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
+        taken = {2 if n == 1 and grow else n for t in tensor_args(signature) for n in t.sizes}
+
+        def rebuild(value: Any, described: Any, write: bool) -> Any:
+            if isinstance(described, TensorArg):
+                sizes = tuple(2 if n == 1 and grow else n for n in described.sizes)
+                order = layout_order(described.sizes, described.strides)
+                strides = _strides_for(sizes, order, {}, pad=not write, taken=taken)
+                tensor = example_tensor(replace(described, sizes=sizes, strides=strides), value.device)
+                with torch.no_grad():
+                    tensor.copy_(value.expand(sizes))
+                return tensor
+            if isinstance(described, ListArg):
+                return [rebuild(v, d, write) for v, d in zip(value, described.items)]
+            return value
+
+        if any(0 in t.sizes for t in tensor_args(signature)):
+            return None
+        args = [rebuild(v, d, i in written) for i, (v, d) in enumerate(zip(signature.args, signature.described))]
+        return _rebuilt(signature, args)
+
+    def with_guards(
+        self, signature: CallSignature, exported_shapes: list[tuple[Any, ...]], exported_strides: list[tuple[Any, ...]],
+        ranges: dict[Any, Any],
+    ) -> "ShapeFamily":
+        """This family with the guards of the program exported from
+        ``signature`` (:meth:`example`) whose input shapes and strides
+        (flat_tensor_inputs order) are ``exported_shapes`` and
+        ``exported_strides`` and whose range constraints are ``ranges``.
+        Raises NotDynamic."""
+        kinds = _flat_kinds(signature)
+        shapes = [shape for shape, d in zip(exported_shapes, kinds) if d]
+        all_strides = [strides for strides, d in zip(exported_strides, kinds) if d]
         symbols: dict[Any, int] = {}
+        where: dict[Any, tuple[int, int]] = {}  # a symbol -> a dim of its size
         guards = []
         for tensor, (dims, shape) in enumerate(zip(self.dims, shapes)):
             for dim in dims:
@@ -197,18 +293,39 @@ class ShapeFamily:
                     guards.append((tensor, dim, -1, size))
                 elif isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
                     symbol = symbols.setdefault(size.node.expr, len(symbols))
+                    where.setdefault(size.node.expr, (tensor, dim))
                     guards.append((tensor, dim, symbol, 0))
                 else:
                     raise NotDynamic(f"export gave dim {dim} of tensor {tensor} as {size}")
             if any(not isinstance(n, int) for d, n in enumerate(shape) if d not in dims):
                 raise NotDynamic(f"export made a fixed dim of tensor {tensor} symbolic")
+        rules, orders, read = [], [], set()
+        for tensor, (dims, strides, described) in enumerate(zip(self.dims, all_strides, tensor_args(signature))):
+            if not dims:
+                continue  # its strides are in the key
+            free = False
+            for dim, stride in enumerate(strides):
+                rule = _stride_rule(stride, where)
+                if rule is not None:
+                    rules.append((tensor, dim, *rule))
+                elif stride.node.expr in read:
+                    raise NotDynamic(f"export gave two inputs one stride ({stride})")
+                else:
+                    read.add(stride.node.expr)
+                    free = True
+            if free:
+                orders.append((tensor, layout_order(described.sizes, described.strides)))
         bounds = []
         for symbol in symbols:
             vr = ranges.get(symbol)
             if vr is None:
                 raise NotDynamic(f"no range for {symbol}")
             bounds.append((max(_bound(vr.lower), 0), _bound(vr.upper)))
-        return replace(self, guards=tuple(guards), ranges=tuple(bounds))
+        return replace(self, guards=tuple(guards), ranges=tuple(bounds), strides=tuple(rules), orders=tuple(orders))
+
+    def from_size(self, lows: list[int]) -> "ShapeFamily":
+        """This family with each symbol admitted from ``lows``' size up."""
+        return replace(self, ranges=tuple((max(low, old), high) for low, (old, high) in zip(lows, self.ranges)))
 
     def resized(self, signature: CallSignature, values: dict[int, int]) -> CallSignature | None:
         """``signature``'s call with each symbol at ``values``' size (see :meth:`_with_sizes`)."""
@@ -217,10 +334,13 @@ class ShapeFamily:
 
     def _with_sizes(self, signature: CallSignature, sizes: dict[tuple[int, int], int]) -> CallSignature | None:
         """``signature``'s call with dim ``dim`` of its tensor ``tensor`` at
-        ``sizes[tensor, dim]``: new contiguous tensors where a dim is dynamic,
-        with its alignment (random values, as
+        ``sizes[tensor, dim]``: new tensors where a dim is dynamic, with the
+        strides the kernel takes (before export: the call's order, broadcast
+        dims and padding), and its alignment (random values, as
         :func:`~aoti_eager.kernels.examples.example_tensor` makes them); None
         for a call that cannot be rebuilt."""
+        own = tensor_args(signature)
+        shapes = [tuple(sizes.get((i, d), n) for d, n in enumerate(t.sizes)) for i, t in enumerate(own)]
         counter = iter(range(len(self.dims)))
 
         def rebuild(value: Any, described: Any) -> Any:
@@ -228,21 +348,31 @@ class ShapeFamily:
                 index = next(counter)
                 if not self.dims[index]:
                     return clone_exact(value)
-                shape = [sizes.get((index, d), n) for d, n in enumerate(described.sizes)]
-                strides = torch.empty(shape, device="meta").stride()
-                return example_tensor(replace(described, sizes=tuple(shape), strides=strides), value.device)
+                order = layout_order(described.sizes, described.strides)
+                if self.strides or self.orders:
+                    rules = {dim: scale * math.prod(shapes[t][d] for t, d in factors)
+                             for tensor, dim, scale, factors in self.strides if tensor == index}
+                    strides = _strides_for(shapes[index], order, rules, pad=True)
+                else:  # before export: as the call has them
+                    rules = {d: 0 for d, (n, s) in enumerate(zip(described.sizes, described.strides)) if n != 1 and s == 0}
+                    dense = _strides_for(described.sizes, order, rules, pad=False)
+                    padded = any(n != 1 and s != d for n, s, d in zip(described.sizes, described.strides, dense))
+                    strides = _strides_for(shapes[index], order, rules, pad=padded)
+                tensor = example_tensor(replace(described, sizes=shapes[index], strides=strides), value.device)
+                if not (tensor.is_floating_point() or tensor.is_complex()) and value.numel() and tensor.numel():
+                    # Its own values, over and over: indices stay in their tables' range.
+                    with torch.no_grad():
+                        flat = value.reshape(-1)
+                        tensor.copy_(flat[torch.arange(tensor.numel(), device=flat.device) % flat.numel()].view(tensor.shape))
+                return tensor
             if isinstance(described, ListArg):
                 return [rebuild(v, d) for v, d in zip(value, described.items)]
             return value
 
         try:
-            args = [rebuild(v, d) for v, d in zip(signature.args, signature.described)]
-            fresh = CallSignature.of(signature.op, signature.device.type, args)
+            return _rebuilt(signature, [rebuild(v, d) for v, d in zip(signature.args, signature.described)])
         except Exception:  # noqa: BLE001 - a call that cannot be rebuilt is not checked
             return None
-        # The tensors as they are now; every other argument as the kernel takes it.
-        described = tuple(f if isinstance(f, (TensorArg, ListArg)) else d for f, d in zip(fresh.described, signature.described))
-        return replace(signature, args=tuple(args), described=described)
 
     def size_span(self, signature: CallSignature, seen: list[list[tuple[int, ...]]]) -> list[list[int]]:
         """``[smallest, largest]`` size of each dynamic dim (``dims`` order,
@@ -294,13 +424,21 @@ class ShapeFamily:
         return values
 
     def to_json(self) -> dict[str, Any]:
-        return {"dims": [list(d) for d in self.dims], "guards": [list(g) for g in self.guards],
-                "ranges": [list(r) for r in self.ranges]}
+        return {"format": FORMAT, "dims": [list(d) for d in self.dims], "guards": [list(g) for g in self.guards],
+                "ranges": [list(r) for r in self.ranges],
+                "strides": [[t, d, scale, [list(f) for f in factors]] for t, d, scale, factors in self.strides],
+                "orders": [[t, list(order)] for t, order in self.orders], "general": self.general}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "ShapeFamily":
-        return cls(tuple(tuple(d) for d in data["dims"]), tuple(tuple(g) for g in data["guards"]),
-                   tuple(tuple(r) for r in data["ranges"]))
+        """The family ``to_json`` gave. Raises NotDynamic for another format."""
+        if data.get("format") != FORMAT:
+            raise NotDynamic(f"a dynamic entry of format {data.get('format')}, not {FORMAT}")
+        return cls(
+            tuple(tuple(d) for d in data["dims"]), tuple(tuple(g) for g in data["guards"]), tuple(tuple(r) for r in data["ranges"]),
+            tuple((t, d, scale, tuple(tuple(f) for f in factors)) for t, d, scale, factors in data["strides"]),
+            tuple((t, tuple(order)) for t, order in data["orders"]), data["general"],
+        )
 
     def short(self, signature: list[dict[str, Any]]) -> str:
         """``signature`` (as an entry keeps it) with this kernel's symbols for
@@ -319,6 +457,66 @@ class ShapeFamily:
 
         ranges = [f"s{i} in [{low}, {'inf' if high >= UNBOUNDED else high}]" for i, (low, high) in enumerate(self.ranges)]
         return "; ".join([", ".join(f"{d['name']}={form(d)}" for d in signature), *ranges])
+
+
+def _strides_for(
+    sizes: tuple[int, ...], order: tuple[int, ...], rules: dict[int, int], pad: bool, taken: set[int] | None = None
+) -> tuple[int, ...]:
+    """Strides that lay ``sizes`` out in ``order`` (outermost first), each
+    dim's from ``rules`` where it has one, the others dense after the dims
+    inside them; with ``pad``, some padding after each step of every dim but
+    the innermost (export then reads the stride at run time), at least one
+    element and enough that the stride is none of ``taken`` (export would
+    take two inputs' equal strides, or a stride equal to a size, for one
+    symbol), which receives it.
+
+        >>> _strides_for((4, 8), (0, 1), {}, pad=False), _strides_for((4, 8), (0, 1), {0: 0}, pad=False), _strides_for((4, 8), (0, 1), {}, pad=True)
+        ((8, 1), (0, 1), (9, 1))
+    """
+    strides = [0] * len(sizes)
+    step = 1
+    for i, d in enumerate(reversed(order)):
+        stride = rules.get(d, step)
+        if pad and i and d not in rules:
+            stride += 1
+            while taken is not None and stride in taken:
+                stride += 1
+            if taken is not None:
+                taken.add(stride)
+        strides[d] = stride
+        step = max(step, stride * max(sizes[d], 1))
+    return tuple(strides)
+
+
+def _stride_rule(stride: Any, where: dict[Any, tuple[int, int]]) -> tuple[int, tuple[tuple[int, int], ...]] | None:
+    """An exported input's stride as ``(scale, factors)`` (see
+    :data:`StrideRule`); None for a stride the kernel reads at run time (a
+    symbol of its own). Raises NotDynamic for any other expression."""
+    if isinstance(stride, int):
+        return stride, ()
+    expr = stride.node.expr
+    if isinstance(expr, sympy.Symbol) and expr not in where:
+        return None
+    scale, rest = expr.as_coeff_Mul()
+    factors: list[tuple[int, int]] = []
+    for factor in sympy.Mul.make_args(rest):
+        if factor == 1:
+            continue
+        base, exponent = factor.as_base_exp()
+        if base not in where or not exponent.is_Integer or exponent < 1:
+            raise NotDynamic(f"export gave a stride as {expr}")
+        factors += [where[base]] * int(exponent)
+    if not scale.is_Integer:
+        raise NotDynamic(f"export gave a stride as {expr}")
+    return int(scale), tuple(factors)
+
+
+def _rebuilt(signature: CallSignature, args: list[Any]) -> CallSignature:
+    """``signature`` with ``args``: its tensors described as they are now, every
+    other argument as the kernel takes it (a runtime number stays one)."""
+    fresh = CallSignature.of(signature.op, signature.device.type, args)
+    described = tuple(f if isinstance(f, (TensorArg, ListArg)) else d for f, d in zip(fresh.described, signature.described))
+    return replace(signature, args=tuple(args), described=described)
 
 
 def _bound(value: Any) -> int:

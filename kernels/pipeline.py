@@ -91,8 +91,9 @@ def compile_signature(
     compiles the shape statically instead."""
     name = qualified_name(op)
     key = signature.key if family is None else family.entry_key(signature)
-    if key is None:
-        return NotCompiled("a tensor with a dynamic dim is not contiguous")
+    examples = [signature] if family is None else [e for e in family.examples(signature) if e is not None]
+    if key is None or not examples:
+        return NotCompiled("no dynamic-shape kernel for calls like this one")
     reference_args = clone_args(signature.args)
     try:
         expected = call_op(op, reference_args)
@@ -103,12 +104,7 @@ def compile_signature(
         store.remove(name, key)
     start = time.perf_counter()
     try:
-        artifact = compile_call(
-            signature, expected, compile_options(signature.device.type), shared_dir=store.shared_directory(),
-            vec_isas=usable_vec_isas(), dynamic_shapes=family.export_shapes(signature) if family else None,
-        )
-        if family is not None:
-            family = family.with_guards(signature, artifact.input_shapes, artifact.range_constraints)
+        artifact, family = _compile(examples, signature, expected, store, family)
     except (CompileError, NotDynamic) as e:
         log.debug("aoti_eager: compiling %s failed", name, exc_info=e.__cause__)
         said = getattr(e, "compiler_error", None)
@@ -126,8 +122,10 @@ def compile_signature(
                 other = signature.with_other_numbers()
                 other_reference = clone_args(other.args)
                 check_matches_eager(kernel, other, op, other_reference, call_op(op, other_reference))
-            if family is not None and not _check_other_shapes(kernel, op, signature, family, seen or []):
-                return NotCompiled("dynamic kernel: eager takes none of its further shapes, so it cannot be checked")
+            if family is not None:
+                checked, family = _check_other_shapes(kernel, op, signature, family, seen or [])
+                if not checked:
+                    return NotCompiled("dynamic kernel: eager takes none of its further shapes, so it cannot be checked")
         except Exception as e:  # noqa: BLE001
             failed = f"compiled kernel disagrees with eager: {e}" if isinstance(e, Mismatch) else f"compiled kernel failed to run: {type(e).__name__}: {e}"
             if family is not None:
@@ -142,26 +140,70 @@ def compile_signature(
     return Published(seconds, artifact.seconds, key, family)
 
 
+def _compile(
+    examples: list[CallSignature], signature: CallSignature, expected: Any, store: EntryStore, family: ShapeFamily | None
+) -> tuple[Artifact, ShapeFamily | None]:
+    """The library of the first of ``examples`` that compiles, and ``family``
+    with the guards it was compiled with. Raises CompileError or NotDynamic
+    (of the last example)."""
+    for i, example in enumerate(examples):
+        try:
+            artifact = compile_call(
+                example, expected, compile_options(signature.device.type), shared_dir=store.shared_directory(),
+                vec_isas=usable_vec_isas(), dynamic_shapes=family.export_shapes(example) if family else None,
+            )
+            if family is None:
+                return artifact, None
+            try:
+                guarded = family.with_guards(example, artifact.input_shapes, artifact.input_strides, artifact.range_constraints)
+                if guarded.symbol_values(signature) is None:
+                    raise NotDynamic("its guards do not admit the call it was compiled for")
+            except NotDynamic:
+                artifact.workdir.cleanup()
+                raise
+            return artifact, guarded
+        except (CompileError, NotDynamic) as e:
+            if i == len(examples) - 1 or getattr(e, "compiler_error", None) is not None:
+                raise
+            log.debug("aoti_eager: exporting %s from %s failed (%s); trying the next example", signature.op, example.short(), e)
+    raise AssertionError("no examples")
+
+
 def _check_other_shapes(
     kernel: Any, op: torch._ops.OpOverload, signature: CallSignature, family: ShapeFamily, seen: list[list[tuple[int, ...]]]
-) -> int:
+) -> tuple[int, ShapeFamily]:
     """Checks a dynamic kernel against eager at its further shapes (raises
-    Mismatch); the number of shapes eager took. A resized call keeps the
-    values of the tensors whose sizes do not move (the indices of
-    ``embedding``), which may be out of range at another size: eager's error
-    there checks nothing."""
-    checked = 0
-    for other in _other_shapes(signature, family, seen):
-        if not _eager_takes_on_cpu(op, other):
-            continue
-        other_reference = clone_args(other.args)
+    Mismatch): the number of shapes eager took, and the family with each
+    symbol admitted from 1 where a call with it at 1 agreed with eager, else
+    from 2 (export traced 0 and 1 size-obliviously; see kernels/compile.py)."""
+    checked = sum(_check_at(kernel, op, other) for other in _other_shapes(signature, family, seen))
+    own = family.symbol_values(signature) or {}
+    lows = []
+    for symbol, (low, high) in enumerate(family.ranges):
+        at_one = family.resized(signature, {**own, symbol: 1}) if low <= 1 <= high else None
         try:
-            other_expected = call_op(op, other_reference)
-        except Exception:  # noqa: BLE001 - see above
-            continue
-        check_matches_eager(kernel, other, op, other_reference, other_expected)
-        checked += 1
-    return checked
+            agrees = at_one is not None and (own.get(symbol) == 1 or _check_at(kernel, op, at_one))
+        except Mismatch as e:
+            log.debug("aoti_eager: %s's dynamic kernel is not used at size 1 of s%d: %s", qualified_name(op), symbol, e)
+            agrees = False
+        lows.append(1 if agrees else 2)
+    return checked, family.from_size(lows)
+
+
+def _check_at(kernel: Any, op: torch._ops.OpOverload, call: CallSignature) -> bool:
+    """Checks ``kernel`` against eager at ``call`` (raises Mismatch); False
+    where eager rejects it. A resized call keeps the values of the tensors
+    whose sizes do not move (the indices of ``embedding``), which may be out
+    of range at another size: eager's error there checks nothing."""
+    if not _eager_takes_on_cpu(op, call):
+        return False
+    reference = clone_args(call.args)
+    try:
+        expected = call_op(op, reference)
+    except Exception:  # noqa: BLE001 - see above
+        return False
+    check_matches_eager(kernel, call, op, reference, expected)
+    return True
 
 
 def _eager_takes_on_cpu(op: torch._ops.OpOverload, call: CallSignature) -> bool:
@@ -182,7 +224,8 @@ def _eager_takes_on_cpu(op: torch._ops.OpOverload, call: CallSignature) -> bool:
 def _other_shapes(signature: CallSignature, family: ShapeFamily, seen: list[list[tuple[int, ...]]]) -> Iterator[CallSignature]:
     """The further calls a dynamic kernel is checked on: the seen shapes its
     guards admit and one shape none of them had."""
-    admitted = [v for v in (family.symbol_values_of_sizes(sizes) for sizes in seen) if v is not None]
+    # A size of 1 is checked on its own (see _check_other_shapes).
+    admitted = [v for v in map(family.symbol_values_of_sizes, seen) if v is not None and min(v.values(), default=2) >= 2]
     for values in [*admitted, family.further_values(admitted + [family.symbol_values(signature) or {}])]:
         resized = family.resized(signature, values)
         if resized is not None:

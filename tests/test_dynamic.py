@@ -10,7 +10,7 @@ import torch
 from aoti_eager.cli import main
 from aoti_eager.cache import KernelCache
 from aoti_eager.kernels.compile import compile_options
-from aoti_eager.kernels.dynamic import MAX_NUMEL, UNBOUNDED, ShapeFamily, changed_dims, family_key, tensor_args
+from aoti_eager.kernels.dynamic import MAX_NUMEL, UNBOUNDED, ShapeFamily, changed_dims, family_key, layout_order, tensor_args
 from aoti_eager.kernels.signature import CallSignature
 from aoti_eager.kernels.toolchain import environment_name
 from conftest import DEVICES
@@ -33,7 +33,9 @@ def test_a_family_is_everything_but_sizes():
     assert base == add(torch.randn(9, 8), torch.randn(3))
     assert base != add(torch.randn(5, 8, dtype=torch.float64), torch.randn(8))
     assert base != add(torch.randn(5, 8, 1), torch.randn(8))  # rank
-    assert base != add(torch.randn(8, 5).t(), torch.randn(8))  # contiguity
+    assert base != add(torch.randn(8, 5).t(), torch.randn(8))  # the order of dims in memory
+    assert base == add(torch.randn(5, 16)[:, :8], torch.randn(8))  # a slice keeps it
+    assert base == add(torch.randn(8).expand(5, 8), torch.randn(8))  # so does a broadcast
     assert base != add(torch.randn(5, 8), torch.randn(8), alpha=2)
 
 
@@ -70,10 +72,35 @@ def test_a_specialized_dim_and_the_element_limit_are_guarded():
     assert wide.symbol_values_of_sizes([(MAX_NUMEL // 4 + 1, 4)]) is None
 
 
-def test_a_tensor_with_a_dynamic_dim_must_be_contiguous():
-    family = ShapeFamily(dims=((0,), ()))
-    assert family.entry_key(signature(A.add.Tensor, torch.randn(8, 5).t(), torch.randn(8))) is None
-    assert family.entry_key(signature(A.add.Tensor, torch.randn(5, 8), torch.randn(8).expand(5, 8))) is not None
+def test_strides_are_guarded_as_export_derived_them():
+    # x[s0, 8] dense: its row stride is 8 (fixed); y[s0, s1]: its row stride is s1, read off dim 1.
+    family = ShapeFamily(dims=((0,), (0, 1)), strides=((0, 0, 8, ()), (0, 1, 1, ()), (1, 0, 1, ((1, 1),)), (1, 1, 1, ())))
+    admitted = lambda x, y: family.layout_admitted(tensor_args(signature(A.add.Tensor, x, y)))  # noqa: E731
+    assert admitted(torch.randn(5, 8), torch.randn(5, 8))
+    assert admitted(torch.randn(1, 8), torch.randn(5, 8)[:1])  # a size-1 dim's stride is never used
+    assert not admitted(torch.randn(5, 16)[:, :8], torch.randn(5, 8))  # a slice: row stride 16
+    assert not admitted(torch.randn(5, 8), torch.randn(8).expand(5, 8))  # a broadcast: row stride 0
+    assert not admitted(torch.randn(8, 5).t(), torch.randn(5, 8))
+
+
+def test_strides_read_at_run_time_keep_their_order():
+    family = ShapeFamily(dims=((0, 1),), strides=((0, 1, 1, ()),), orders=((0, (0, 1)),))
+    admitted = lambda x: family.layout_admitted(tensor_args(signature(A.abs.default, x)))  # noqa: E731
+    assert admitted(torch.randn(5, 8)) and admitted(torch.randn(5, 16)[:, :8]) and admitted(torch.randn(8).expand(5, 8))
+    assert not admitted(torch.randn(8, 5).t())  # another order
+    assert not admitted(torch.randn(5, 16)[:, ::2])  # an innermost stride of 2
+
+
+@pytest.mark.parametrize("sizes, strides, order", [
+    ((4, 8), (8, 1), (0, 1)),
+    ((4, 8), (0, 1), (0, 1)),  # a broadcast dim where its index puts it
+    ((1, 8), (512, 1), (0, 1)),
+    ((8, 4), (1, 8), (1, 0)),
+    ((2, 3, 4), (12, 1, 3), (0, 2, 1)),
+    ((2, 1, 4), (4, 4, 1), (0, 1, 2)),
+])
+def test_layout_order(sizes, strides, order):
+    assert layout_order(sizes, strides) == order
 
 
 def test_a_family_round_trips_through_json():
@@ -103,10 +130,12 @@ def test_export_gives_equal_dims_one_symbol():
     exported = torch.export.export(
         _Mm(), tuple(t for t in call.args), dynamic_shapes=family.export_shapes(call), strict=False
     )
-    shapes = [tuple(n.meta["val"].shape) for n in exported.graph.nodes if n.op == "placeholder"]
-    guarded = family.with_guards(call, shapes, dict(exported.range_constraints))
+    inputs = [n.meta["val"] for n in exported.graph.nodes if n.op == "placeholder"]
+    guarded = family.with_guards(call, [t.shape for t in inputs], [t.stride() for t in inputs], dict(exported.range_constraints))
     assert guarded.guards == ((0, 0, 0, 0), (0, 1, 1, 0), (1, 0, 1, 0))
     assert guarded.ranges == ((2, UNBOUNDED), (2, UNBOUNDED))
+    # x's row stride is its dim 1 (s1); y's rows are 3 wide.
+    assert guarded.strides == ((0, 0, 1, ((0, 1),)), (0, 1, 1, ()), (1, 0, 3, ()), (1, 1, 1, ()))
     assert [t.sizes for t in tensor_args(guarded.resized(call, {0: 4, 1: 11}))] == [(4, 11), (11, 3)]
 
 
@@ -123,9 +152,10 @@ def test_a_second_shape_compiles_one_kernel_that_serves_later_shapes(tmp_path, d
         return torch.randn(n, 16, device=device), torch.randn(16, device=device)
 
     compiles, stats = run_shapes("aten::add.Tensor", tmp_path, torch.add, [5, 9, 17, 33, 2, 1, 0, 64], make, device)
-    # 5: static; 9: dynamic; 17, 33, 2, 64: the dynamic kernel; 1 and 0: export specializes them, each its own.
-    assert compiles == [1, 1, 0, 0, 0, 1, 1, 0]
-    assert stats["hits"] == 4 and stats["fallbacks"] == 0
+    # 5: static; 9: dynamic; 17, 33, 2, 1, 64: the dynamic kernel (checked at 1 before
+    # it was published); 0 rows: a kernel of its own.
+    assert compiles == [1, 1, 0, 0, 0, 0, 1, 0]
+    assert stats["hits"] == 5 and stats["fallbacks"] == 0
 
     # A new process finds the dynamic kernel in the cache: no compile for a new size.
     compiles, stats = run_shapes("aten::add.Tensor", tmp_path, torch.add, [21, 3], make, device)
@@ -133,9 +163,12 @@ def test_a_second_shape_compiles_one_kernel_that_serves_later_shapes(tmp_path, d
 
     listed = KernelCache(tmp_path, environment_name(torch.device(device), compile_options(device)))
     dynamic = [listed.lookup(op, key).dynamic for op, key in listed.entries("aten::add.Tensor")]
-    assert [d for d in dynamic if d] == [{"dims": [[0], []], "guards": [[0, 0, 0, 0]], "ranges": [[2, UNBOUNDED]]}]
+    assert [d for d in dynamic if d] == [{
+        "format": 2, "dims": [[0], []], "guards": [[0, 0, 0, 0]], "ranges": [[1, UNBOUNDED]],
+        "strides": [[0, 0, 16, []], [0, 1, 1, []]], "orders": [], "general": False,
+    }]
     main(["--cache-dir", str(tmp_path), "cache", "list", "--op", "aten::add.Tensor"])
-    assert "(self=float32[s0, 16], other=float32[16], alpha=1; s0 in [2, inf])" in capsys.readouterr().out
+    assert "(self=float32[s0, 16], other=float32[16], alpha=1; s0 in [1, inf])" in capsys.readouterr().out
 
 
 def test_equal_dims_and_broadcasting_never_reach_a_kernel_not_compiled_for_them(tmp_path):
@@ -174,11 +207,51 @@ def test_a_size_one_dims_stride_does_not_make_a_new_signature(tmp_path):
     assert compiles == [1, 0, 0] and stats["misses"] == 1
 
 
-def test_other_fixed_sizes_make_another_dynamic_kernel_not_one_per_shape(tmp_path):
+def test_a_shape_the_dynamic_kernel_refuses_widens_it_to_a_general_one(tmp_path):
     # A model's linear layers: weights of several widths at the prompt's 16 rows, then at one row.
     shapes = [(16, 12), (16, 20), (1, 12), (1, 28), (1, 36)]
     compiles, _ = run_shapes("aten::mm", tmp_path, torch.mm, shapes, lambda s: (torch.randn(s[0], 8), torch.randn(8, s[1])))
     assert compiles == [1, 1, 1, 0, 0]
+
+
+def test_one_general_kernel_serves_every_width_slice_broadcast_and_batch_of_one(tmp_path):
+    # BERT's linear layers (weights of three shapes, transposed), its pooler (the
+    # first token of each row: a slice) and batches of one: three kernels.
+    weights = {(32, 32): torch.randn(32, 32), (32, 64): torch.randn(64, 32), (64, 32): torch.randn(32, 64)}
+
+    def linear(shape):
+        (inputs, outputs), rows, pooled = shape
+        x = torch.randn(rows, 3, inputs)[:, 0] if pooled else torch.randn(rows, inputs)
+        return torch.randn(outputs), x, weights[inputs, outputs].t()
+
+    shapes = [((32, 32), 30, False), ((32, 64), 30, False), ((64, 32), 30, False), ((32, 32), 3, True),
+              ((32, 32), 50, False), ((64, 32), 1, False), ((32, 32), 7, True), ((32, 32), 1, True)]
+    compiles, stats = run_shapes("aten::addmm", tmp_path, torch.addmm, shapes, linear)
+    assert compiles == [1, 1, 1, 0, 0, 0, 0, 0] and stats["fallbacks"] == 0
+    # Word ids, then indices expanded from one row (token types) at the same sizes:
+    # only strides changed, so the second kernel is general and serves the rest.
+    table = torch.randn(100, 16)
+    indices = [torch.randint(0, 100, (4, 9)), torch.zeros(1, 9, dtype=torch.long).expand(4, 9),
+               torch.randint(0, 100, (6, 5)), torch.zeros(1, 12, dtype=torch.long).expand(3, 12), torch.arange(7)[None]]
+    compiles, _ = run_shapes("aten::embedding", tmp_path, torch.nn.functional.embedding, indices, lambda i: (i, table))
+    assert compiles == [1, 1, 0, 0, 0]
+
+
+def test_strides_the_general_kernel_was_not_compiled_for_take_the_miss_path(tmp_path):
+    # Compiled for rows in order (a slice included); a transposed input has eager's
+    # other output layout, and an innermost stride of 2 another kernel.
+    shapes = [(5, 8, "rows"), (9, 8, "rows"), (9, 16, "rows"), (7, 12, "slice"), (6, 10, "columns"), (4, 6, "every other")]
+
+    def make(shape):
+        rows, columns, layout = shape
+        if layout == "columns":
+            return torch.randn(columns, rows).t(), torch.randn(columns, rows).t()
+        if layout == "every other":
+            return torch.randn(rows, 2 * columns)[:, ::2], torch.randn(rows, columns)
+        return torch.randn(rows, columns + 3)[:, :columns] if layout == "slice" else torch.randn(rows, columns), torch.randn(rows, columns)
+
+    compiles, stats = run_shapes("aten::mul.Tensor", tmp_path, torch.mul, shapes, make)
+    assert compiles[:4] == [1, 1, 1, 0] and compiles[4] == 1 and compiles[5] == 1
 
 
 @pytest.mark.parametrize("device", DEVICES)
