@@ -390,7 +390,7 @@ class Override:
         for the signature (another process's entry if it published first)."""
         if _compiler_failures.given_up is not None:
             return self._eager(f"the C++ compiler failed on several signatures in this process: {_compiler_failures.given_up}", signature)
-        crash = runtime_crashes(cache.directory)
+        crash = runtime_crashes(cache.directory.name)
         if crash is not None:
             return self._eager(_not_loaded(crash), signature)
         if (too_many := self._too_many_variants(signature)) is not None:
@@ -488,7 +488,7 @@ class Override:
         """The kernel of ``library``, checked against what the call will give it
         (its outputs against ``output_counts``: the C++ constructor checks them)."""
         device = signature.device
-        check_loads(self.cache(device).directory, library, str(device), output_counts, known_good)
+        check_loads(self.cache(device).directory.name, library, str(device), output_counts, known_good)
         kernel = _extension.load().CompiledKernel(str(library), str(device), output_counts, signature.runtime_arguments)
         inputs = len(flat_tensor_inputs(signature))
         if kernel.num_inputs != inputs:

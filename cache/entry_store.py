@@ -69,8 +69,7 @@ class EntryStore(Protocol):
     written; a damaged entry is set aside and reads as a miss.
     """
 
-    # Local directory of this environment, where facts about this machine are
-    # kept (which kernels crash on load, see kernels/load_probe.py).
+    # Local directory of this environment; its name is the environment's.
     directory: Path
 
     def lookup(self, op: str, signature_key: str) -> Entry | None:
