@@ -285,8 +285,9 @@ class Override:
         (this process's, or one another process published), or None."""
         family = self._family(signature)
         prefix = family_key(signature) + "-"
-        for _, key in cache.entries(self.name):
-            if key.startswith(prefix) and key not in family.published:
+        # The local cache's, and the fleet's (looking one up publishes it locally, verified).
+        for key in cache.keys(self.name, prefix):
+            if key not in family.published:
                 try:
                     entry = cache.lookup(self.name, key)
                 except DamagedEntry:
