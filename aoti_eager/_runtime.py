@@ -379,7 +379,7 @@ class Override:
         # The shapes of one dynamic kernel wait for its one compile.
         compiling = next((future for queued, future in self._queued.values() if queued.id == entry.id), None)
         if compiling is None:
-            compiling = _background.submit(entry, self.root)
+            compiling = _background.submit(entry, self.root, self.remote)
             self.stats.queued += 1
             log.info("aoti_eager: compiling %s for (%s) in the background%s", self.name, signature.short(),
                      " as a dynamic-shape kernel" if entry.dynamic else "")

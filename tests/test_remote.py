@@ -432,6 +432,48 @@ def test_calls_are_right_and_prompt_when_the_server_is_killed_mid_run(keys, tmp_
     assert len(said) == 1 and "cannot connect" in said[0], said
 
 
+# ---- prewarm and background workers ----
+
+# Answers each entry with the fleet cache the worker was given.
+_WORKER_SAYS_ITS_FLEET = r"""
+import json, os, sys
+for line in sys.stdin:
+    print(json.dumps({"status": "compiled", "reason": os.environ.get("AOTI_EAGER_REMOTE")}), flush=True)
+"""
+
+
+def test_a_background_compile_uses_the_fleet_cache_that_enable_names(tmp_path, monkeypatch):
+    from aoti_eager import _background, _worker
+    from aoti_eager.manifest import ManifestEntry
+
+    monkeypatch.setattr(_worker, "COMMAND", [sys.executable, "-c", _WORKER_SAYS_ITS_FLEET])
+    monkeypatch.delenv(settings.remote.name, raising=False)
+    entry = ManifestEntry("aten::abs", "cpu", "k", [])
+    url = "redis://fleet-host:6379/0"
+    assert _background.submit(entry, tmp_path / "cache", url).result(timeout=120).reason == url
+    assert _background.submit(entry, tmp_path / "other cache").result(timeout=120).reason is None
+
+
+def test_prewarm_takes_what_the_fleet_holds_without_starting_a_worker(server, keys, tmp_path, monkeypatch):
+    from aoti_eager import _worker
+    from aoti_eager.kernels import CallSignature
+    from aoti_eager.kernels.compile import compile_options
+    from aoti_eager.manifest import ManifestEntry
+
+    here = environment_name(torch.device("cpu"), compile_options("cpu"))
+    signature = CallSignature.of(torch.ops.aten.abs.default, "cpu", [torch.randn(8)])
+    publisher = KernelCache(tmp_path / "a", here)
+    publisher.behind = remote.tier(server.url, here)
+    publish_kernel(publisher, tmp_path, key=signature.key)
+    manifest = tmp_path / "manifest.jsonl"
+    manifest.write_text(json.dumps(ManifestEntry("aten::abs", "cpu", signature.key, signature.to_json()).to_json()) + "\n")
+    monkeypatch.setattr(_worker, "COMMAND", [sys.executable, "-c", "raise SystemExit(3)"])  # a worker would fail
+    monkeypatch.setenv(settings.remote.name, server.url)
+    report = aoti_eager.prewarm(manifest, jobs=1, devices=["cpu"], cache_dir=tmp_path / "b")
+    assert [r.outcome.status for r in report.results] == ["cached"], report.results
+    assert KernelCache(tmp_path / "b", here).lookup("aten::abs", signature.key).library.read_bytes() == b"\x7fELF kernel"
+
+
 # ---- the command line ----
 
 def test_push_stats_and_pull(server, keys, tmp_path, capsys):
