@@ -25,19 +25,20 @@ from aoti_eager.manifest import ManifestEntry
 
 log = logging.getLogger("aoti_eager")
 
-_queue: queue.Queue[tuple[ManifestEntry, Path, Future]] = queue.Queue()
+_queue: queue.Queue[tuple[ManifestEntry, Path, str | None, Future]] = queue.Queue()
 _threads: set[threading.Thread] = set()
 _threads_lock = threading.Lock()
 # An idle worker holds torch and Inductor in memory: it is stopped after this long.
 IDLE_SECONDS = 60.0
 
 
-def submit(entry: ManifestEntry, root: Path) -> Future:
-    """Queues a compile of ``entry`` into the cache at ``root``; the future's
-    result is the worker's :class:`aoti_eager._worker.Outcome`."""
+def submit(entry: ManifestEntry, root: Path, remote: str | None = None) -> Future:
+    """Queues a compile of ``entry`` into the cache at ``root``, with the
+    fleet cache at ``remote`` behind it (None: ``$AOTI_EAGER_REMOTE``, if
+    set); the future's result is the worker's :class:`aoti_eager._worker.Outcome`."""
     future: Future = Future()
     with _threads_lock:
-        _queue.put((entry, root, future))
+        _queue.put((entry, root, remote, future))
         if len(_threads) < _jobs():
             thread = threading.Thread(target=_serve, name="aoti_eager-background-compiles", daemon=True)
             _threads.add(thread)
@@ -50,12 +51,12 @@ def _jobs() -> int:
 
 
 def _serve() -> None:
-    workers: dict[Path, _worker.Worker] = {}
+    workers: dict[tuple[Path, str | None], _worker.Worker] = {}
     try:
         while (item := _next()) is not None:
-            entry, root, future = item
+            entry, root, remote, future = item
             try:
-                outcome = workers.setdefault(root, _worker.Worker(root)).compile(entry)
+                outcome = workers.setdefault((root, remote), _worker.Worker(root, remote)).compile(entry)
             except Exception as e:  # noqa: BLE001 - e.g. no process could be started
                 outcome = _worker.Outcome("failed", f"{type(e).__name__}: {e}")
             if outcome.status == "failed" and not _worker.stopped:
@@ -66,7 +67,7 @@ def _serve() -> None:
             worker.close()
 
 
-def _next() -> tuple[ManifestEntry, Path, Future] | None:
+def _next() -> tuple[ManifestEntry, Path, str | None, Future] | None:
     """The next queued entry; None when the thread has left the pool: after
     ``IDLE_SECONDS`` without an entry, or where the pool is larger than the
     setting now allows."""

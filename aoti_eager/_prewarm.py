@@ -51,14 +51,20 @@ def _available_devices() -> list[str]:
 
 
 def _in_cache(entry: ManifestEntry, root: Path) -> _worker.Outcome | None:
-    """The outcome for an entry the cache already holds, else None."""
+    """The outcome for an entry the cache already holds, else None. With
+    ``$AOTI_EAGER_REMOTE`` set, an entry the fleet cache holds is fetched
+    (verified) into the local cache here: no worker starts for it."""
     import torch
 
-    from aoti_eager.cache import KernelCache, UntrustedEntry
+    from aoti_eager import settings
+    from aoti_eager.cache import KernelCache, UntrustedEntry, remote
     from aoti_eager.kernels.compile import compile_options
     from aoti_eager.kernels.toolchain import environment_name
 
     cache = KernelCache(root, environment_name(torch.device(entry.device), compile_options(entry.device)))
+    url = settings.remote.get()
+    if url is not None:
+        cache.behind = remote.tier(url, cache.directory.name)
     try:
         published = cache.lookup(entry.op, entry.key)
     except UntrustedEntry as e:

@@ -285,8 +285,9 @@ class Override:
         (this process's, or one another process published), or None."""
         family = self._family(signature)
         prefix = family_key(signature) + "-"
-        for _, key in cache.entries(self.name):
-            if key.startswith(prefix) and key not in family.published:
+        # The local cache's, and the fleet's (looking one up publishes it locally, verified).
+        for key in cache.keys(self.name, prefix):
+            if key not in family.published:
                 try:
                     entry = cache.lookup(self.name, key)
                 except DamagedEntry:
@@ -383,7 +384,7 @@ class Override:
         # The shapes of one dynamic kernel wait for its one compile.
         compiling = next((future for queued, future in self._queued.values() if queued.id == entry.id), None)
         if compiling is None:
-            compiling = _background.submit(entry, self.root)
+            compiling = _background.submit(entry, self.root, self.remote)
             self.stats.queued += 1
             log.info("aoti_eager: compiling %s for (%s) in the background%s", self.name, signature.short(),
                      " as a dynamic-shape kernel" if entry.dynamic else "")
@@ -395,7 +396,7 @@ class Override:
         for the signature (another process's entry if it published first)."""
         if _compiler_failures.given_up is not None:
             return self._eager(f"the C++ compiler failed on several signatures in this process: {_compiler_failures.given_up}", signature)
-        crash = runtime_crashes(cache.directory)
+        crash = runtime_crashes(cache.directory.name)
         if crash is not None:
             return self._eager(_not_loaded(crash), signature)
         if (too_many := self._too_many_variants(signature)) is not None:
@@ -493,7 +494,7 @@ class Override:
         """The kernel of ``library``, checked against what the call will give it
         (its outputs against ``output_counts``: the C++ constructor checks them)."""
         device = signature.device
-        check_loads(self.cache(device).directory, library, str(device), output_counts, known_good)
+        check_loads(self.cache(device).directory.name, library, str(device), output_counts, known_good)
         kernel = _extension.load().CompiledKernel(str(library), str(device), output_counts, signature.runtime_arguments)
         inputs = len(flat_tensor_inputs(signature))
         if kernel.num_inputs != inputs:

@@ -111,15 +111,22 @@ stopped = False
 class Worker:
     """A child process that compiles entries into the cache at ``root``, one
     at a time; started on the first entry, and again after it dies. Not
-    thread-safe: one thread drives a worker."""
+    thread-safe: one thread drives a worker.
 
-    def __init__(self, root: Path):
+    ``remote``: the fleet cache's URL that the child's misses ask and its
+    compiles publish to, as the parent's would (``enable(remote=...)``);
+    None: ``$AOTI_EAGER_REMOTE``, which the child inherits, if set."""
+
+    def __init__(self, root: Path, remote: str | None = None):
         self.root = root
+        self.remote = remote
         self._process: subprocess.Popen | None = None
         self._stderr = None
 
     def _start(self) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if k != settings.record.name}
+        if self.remote is not None:
+            env[settings.remote.name] = self.remote
         # A file, not a pipe: a compiler's chatter must not fill a pipe that no
         # one reads while the child waits for its next entry.
         self._stderr = tempfile.TemporaryFile(prefix="aoti_eager-worker-")

@@ -202,7 +202,7 @@ def cache_clear(root: Path, args: argparse.Namespace) -> int:
     if not args.op:
         from aoti_eager.kernels.load_probe import forget_verdicts
 
-        forget_verdicts(root)
+        forget_verdicts()
     if not args.json and quarantined:
         print(f"removed {quarantined} quarantined entries")
     if not args.json and abandoned:
@@ -426,11 +426,11 @@ def _cache_directory_report(root: Path) -> tuple[dict[str, Any], list[str]]:
     return report, problems
 
 
-def _load_probe_report(root: Path) -> tuple[dict[str, str | None], list[str]]:
-    """Per cache environment, why its kernels are not loaded (None: they load)."""
+def _load_probe_report() -> tuple[dict[str, str | None], list[str]]:
+    """Per cache environment judged on this machine, why its kernels are not loaded (None: they load)."""
     from aoti_eager.kernels.load_probe import recorded_verdicts
 
-    verdicts = recorded_verdicts(root)
+    verdicts = recorded_verdicts()
     return verdicts, [f"kernels of {env} run eagerly: {reason}" for env, reason in verdicts.items() if reason]
 
 
@@ -468,7 +468,7 @@ def doctor(root: Path, args: argparse.Namespace) -> int:
             report["cuda"]["devices"].append({"index": index, "name": torch.cuda.get_device_name(index), "arch": f"sm_{major}{minor}"})
     report["cache"], cache_problems = _cache_directory_report(root)
     problems += cache_problems
-    report["load_probe"], load_problems = _load_probe_report(root)
+    report["load_probe"], load_problems = _load_probe_report()
     problems += load_problems
     report["settings"] = _settings_report()
     report["remote"], remote_problems = _remote_report()

@@ -69,8 +69,7 @@ class EntryStore(Protocol):
     written; a damaged entry is set aside and reads as a miss.
     """
 
-    # Local directory of this environment, where facts about this machine are
-    # kept (which kernels crash on load, see kernels/load_probe.py).
+    # Local directory of this environment; its name is the environment's.
     directory: Path
 
     def lookup(self, op: str, signature_key: str) -> Entry | None:
@@ -97,6 +96,11 @@ class EntryStore(Protocol):
     def entries(self, op: str | None = None) -> Iterator[tuple[str, str]]:
         """(op, signature key) of every published entry (of ``op``, if given)."""
 
+    def keys(self, op: str, prefix: str) -> list[str]:
+        """The signature keys of ``op``'s entries that begin with ``prefix``:
+        those published here, then those only the tier behind holds (which
+        :meth:`lookup` fetches)."""
+
     def shared_directory(self) -> Path:
         """A local directory for build products that every compile of this
         environment shares."""
@@ -117,6 +121,11 @@ class RemoteTier(Protocol):
     def offer(self, op: str, signature_key: str, directory: Path) -> bool:
         """Publishes the local entry in ``directory`` unless it holds one for
         the key already; whether it did."""
+
+    def keys(self, op: str, prefix: str) -> list[str]:
+        """The signature keys of ``op``'s entries it holds that begin with
+        ``prefix`` (the entries of a shape family, for one); [] if it cannot
+        tell."""
 
     def lock_signature(self, op: str, signature_key: str, timeout: float = -1) -> ContextManager[bool]:
         """Held while the signature is compiled, across machines; yields

@@ -21,6 +21,7 @@ about kernels::
 
     <private>/machine/<cpu>-torch<version>.json           the CPU ISA, probed once (kernels/toolchain.py)
     <private>/machine/compiler-*.json                     the C++ compiler's choice and version (kernels/toolchain.py)
+    <private>/load-probe/<environment>.json               whether its kernels load without crashing here (kernels/load_probe.py)
     <private>/shared/<environment>/                       what every compile of an environment shares (kernels/wrapper_split.py)
     <private>/extension/torch-<version>-<digest>/_C.so    the C++ extension, built once per torch build (aoti_eager/_extension.py)
     <private>/scratch/compile-<host>-<pid>-*/             compiles in progress (kernels/scratch.py)

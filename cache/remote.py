@@ -11,6 +11,9 @@ environment's name and ``<op>`` the op's directory name::
     aoti_eager:v2:entry:<env>:<op>:<signature key>   a hash: entry.json, kernel.so, kernel.json,
                                                      manifest.json, manifest.sig
     aoti_eager:v2:lock:<env>:<op>:<signature key>    the compile lock: its holder's token, with a TTL
+    aoti_eager:v2:keys:<env>:<op>                    a set: the signature keys of the op's entries, so
+                                                     that a shape family's entries are listed in one
+                                                     command (:meth:`RedisTier.keys`), not a SCAN
 
 **Signed, or not used.** A library is native code that would run in every
 process of the fleet, and whoever can write to the server could put one
@@ -71,10 +74,12 @@ SIGNATURE_FIELD = "manifest.sig"
 # How often a waiter asks whether the lock's holder has published.
 POLL_SECONDS = 0.1
 
-# Set-if-absent for a whole entry, atomically: a reader sees no entry or a complete one.
+# Set-if-absent for a whole entry, atomically: a reader sees no entry or a
+# complete one; and its key (ARGV[1]) in the op's set of keys.
 _PUBLISH_IF_ABSENT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-redis.call('HSET', KEYS[1], unpack(ARGV))
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('SADD', KEYS[2], ARGV[1])
 return 1
 """
 # Only the holder (its token) renews or releases a lock: a holder whose lock
@@ -209,6 +214,10 @@ def entry_key(environment: str, op: str, signature_key: str) -> str:
     return f"{NAMESPACE}:entry:{environment}:{op_dirname(op)}:{signature_key}"
 
 
+def keys_key(environment: str, op: str) -> str:
+    return f"{NAMESPACE}:keys:{environment}:{op_dirname(op)}"
+
+
 def lock_key(environment: str, op: str, signature_key: str) -> str:
     return f"{NAMESPACE}:lock:{environment}:{op_dirname(op)}:{signature_key}"
 
@@ -321,11 +330,29 @@ class RedisTier:
             return False
         fields = [*[item for name_data in files.items() for item in name_data],
                   MANIFEST_FIELD, manifest, SIGNATURE_FIELD, signature]
-        key = entry_key(self.environment, op, signature_key)
+        key, index = entry_key(self.environment, op, signature_key), keys_key(self.environment, op)
         try:
-            return bool(self.server.run(lambda client: client.eval(_PUBLISH_IF_ABSENT, 1, key, *fields)))
+            return bool(self.server.run(
+                lambda client: client.eval(_PUBLISH_IF_ABSENT, 2, key, index, signature_key, *fields)))
         except ServerUnavailable:
             return False
+
+    def keys(self, op: str, prefix: str) -> list[str]:
+        """The signature keys of ``op``'s entries on the server that begin
+        with ``prefix``, sorted; [] if the server fails. A key that no entry
+        of this package could have (a name that is not a plain directory
+        name) is left out: the server is trusted with nothing.
+
+            >>> tier.keys("aten::add.Tensor", family_key + "-")
+            ['<family key>-<digest>']
+        """
+        try:
+            members = self.server.run(lambda client: client.smembers(keys_key(self.environment, op)))
+        except ServerUnavailable:
+            return []
+        found = {member.decode(errors="replace") for member in members if isinstance(member, bytes)}
+        return sorted(key for key in found
+                      if key.startswith(prefix) and key not in (".", "..") and layout.safe_name(key) == key)
 
     @contextlib.contextmanager
     def lock_signature(self, op: str, signature_key: str, timeout: float = -1) -> Iterator[bool]:

@@ -481,6 +481,20 @@ class KernelCache(EntryStore):
                 if not entry_dir.name.startswith(TEMPORARY_PREFIX):
                     yield op_of_dirname(op_dir.name), entry_dir.name
 
+    def keys(self, op: str, prefix: str) -> list[str]:
+        """The signature keys of ``op``'s entries that begin with ``prefix``:
+        the local ones, then those only the tier behind holds, which
+        :meth:`lookup` fetches. So another machine's dynamic-shape kernel of
+        a shape family is found as a local one is::
+
+            >>> cache.keys("aten::add.Tensor", family_key + "-")
+            ['<family key>-<digest>']
+        """
+        local = [key for _, key in self.entries(op) if key.startswith(prefix)]
+        if self.behind is None:
+            return local
+        return local + [key for key in self.behind.keys(op, prefix) if key not in local]
+
     def publish(self, signature_key: str, entry: Entry, files: dict[str, Path] | None = None,
                 offer: bool = True) -> Entry:
         """Publishes ``entry`` with ``files`` (name in the entry -> source path),

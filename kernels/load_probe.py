@@ -4,12 +4,12 @@ A library can crash the process (a segmentation fault) when AOTInductor
 creates its model container, e.g. one built by a compiler that links its own
 libstdc++ (see :mod:`aoti_eager.kernels.toolchain`, which avoids the known
 case). A crash cannot be caught, so until one kernel of a cache environment
-has loaded, each is loaded first in a child process.
+has loaded on this machine, each is loaded first in a child process.
 
 What the child's end says:
 
 - it loaded: the runtime is sound here; the environment's kernels load in
-  process from then on (the verdict is kept beside its entries);
+  process from then on, whichever cache root or fleet they come from;
 - it failed to load (an error, not a signal): that library's problem, its
   signature's to deal with (:class:`LibraryDoesNotLoad`);
 - a signal: a crash. On a known-good library (a verified cache entry, which
@@ -17,6 +17,16 @@ What the child's end says:
   every kernel of the environment stays eager (:class:`UnsafeToLoad`, the
   verdict kept until ``aoti-eager cache clear``); on a library just compiled,
   that library is (:class:`LibraryDoesNotLoad`).
+
+The verdict is a fact about this machine, this user and the environment (its
+name covers the torch build, the compiler, the CPU or GPU architecture), not
+about a cache: it is kept in the user's private directory, one file per
+environment (:func:`verdict_file`), so that a new cache root, or one filled
+from the fleet, does not pay the child process again::
+
+    >>> check_loads("cpu-avx2-torch2.13.0+cpu-0123456789ab", library, "cpu", [-1], known_good=True)
+    >>> verdict_file("cpu-avx2-torch2.13.0+cpu-0123456789ab").relative_to(layout.private_root())
+    PosixPath('load-probe/cpu-avx2-torch2.13.0+cpu-0123456789ab.json')
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from aoti_eager.cache.layout import LAYOUT_VERSION, atomic_write_text
+from aoti_eager.cache import layout
 
 log = logging.getLogger("aoti_eager")
 
@@ -35,7 +45,6 @@ _CHILD = (
     "import json, sys, aoti_eager._extension as e; "
     "e.load().CompiledKernel(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))"
 )
-VERDICT_FILE = "load-probe.json"
 
 
 class UnsafeToLoad(RuntimeError):
@@ -46,37 +55,50 @@ class LibraryDoesNotLoad(RuntimeError):
     """One library does not load (or crashed a child process before it was ever used)."""
 
 
-# Environment directory -> None where kernels load, else the reason they do not.
-_verdicts: dict[Path, str | None] = {}
+# Environment name -> None where kernels load, else the reason they do not.
+_verdicts: dict[str, str | None] = {}
 
 
-def check_loads(environment_dir: Path, library: Path, device: str, output_counts: list[int], known_good: bool) -> None:
-    """Returns if ``library`` may be loaded in this process.
+def check_loads(environment: str, library: Path, device: str, output_counts: list[int], known_good: bool) -> None:
+    """Returns if ``library``, a kernel of the cache environment named
+    ``environment``, may be loaded in this process.
 
     Raises UnsafeToLoad where the runtime crashes on this environment's
     kernels, LibraryDoesNotLoad where only ``library`` is at fault.
     ``known_good``: the library is a verified cache entry's.
     """
-    crash = runtime_crashes(environment_dir)
+    crash = runtime_crashes(environment)
     if crash is not None:
         raise UnsafeToLoad(crash)
-    if environment_dir not in _verdicts:
-        _probe(environment_dir, library, device, output_counts, known_good)
+    if environment not in _verdicts:
+        _probe(environment, library, device, output_counts, known_good)
 
 
-def runtime_crashes(environment_dir: Path) -> str | None:
-    """Why kernels of ``environment_dir`` are not loaded, if a probe found they crash the runtime."""
-    if environment_dir not in _verdicts:
-        recorded = _recorded(environment_dir)
+def runtime_crashes(environment: str) -> str | None:
+    """Why kernels of ``environment`` are not loaded, if a probe found they crash the runtime."""
+    if environment not in _verdicts:
+        recorded = _recorded(verdict_file(environment))
         if recorded is not None:
-            _verdicts[environment_dir] = recorded["reason"]
-    return _verdicts.get(environment_dir)
+            _verdicts[environment] = recorded["reason"]
+    return _verdicts.get(environment)
 
 
-def _recorded(environment_dir: Path) -> dict | None:
-    """The verdict kept beside the environment's entries; None if there is none."""
+def verdict_directory() -> Path:
+    """Where verdicts are kept: ``<private>/load-probe/`` (see
+    :func:`aoti_eager.cache.layout.private_root`), this user's alone."""
+    return layout.private_directory("load-probe")
+
+
+def verdict_file(environment: str) -> Path:
+    """The file of :func:`verdict_directory` that keeps the verdict on
+    ``environment``, whatever the name holds."""
+    return verdict_directory() / f"{layout.safe_name(environment)}.json"
+
+
+def _recorded(path: Path) -> dict | None:
+    """The verdict kept in ``path``; None if there is none."""
     try:
-        record = json.loads((environment_dir / VERDICT_FILE).read_text())
+        record = json.loads(path.read_text())
         # Records without "loads" took any failure for a crash: judged again.
         if isinstance(record["loads"], bool) and (record["loads"] or isinstance(record["reason"], str)):
             return record
@@ -85,14 +107,14 @@ def _recorded(environment_dir: Path) -> dict | None:
     return None
 
 
-def _probe(environment_dir: Path, library: Path, device: str, output_counts: list[int], known_good: bool) -> None:
+def _probe(environment: str, library: Path, device: str, output_counts: list[int], known_good: bool) -> None:
     child = subprocess.run(
         [sys.executable, "-c", _CHILD, str(library), device, json.dumps(output_counts)], capture_output=True, text=True
     )
     last = (child.stderr.strip().splitlines() or [""])[-1][:200]
     detail = f": {last}" if last else ""
     if child.returncode == 0:
-        _remember(environment_dir, library, None)
+        _remember(environment, library, None)
         return
     if child.returncode > 0:
         raise LibraryDoesNotLoad(f"a test process could not load it (exit code {child.returncode}){detail}")
@@ -101,30 +123,31 @@ def _probe(environment_dir: Path, library: Path, device: str, output_counts: lis
     if not known_good:
         raise LibraryDoesNotLoad(crash)
     reason = f"{crash}; `aoti-eager cache clear` forgets this verdict"
-    _remember(environment_dir, library, reason)
+    _remember(environment, library, reason)
     raise UnsafeToLoad(reason)
 
 
-def _remember(environment_dir: Path, library: Path, reason: str | None) -> None:
-    _verdicts[environment_dir] = reason
+def _remember(environment: str, library: Path, reason: str | None) -> None:
+    _verdicts[environment] = reason
     try:
-        atomic_write_text(environment_dir / VERDICT_FILE, json.dumps({"loads": reason is None, "reason": reason, "library": str(library)}))
-    except OSError as e:  # a read-only cache: this process keeps the verdict
-        log.debug("aoti_eager: cannot keep the load probe's verdict in %s: %s", environment_dir, e)
+        record = json.dumps({"loads": reason is None, "reason": reason, "library": str(library)})
+        layout.atomic_write_text(verdict_file(environment), record)
+    except OSError as e:  # a private directory that cannot be written: this process keeps the verdict
+        log.debug("aoti_eager: cannot keep the load probe's verdict on %s: %s", environment, e)
 
 
-def recorded_verdicts(root: Path) -> dict[str, str | None]:
-    """Per environment of the cache ``root`` with a verdict: None where its kernels load, else why not."""
+def recorded_verdicts() -> dict[str, str | None]:
+    """Per environment with a verdict on this machine: None where its kernels load, else why not."""
     verdicts = {}
-    for record in sorted((root / LAYOUT_VERSION).glob(f"*/{VERDICT_FILE}")):
-        recorded = _recorded(record.parent)
+    for path in sorted(verdict_directory().glob("*.json")):
+        recorded = _recorded(path)
         if recorded is not None:
-            verdicts[record.parent.name] = recorded["reason"]
+            verdicts[path.stem] = recorded["reason"]
     return verdicts
 
 
-def forget_verdicts(root: Path) -> None:
-    """Removes every verdict of the cache ``root``: the next kernel loaded is probed again."""
-    for record in (root / LAYOUT_VERSION).glob(f"*/{VERDICT_FILE}"):
-        record.unlink(missing_ok=True)
-        _verdicts.pop(record.parent, None)
+def forget_verdicts() -> None:
+    """Removes every verdict of this user's: the next kernel loaded of each environment is probed again."""
+    for path in verdict_directory().glob("*.json"):
+        path.unlink(missing_ok=True)
+    _verdicts.clear()

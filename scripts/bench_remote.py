@@ -6,12 +6,11 @@ A real ``redis-server`` is started on a free loopback port. One process
 compiles and publishes (signed); then, for one kernel (``abs`` on 128 floats)
 and for a model's worth (the demo's transformer block, scripts/demo.py), each
 of ``--runs`` processes times ``enable()`` plus the first forward: "warm
-local" on the publishing process's cache (no server), "warm fleet" on a new,
-empty cache with the server behind it, and "fleet+probe" the same with the
-machine's load-probe verdict (kernels/load_probe.py) kept in the new cache,
-as a machine that has loaded a kernel of the environment before has it: a new
-cache's first load is otherwise made in a child process, which costs seconds
-whatever tier the kernel came from. Every result is checked against eager.
+local" on the publishing process's cache (no server), and "warm fleet" on a
+new, empty cache with the server behind it. Both run on a machine whose user
+has loaded kernels of the environment before (the load probe's verdict,
+kernels/load_probe.py, is the user's, not a cache's), as the publisher did.
+Every result is checked against eager.
 
     python scripts/bench_remote.py [--runs 3]
 """
@@ -32,7 +31,6 @@ import time
 from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parent
-VERDICT_FILE = "load-probe.json"  # kernels/load_probe.py: this machine's verdict on loading kernels
 
 CHILD = r"""
 import json, sys, time, torch, aoti_eager
@@ -106,15 +104,7 @@ def main() -> None:
                 print(f"{workload}: publishing process compiled {published['compiles']} kernels", file=sys.stderr)
                 local = [child(workload, tmp / "publisher", None) for _ in range(args.runs)]
                 fleet = [child(workload, tmp / f"machine-{workload}-{i}", url) for i in range(args.runs)]
-                # What the machine already knows (its load-probe verdict) in an otherwise empty cache.
-                known = []
-                for i in range(args.runs):
-                    for verdict in (tmp / "publisher").glob(f"v*/*/{VERDICT_FILE}"):
-                        target = tmp / f"machine-known-{workload}-{i}" / verdict.relative_to(tmp / "publisher")
-                        target.parent.mkdir(parents=True, mode=0o700)
-                        shutil.copyfile(verdict, target)
-                    known.append(child(workload, tmp / f"machine-known-{workload}-{i}", url))
-                for name, runs in (("warm local", local), ("warm fleet", fleet), ("fleet+probe", known)):
+                for name, runs in (("warm local", local), ("warm fleet", fleet)):
                     # Both run what the publisher decided: kernels, and eager where it kept eager.
                     assert all(r["compiles"] == 0 and r["fallbacks"] == local[0]["fallbacks"] for r in runs), runs
                     rows.append((workload, name, statistics.median(r["ms"] for r in runs),
@@ -128,9 +118,8 @@ def main() -> None:
     for workload, name, median, runs, loads in rows:
         print(f"{workload:<10}{name:<12}{median:>10.1f}  {str(runs):<24}{loads:>6}")
     for workload in ("kernel", "model"):
-        local, fleet, known = [r[2] for r in rows if r[0] == workload]
-        print(f"{workload}: warm fleet / warm local = {fleet / local:.2f}x; with the machine's load-probe verdict "
-              f"kept, {known / local:.2f}x (target <= 1.5x)")
+        local, fleet = [r[2] for r in rows if r[0] == workload]
+        print(f"{workload}: warm fleet / warm local = {fleet / local:.2f}x (target <= 1.5x)")
 
 
 if __name__ == "__main__":

@@ -64,6 +64,32 @@ def private_root(tmp_path, monkeypatch):
         function.cache_clear()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_load_verdicts(tmp_path_factory):
+    """The load probe's verdicts (kernels/load_probe.py) of this process are
+    kept in a directory of the session's, not in the user's private
+    directory: a verdict a test provokes is never believed outside it."""
+    from aoti_eager.kernels import load_probe
+
+    directory = tmp_path_factory.mktemp("load-probe")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(load_probe, "verdict_directory", lambda: directory)
+        yield directory
+
+
+@pytest.fixture
+def load_verdicts(tmp_path, monkeypatch):
+    """A directory of the test's own for the load probe's verdicts, with none
+    yet, on disk or in this process: every environment is probed again."""
+    from aoti_eager.kernels import load_probe
+
+    directory = tmp_path / "load-probe"
+    directory.mkdir()
+    monkeypatch.setattr(load_probe, "verdict_directory", lambda: directory)
+    monkeypatch.setattr(load_probe, "_verdicts", {})
+    return directory
+
+
 @pytest.fixture(autouse=True)
 def _restore_kernels():
     yield

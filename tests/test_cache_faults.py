@@ -21,7 +21,6 @@ from aoti_eager.cache import KernelCache, inventory
 from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE, sha256_of
 from aoti_eager.kernels import CallSignature, CompileError, load_probe, pipeline
 from aoti_eager.kernels.compile import compile_options
-from aoti_eager.kernels.load_probe import VERDICT_FILE
 from aoti_eager.kernels.toolchain import environment_name
 from helpers import assert_same_as_eager, edit_entry_json
 
@@ -44,14 +43,12 @@ def compiled_entry(shared_cache):
 
 
 def copy_entry(compiled, root):
-    """A copy of a compiled entry in the cache ``root``, with its environment's load-probe verdict."""
+    """A copy of a compiled entry in the cache ``root``."""
     copy = root / compiled.relative_to(compiled.parents[3])
     copy.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
     os.chmod(copy.parents[1], 0o700)
     os.chmod(copy.parents[2], 0o700)
     shutil.copytree(compiled, copy)
-    if not (copy.parents[1] / VERDICT_FILE).exists():
-        shutil.copyfile(compiled.parents[1] / VERDICT_FILE, copy.parents[1] / VERDICT_FILE)
     return copy
 
 
@@ -247,43 +244,41 @@ def test_a_library_that_takes_other_inputs_than_the_call_never_runs(entry, compi
     assert len(inventory.quarantined(tmp_path)) == 1
 
 
-def test_a_library_that_fails_to_load_is_set_aside_not_the_environment(entry, compiled_entry, tmp_path, monkeypatch):
+def test_a_library_that_fails_to_load_is_set_aside_not_the_environment(entry, compiled_entry, load_verdicts, tmp_path, monkeypatch):
     # Not a library at all, its sha256 and digest recorded again: the test
     # process fails to load it (an error, no signal), and no environment
     # verdict is taken before a kernel has loaded.
-    (entry.parents[1] / VERDICT_FILE).unlink()
     bogus = tmp_path / "bogus.so"
     bogus.write_bytes(b"not a shared library")
     replace_library(entry, bogus)
     stats, compiles = run_abs(tmp_path, monkeypatch)
     assert (stats["cache_loads"], stats["hits"]) == (0, 0) and len(compiles) == 1, stats
     assert len(inventory.quarantined(tmp_path)) == 1
-    assert not (entry.parents[1] / VERDICT_FILE).exists()
+    assert load_probe.recorded_verdicts() == {}
 
     # Intact again (in place of the eager entry the failed compile left): the next process loads it.
     shutil.rmtree(entry)
     copy_entry(compiled_entry, tmp_path)
     stats, compiles = run_abs(tmp_path, monkeypatch)
     assert (stats["cache_loads"], stats["hits"], stats["fallbacks"]) == (1, 2, 0), stats
-    assert json.loads((entry.parents[1] / VERDICT_FILE).read_text())["loads"] is True
+    assert load_probe.recorded_verdicts() == {entry.parents[1].name: None}
 
 
-def test_a_crash_loading_a_known_good_kernel_keeps_its_environment_eager_until_cache_clear(entry, tmp_path, monkeypatch, capsys):
-    (entry.parents[1] / VERDICT_FILE).unlink()
-    monkeypatch.setattr(load_probe, "_CHILD", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
-    stats, compiles = run_abs(tmp_path, monkeypatch)
-    assert (stats["cache_loads"], stats["hits"], stats["fallbacks"]) == (0, 0, 3), stats
-    assert "crashed a test process loading a known-good cpu kernel (signal 11)" in stats["fallback_reason"]
-    assert not compiles  # nothing compiled for an environment whose kernels crash the runtime
-    assert entry.exists()  # the entry is not at fault
+def test_a_crash_loading_a_known_good_kernel_keeps_its_environment_eager_until_cache_clear(entry, load_verdicts, tmp_path, capsys):
+    with pytest.MonkeyPatch.context() as crashing:
+        crashing.setattr(load_probe, "_CHILD", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+        stats, compiles = run_abs(tmp_path, crashing)
+        assert (stats["cache_loads"], stats["hits"], stats["fallbacks"]) == (0, 0, 3), stats
+        assert "crashed a test process loading a known-good cpu kernel (signal 11)" in stats["fallback_reason"]
+        assert not compiles  # nothing compiled for an environment whose kernels crash the runtime
+        assert entry.exists()  # the entry is not at fault
 
-    assert cli.main(["--cache-dir", str(tmp_path), "doctor"]) == 1
-    out = capsys.readouterr().out
-    assert f"load probe {entry.parents[1].name}: crashes: AOTInductor's runtime crashed" in out, out
+        assert cli.main(["--cache-dir", str(tmp_path), "doctor"]) == 1
+        out = capsys.readouterr().out
+        assert f"load probe {entry.parents[1].name}: crashes: AOTInductor's runtime crashed" in out, out
 
-    assert cli.main(["--cache-dir", str(tmp_path), "cache", "clear"]) == 0
-    assert not (entry.parents[1] / VERDICT_FILE).exists()
-    monkeypatch.undo()
+        assert cli.main(["--cache-dir", str(tmp_path), "cache", "clear"]) == 0
+        assert load_probe.recorded_verdicts() == {}
     cli.main(["--cache-dir", str(tmp_path), "doctor"])
     assert "load probe none yet" in capsys.readouterr().out
 

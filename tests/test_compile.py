@@ -157,7 +157,7 @@ def test_a_compiled_kernel_does_what_eager_does_for_any_runtime_number(compiled_
     assert artifact.output_counts == [-1] and sidecar_files(artifact)["kernel.so"] == artifact.library
     assert {"export", "lowering"} <= artifact.seconds.keys()
     try:
-        load_probe.check_loads(environment, artifact.library, "cpu", artifact.output_counts, known_good=False)
+        load_probe.check_loads(environment.name, artifact.library, "cpu", artifact.output_counts, known_good=False)
     except load_probe.LibraryDoesNotLoad as e:
         xfail_if_kernels_cannot_load({"fallback_reason": str(e)})
         raise

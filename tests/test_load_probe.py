@@ -1,5 +1,5 @@
 """Loading a kernel first in a child process (aoti_eager.kernels.load_probe):
-who is blamed for a crash, and what is remembered of it."""
+who is blamed for a crash, and what is remembered of it, where."""
 
 from __future__ import annotations
 
@@ -8,23 +8,20 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 
+import aoti_eager
+from aoti_eager import cli
 from aoti_eager.kernels import load_probe
-from aoti_eager.kernels.load_probe import VERDICT_FILE, LibraryDoesNotLoad, UnsafeToLoad
+from aoti_eager.kernels.load_probe import LibraryDoesNotLoad, UnsafeToLoad
+from helpers import assert_same_as_eager
+
+ENVIRONMENT = "cpu-test-environment"
 
 
 @pytest.fixture(autouse=True)
-def _no_verdicts(monkeypatch):
-    """This process has judged no environment yet."""
-    monkeypatch.setattr(load_probe, "_verdicts", {})
-
-
-@pytest.fixture
-def environment(tmp_path):
-    """An environment directory of the cache at ``tmp_path / "root"``."""
-    directory = tmp_path / "root" / "v2" / "cpu-test-environment"
-    directory.mkdir(parents=True)
-    return directory
+def _own_verdicts(load_verdicts):
+    """No environment judged yet, on disk or in this process."""
 
 
 @pytest.fixture(scope="module")
@@ -48,55 +45,79 @@ def forget_in_process():
     load_probe._verdicts.clear()
 
 
-def test_a_crash_loading_a_known_good_kernel_keeps_the_environment_eager(environment, crashing_library, tmp_path, monkeypatch):
+def test_a_crash_loading_a_known_good_kernel_keeps_the_environment_eager_until_cache_clear(
+        crashing_library, load_verdicts, tmp_path, monkeypatch):
     with pytest.raises(UnsafeToLoad, match="crashed a test process loading a known-good cpu kernel \\(signal 11\\)"):
-        load_probe.check_loads(environment, crashing_library, "cpu", [-1], known_good=True)
-    assert json.loads((environment / VERDICT_FILE).read_text())["loads"] is False
+        load_probe.check_loads(ENVIRONMENT, crashing_library, "cpu", [-1], known_good=True)
+    assert json.loads((load_verdicts / f"{ENVIRONMENT}.json").read_text())["loads"] is False
     forget_in_process()
     no_probe(monkeypatch)
     with pytest.raises(UnsafeToLoad):
-        load_probe.check_loads(environment, tmp_path / "any other kernel.so", "cpu", [-1], known_good=True)
-    assert list(load_probe.recorded_verdicts(tmp_path / "root")) == [environment.name]
+        load_probe.check_loads(ENVIRONMENT, tmp_path / "any other kernel.so", "cpu", [-1], known_good=True)
+    assert list(load_probe.recorded_verdicts()) == [ENVIRONMENT]
 
-    load_probe.forget_verdicts(tmp_path / "root")
-    assert load_probe.runtime_crashes(environment) is None and load_probe.recorded_verdicts(tmp_path / "root") == {}
+    # Whatever cache root is cleared: the verdict is the user's, not a root's.
+    assert cli.main(["--cache-dir", str(tmp_path / "any root"), "cache", "clear"]) == 0
+    assert load_probe.runtime_crashes(ENVIRONMENT) is None and load_probe.recorded_verdicts() == {}
 
 
-def test_a_crash_loading_a_new_kernel_blames_that_kernel_alone(environment, crashing_library):
+def test_a_crash_loading_a_new_kernel_blames_that_kernel_alone(crashing_library, load_verdicts):
     with pytest.raises(LibraryDoesNotLoad, match="crashed a test process loading a new cpu kernel"):
-        load_probe.check_loads(environment, crashing_library, "cpu", [-1], known_good=False)
-    assert load_probe.runtime_crashes(environment) is None
-    assert not (environment / VERDICT_FILE).exists()
+        load_probe.check_loads(ENVIRONMENT, crashing_library, "cpu", [-1], known_good=False)
+    assert load_probe.runtime_crashes(ENVIRONMENT) is None
+    assert list(load_verdicts.iterdir()) == []
 
 
-def test_a_file_that_does_not_load_is_no_verdict_on_its_environment(environment, tmp_path):
+def test_a_file_that_does_not_load_is_no_verdict_on_its_environment(load_verdicts, tmp_path):
     not_a_library = tmp_path / "kernel.so"
     not_a_library.write_bytes(b"not a shared library")
     with pytest.raises(LibraryDoesNotLoad, match="could not load it \\(exit code 1\\)"):
-        load_probe.check_loads(environment, not_a_library, "cpu", [-1], known_good=True)
-    assert load_probe.runtime_crashes(environment) is None
-    assert not (environment / VERDICT_FILE).exists()
+        load_probe.check_loads(ENVIRONMENT, not_a_library, "cpu", [-1], known_good=True)
+    assert load_probe.runtime_crashes(ENVIRONMENT) is None
+    assert list(load_verdicts.iterdir()) == []
 
 
-def test_once_a_kernel_has_loaded_the_environment_is_not_probed_again(environment, tmp_path, monkeypatch):
+def test_once_a_kernel_has_loaded_the_environment_is_not_probed_again(tmp_path, monkeypatch):
     monkeypatch.setattr(load_probe, "_CHILD", "pass")  # a load that succeeds, without a kernel to load
-    load_probe.check_loads(environment, tmp_path / "kernel.so", "cpu", [-1], known_good=False)
-    assert load_probe.recorded_verdicts(tmp_path / "root") == {environment.name: None}
+    load_probe.check_loads(ENVIRONMENT, tmp_path / "kernel.so", "cpu", [-1], known_good=False)
+    assert load_probe.recorded_verdicts() == {ENVIRONMENT: None}
     forget_in_process()
     no_probe(monkeypatch)
-    load_probe.check_loads(environment, tmp_path / "another kernel.so", "cpu", [-1], known_good=False)
+    load_probe.check_loads(ENVIRONMENT, tmp_path / "another kernel.so", "cpu", [-1], known_good=False)
+
+
+def test_a_second_cache_root_on_the_same_machine_is_not_probed_again(tmp_path, monkeypatch):
+    x = torch.randn(32)
+    with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path / "first"):
+        torch.abs(x)  # compiled, then loaded in a child process first
+    (environment,) = load_probe.recorded_verdicts()
+    # The first root's entries in a new root (as `cache import` or the fleet cache put them), in a new process.
+    shutil.copytree(tmp_path / "first", tmp_path / "second")
+    forget_in_process()
+    no_probe(monkeypatch)
+    with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path / "second"):
+        result = torch.abs(x)
+        stats = aoti_eager.stats()["aten::abs"]
+    assert_same_as_eager(result, x.abs())
+    assert (stats["cache_loads"], stats["compiles"], stats["fallbacks"]) == (1, 0, 0), stats
+    assert load_probe.recorded_verdicts() == {environment: None}
+
+
+def test_a_verdict_is_kept_in_its_directory_whatever_the_environment_is_named(load_verdicts):
+    for name in ("../../outside", "/absolute", "a b/c", ".."):
+        assert load_probe.verdict_file(name).parent == load_verdicts
 
 
 def test_a_verdict_that_cannot_be_kept_on_disk_is_kept_by_the_process(tmp_path, monkeypatch):
-    missing = tmp_path / "not created"
+    monkeypatch.setattr(load_probe, "verdict_directory", lambda: tmp_path / "not created")
     monkeypatch.setattr(load_probe, "_CHILD", "pass")
-    load_probe.check_loads(missing, tmp_path / "kernel.so", "cpu", [-1], known_good=False)
+    load_probe.check_loads(ENVIRONMENT, tmp_path / "kernel.so", "cpu", [-1], known_good=False)
     no_probe(monkeypatch)
-    load_probe.check_loads(missing, tmp_path / "kernel.so", "cpu", [-1], known_good=False)
+    load_probe.check_loads(ENVIRONMENT, tmp_path / "kernel.so", "cpu", [-1], known_good=False)
 
 
 @pytest.mark.parametrize("record", ['{"crashed": true}', '{"loads": false, "reason": null}', "{not json"])
-def test_a_verdict_of_another_form_is_judged_again(environment, tmp_path, record):
-    (environment / VERDICT_FILE).write_text(record)
-    assert load_probe.runtime_crashes(environment) is None
-    assert load_probe.recorded_verdicts(tmp_path / "root") == {}
+def test_a_verdict_of_another_form_is_judged_again(load_verdicts, record):
+    (load_verdicts / f"{ENVIRONMENT}.json").write_text(record)
+    assert load_probe.runtime_crashes(ENVIRONMENT) is None
+    assert load_probe.recorded_verdicts() == {}

@@ -26,7 +26,7 @@ from aoti_eager import settings
 from aoti_eager.cache import KernelCache, remote, signing
 from aoti_eager.cache.store import LIBRARY_FILE
 from aoti_eager.kernels.toolchain import environment_name
-from helpers import assert_same_as_eager, publish_kernel
+from helpers import assert_same_as_eager, publish_kernel, run_shapes
 
 redis = pytest.importorskip("redis", reason="the fleet cache's tests need the redis client: pip install 'aoti-eager[remote]'")
 REDIS_SERVER = shutil.which("redis-server")
@@ -126,6 +126,21 @@ def test_an_entry_published_on_one_machine_is_used_on_another(server, keys, tmp_
     assert not list(second.directory.rglob(".tmp-*"))
 
 
+def test_the_keys_of_an_ops_entries_are_listed_by_prefix(server, keys, tmp_path):
+    first, second = machine(tmp_path / "a", server.url), machine(tmp_path / "b", server.url)
+    for key in ("family-1", "family-2", "other"):
+        publish_kernel(first, tmp_path, key=key)
+    publish_kernel(first, tmp_path, key="family-3", op="aten::neg")
+    tier, second.behind = second.behind, None
+    publish_kernel(second, tmp_path, key="family-0")  # local alone, not offered
+    second.behind = tier
+    assert tier.keys("aten::abs", "family-") == ["family-1", "family-2"]
+    assert second.keys("aten::abs", "family-") == ["family-0", "family-1", "family-2"]  # the local ones first
+    # What a server lists is a name, never a path: a key that is not a plain directory name is left out.
+    server.client.sadd(remote.keys_key(ENVIRONMENT, "aten::abs"), "family-/../../escape", "..")
+    assert tier.keys("aten::abs", "") == ["family-1", "family-2", "other"]
+
+
 def test_publication_is_set_if_absent(server, keys, tmp_path):
     first, second = machine(tmp_path / "a", server.url), machine(tmp_path / "b", server.url)
     publish_kernel(first, tmp_path, key="k", content=b"first")
@@ -196,6 +211,7 @@ def test_an_unreachable_server_costs_one_short_try_then_is_tried_again_later(ser
     for key in ("k1", "k2", "k3"):
         assert cache.lookup("aten::abs", key) is None
     publish_kernel(cache, tmp_path, key="k4")  # published locally; the offer is not even tried
+    assert cache.keys("aten::abs", "k") == ["k4"]  # the local keys alone
     assert time.monotonic() - started < 0.5
     said = refusals(caplog)
     assert len(said) == 1 and "cannot connect" in said[0] and "local cache alone" in said[0], said
@@ -376,6 +392,18 @@ def test_a_second_machine_makes_no_compile(server, keys, tmp_path):
     assert (second["compiles"], second["cache_loads"], second["hits"], second["fallbacks"]) == (0, 1, 2, 0), second
 
 
+def test_a_dynamic_kernel_compiled_on_one_machine_serves_a_new_shape_on_another(server, keys, tmp_path):
+    def make(n):
+        return torch.randn(n, 16), torch.randn(16)
+
+    # 5: a static kernel; 9: the dynamic-shape kernel of the family, published to the fleet.
+    compiles, _ = run_shapes("aten::add.Tensor", tmp_path / "machine-a", torch.add, [5, 9], make, remote=server.url)
+    assert compiles == [1, 1]
+    # A shape machine A never saw: machine B finds the family's kernel in the fleet cache.
+    compiles, stats = run_shapes("aten::add.Tensor", tmp_path / "machine-b", torch.add, [17, 33], make, remote=server.url)
+    assert compiles == [0, 0] and (stats["cache_loads"], stats["hits"], stats["fallbacks"]) == (1, 1, 0), stats
+
+
 def test_eight_processes_on_two_machines_compile_once(server, keys, tmp_path):
     roots = [tmp_path / f"machine-{i % 2}" / "cache" for i in range(8)]
     stats = run_fleet(roots, server.url, 56, tmp_path / "ready")
@@ -404,6 +432,48 @@ def test_calls_are_right_and_prompt_when_the_server_is_killed_mid_run(keys, tmp_
     assert len(said) == 1 and "cannot connect" in said[0], said
 
 
+# ---- prewarm and background workers ----
+
+# Answers each entry with the fleet cache the worker was given.
+_WORKER_SAYS_ITS_FLEET = r"""
+import json, os, sys
+for line in sys.stdin:
+    print(json.dumps({"status": "compiled", "reason": os.environ.get("AOTI_EAGER_REMOTE")}), flush=True)
+"""
+
+
+def test_a_background_compile_uses_the_fleet_cache_that_enable_names(tmp_path, monkeypatch):
+    from aoti_eager import _background, _worker
+    from aoti_eager.manifest import ManifestEntry
+
+    monkeypatch.setattr(_worker, "COMMAND", [sys.executable, "-c", _WORKER_SAYS_ITS_FLEET])
+    monkeypatch.delenv(settings.remote.name, raising=False)
+    entry = ManifestEntry("aten::abs", "cpu", "k", [])
+    url = "redis://fleet-host:6379/0"
+    assert _background.submit(entry, tmp_path / "cache", url).result(timeout=120).reason == url
+    assert _background.submit(entry, tmp_path / "other cache").result(timeout=120).reason is None
+
+
+def test_prewarm_takes_what_the_fleet_holds_without_starting_a_worker(server, keys, tmp_path, monkeypatch):
+    from aoti_eager import _worker
+    from aoti_eager.kernels import CallSignature
+    from aoti_eager.kernels.compile import compile_options
+    from aoti_eager.manifest import ManifestEntry
+
+    here = environment_name(torch.device("cpu"), compile_options("cpu"))
+    signature = CallSignature.of(torch.ops.aten.abs.default, "cpu", [torch.randn(8)])
+    publisher = KernelCache(tmp_path / "a", here)
+    publisher.behind = remote.tier(server.url, here)
+    publish_kernel(publisher, tmp_path, key=signature.key)
+    manifest = tmp_path / "manifest.jsonl"
+    manifest.write_text(json.dumps(ManifestEntry("aten::abs", "cpu", signature.key, signature.to_json()).to_json()) + "\n")
+    monkeypatch.setattr(_worker, "COMMAND", [sys.executable, "-c", "raise SystemExit(3)"])  # a worker would fail
+    monkeypatch.setenv(settings.remote.name, server.url)
+    report = aoti_eager.prewarm(manifest, jobs=1, devices=["cpu"], cache_dir=tmp_path / "b")
+    assert [r.outcome.status for r in report.results] == ["cached"], report.results
+    assert KernelCache(tmp_path / "b", here).lookup("aten::abs", signature.key).library.read_bytes() == b"\x7fELF kernel"
+
+
 # ---- the command line ----
 
 def test_push_stats_and_pull(server, keys, tmp_path, capsys):
@@ -426,7 +496,7 @@ def test_push_stats_and_pull(server, keys, tmp_path, capsys):
     code, stats = run("remote", "stats")
     assert (stats["entries"], stats["environments"]) == (3, [here]), stats
     assert stats["by_op"]["aten::abs"]["entries"] == 2 and stats["by_op"]["aten::add.Tensor"]["entries"] == 1
-    assert stats["bytes"] == sum(len(v) for key in server.client.keys() for v in server.client.hvals(key))
+    assert stats["bytes"] == sum(len(v) for key in server.client.keys("*:entry:*") for v in server.client.hvals(key))
     code, pulled = run("--cache-dir", str(tmp_path / "b"), "remote", "pull", "--op", "abs")
     assert code == 0 and len(pulled["pulled"]) == 2, pulled
     machine_b = KernelCache(tmp_path / "b", here)

@@ -90,15 +90,13 @@ def test_a_failed_cpp_compiler_is_not_recorded_in_the_cache(tmp_path, monkeypatc
     assert len(attempts) == 2  # once per process: the failure may have been the machine's
 
 
-def test_a_runtime_that_crashes_on_load_leaves_kernels_eager(tmp_path, monkeypatch):
+def test_a_runtime_that_crashes_on_load_leaves_kernels_eager(tmp_path, load_verdicts, monkeypatch):
     monkeypatch.setattr(load_probe, "_CHILD", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
-    load_probe._verdicts.clear()
     x = torch.randn(32)
     aoti_eager.enable(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path)
     results = [torch.abs(x) for _ in range(2)]
     stats = aoti_eager.stats()["aten::abs"]
     aoti_eager.disable()
-    load_probe._verdicts.clear()
     for r in results:
         assert_same_as_eager(r, x.abs())
     assert stats["hits"] == 0 and stats["fallbacks"] == 2
