@@ -33,7 +33,7 @@ from aoti_eager.cache.store import TEMPORARY_PREFIX
 from aoti_eager.kernels import CallSignature, Unsupported
 from aoti_eager.kernels.compile import compile_options, flat_tensor_inputs
 from aoti_eager.kernels.load_probe import UnsafeToLoad, check_loads, runtime_crashes
-from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily, changed_dims, family_key, tensor_args
+from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily, changed_dims, family_key, kinds_key, tensor_args
 from aoti_eager.kernels.pipeline import NotCompiled, Outcome, compile_signature
 from aoti_eager.kernels.signature import qualified_name
 from aoti_eager.kernels.toolchain import environment_name
@@ -182,6 +182,8 @@ class Override:
     _eager_faster: set[tuple[str, str]] = field(default_factory=set)
     # (device, family_key) -> what this process knows of the shape family.
     _families: dict[tuple[str, str], _Family] = field(default_factory=dict)
+    # (device, kinds_key) of the calls that compiled a kernel.
+    _compiled_kinds: set[tuple[str, str]] = field(default_factory=set)
 
     @property
     def name(self) -> str:
@@ -316,26 +318,30 @@ class Override:
     def _kernel_to_compile(self, signature: CallSignature, family: _Family) -> ShapeFamily | None:
         """The dynamic kernel to compile for ``signature``, which none of its
         family's kernels admits: at the family's second shape, one with the
-        dims that changed, or a general one where only strides changed; after
-        that, a general one (a widening); None for a static kernel."""
+        dims that changed, or a general one where only strides or sizes of 1
+        changed; after that, a general one (a widening). None for a static
+        kernel: the first of a family, unless the op's calls of these dtypes
+        and ranks compiled in another family."""
         if not settings.dynamic_shapes.get():
             return None
         planned = next((p for key, p in _planned.items() if p.entry_key(signature) == key), None)
         if planned is not None:
             return planned
-        if family.dynamic_failed or not family.seen:
+        if family.dynamic_failed:
             return None
+        if not family.seen:
+            # The op compiled already for calls of these dtypes and ranks, in another
+            # family: its shapes move, so the family's first kernel is general.
+            kinds = (str(signature.device), kinds_key(signature))
+            return ShapeFamily.general_for(signature) if kinds in self._compiled_kinds else None
         known = {key for key, _ in family.dynamic()}
         if known:
             general = ShapeFamily.general_for(signature)
             # Where the general kernel refuses it (a size export fixed), the shape compiles alone.
             return None if general.entry_key(signature) in known else general
         changed = changed_dims(signature, family.seen)
-        if any(changed):
-            return ShapeFamily(changed)
-        # Only strides changed (a broadcast or a slice of a shape seen): a kernel that reads them.
-        sizes = [t.sizes for t in tensor_args(signature)]
-        return ShapeFamily.general_for(signature) if sizes in family.seen and any(sizes) else None
+        # Where only strides changed, or a size to 1, a general kernel (a broadcast, a slice, a batch of one).
+        return ShapeFamily(changed) if any(changed) else ShapeFamily.general_for(signature)
 
     def report_unkeyable(self, args: list[Any]) -> None:
         """Records why the C++ side could not key a call (it runs eagerly)."""
@@ -435,6 +441,7 @@ class Override:
             return self._eager(outcome.reason, signature)
         self.stats.compiles += 1
         self.stats.compile_seconds += outcome.seconds
+        self._compiled_kinds.add((str(signature.device), kinds_key(signature)))
         stages = ", ".join(f"{stage} {t:.1f} s" for stage, t in outcome.stages.items())
         described = outcome.family.short(signature.to_json()) if outcome.family else signature.short()
         log.info("aoti_eager: compiled %s for (%s) in %.1f s (%s)", self.name, described, outcome.seconds, stages)

@@ -43,6 +43,7 @@ from typing import Any, Iterator
 import sympy
 import torch
 
+from aoti_eager.kernels.compile import call_op
 from aoti_eager.kernels.examples import example_tensor
 from aoti_eager.kernels.signature import (
     CallSignature, ListArg, RuntimeNumberArg, TensorArg, argument_from_json, clone_exact, _digest, _key_form,
@@ -115,6 +116,13 @@ def family_key(signature: CallSignature) -> str:
     return _digest([str(signature.op._schema), [_form(d, None) for d in signature.described]])
 
 
+def kinds_key(signature: CallSignature) -> str:
+    """The op and each tensor argument's dtype and rank: what calls of
+    several shape families share, whose kernels may be alike (a model's
+    embeddings with and without ``padding_idx``, a tensor and its slice)."""
+    return _digest([str(signature.op._schema), [[t.dtype, len(t.sizes)] for t in tensor_args(signature)]])
+
+
 def changed_dims(signature: CallSignature, seen: list[list[tuple[int, ...]]]) -> tuple[tuple[int, ...], ...]:
     """For each tensor argument, the dims whose size differs from one of the
     ``seen`` calls of its family (each a list of its tensors' sizes) and is at
@@ -167,8 +175,15 @@ class ShapeFamily:
 
     @classmethod
     def general_for(cls, signature: CallSignature) -> "ShapeFamily":
-        """The general kernel of ``signature``'s family (not yet compiled)."""
-        return replace(cls.any_shape(signature), general=True)
+        """The general kernel for calls like ``signature`` (not yet compiled):
+        every dim dynamic but a dim of size 1 that broadcasts, which the op
+        refuses at 2 (tried on meta tensors)."""
+        tensors = tensor_args(signature)
+        ones = [(i, d) for i, t in enumerate(tensors) for d, n in enumerate(t.sizes) if n == 1]
+        kept = set(ones)
+        if ones and _runs_on_meta(signature, {}):
+            kept = {one for one in ones if not _runs_on_meta(signature, {one: 2})}
+        return cls(tuple(tuple(d for d in range(len(t.sizes)) if (i, d) not in kept) for i, t in enumerate(tensors)), general=True)
 
     @property
     def dim_bits(self) -> list[int]:
@@ -237,25 +252,23 @@ class ShapeFamily:
 
         return (tuple(shape() if is_tensor else None for is_tensor in _flat_kinds(signature)),)
 
-    def examples(self, signature: CallSignature) -> list[CallSignature | None]:
-        """The calls a kernel of this family is exported from, the first that
-        exports: ``signature``'s; for a general kernel, two of :meth:`example`:
-        its size-1 dims at 2, where export would fix a 1, then at 1, where a
-        1 broadcasts."""
-        return [self.example(signature), self.example(signature, grow=False)] if self.general else [signature]
-
-    def example(self, signature: CallSignature, grow: bool = True) -> CallSignature | None:
-        """``signature``'s call for exporting a general kernel: its tensors at
-        sizes of at least 2 (with ``grow``) with their values broadcast in,
-        and every tensor the op does not write padded after each step of
-        every dim but the innermost, so that export reads those strides at
-        run time. None where a tensor is empty."""
+    def example(self, signature: CallSignature) -> CallSignature | None:
+        """The call a kernel of this family is exported from: ``signature``'s;
+        for a general kernel, its tensors with each dynamic dim of size 1 at
+        2 (export would fix a 1) and their values broadcast in, and every
+        tensor the op does not write padded after each step of every dim but
+        the innermost, so that export reads those strides at run time. None
+        where a tensor is empty."""
+        if not self.general:
+            return signature
         written = {i for i, a in enumerate(signature.op._schema.arguments) if a.alias_info is not None and a.alias_info.is_write}
-        taken = {2 if n == 1 and grow else n for t in tensor_args(signature) for n in t.sizes}
+        grown = [tuple(2 if n == 1 and d in dims else n for d, n in enumerate(t.sizes)) for t, dims in zip(tensor_args(signature), self.dims)]
+        taken = {n for sizes in grown for n in sizes}
+        counter = itertools.count()
 
         def rebuild(value: Any, described: Any, write: bool) -> Any:
             if isinstance(described, TensorArg):
-                sizes = tuple(2 if n == 1 and grow else n for n in described.sizes)
+                sizes = grown[next(counter)]
                 order = layout_order(described.sizes, described.strides)
                 strides = _strides_for(sizes, order, {}, pad=not write, taken=taken)
                 tensor = example_tensor(replace(described, sizes=sizes, strides=strides), value.device)
@@ -509,6 +522,27 @@ def _stride_rule(stride: Any, where: dict[Any, tuple[int, int]]) -> tuple[int, t
     if not scale.is_Integer:
         raise NotDynamic(f"export gave a stride as {expr}")
     return int(scale), tuple(factors)
+
+
+def _runs_on_meta(signature: CallSignature, sizes: dict[tuple[int, int], int]) -> bool:
+    """Whether the op takes ``signature``'s call on meta tensors, with dim
+    ``dim`` of its tensor ``tensor`` at ``sizes[tensor, dim]``."""
+    tensors = itertools.count()
+
+    def meta(value: Any, described: Any) -> Any:
+        if isinstance(described, TensorArg):
+            i = next(tensors)
+            shape = [sizes.get((i, d), n) for d, n in enumerate(described.sizes)]
+            return torch.empty(shape, dtype=getattr(torch, described.dtype), device="meta")
+        if isinstance(described, ListArg):
+            return [meta(v, d) for v, d in zip(value, described.items)]
+        return value
+
+    try:
+        call_op(signature.op, [meta(v, d) for v, d in zip(signature.args, signature.described)])
+    except Exception:  # noqa: BLE001 - the op refuses these sizes, or meta tensors
+        return False
+    return True
 
 
 def _rebuilt(signature: CallSignature, args: list[Any]) -> CallSignature:

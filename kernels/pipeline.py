@@ -91,8 +91,8 @@ def compile_signature(
     compiles the shape statically instead."""
     name = qualified_name(op)
     key = signature.key if family is None else family.entry_key(signature)
-    examples = [signature] if family is None else [e for e in family.examples(signature) if e is not None]
-    if key is None or not examples:
+    example = signature if family is None else family.example(signature)
+    if key is None or example is None:
         return NotCompiled("no dynamic-shape kernel for calls like this one")
     reference_args = clone_args(signature.args)
     try:
@@ -104,7 +104,7 @@ def compile_signature(
         store.remove(name, key)
     start = time.perf_counter()
     try:
-        artifact, family = _compile(examples, signature, expected, store, family)
+        artifact, family = _compile(example, signature, expected, store, family)
     except (CompileError, NotDynamic) as e:
         log.debug("aoti_eager: compiling %s failed", name, exc_info=e.__cause__)
         said = getattr(e, "compiler_error", None)
@@ -141,32 +141,25 @@ def compile_signature(
 
 
 def _compile(
-    examples: list[CallSignature], signature: CallSignature, expected: Any, store: EntryStore, family: ShapeFamily | None
+    example: CallSignature, signature: CallSignature, expected: Any, store: EntryStore, family: ShapeFamily | None
 ) -> tuple[Artifact, ShapeFamily | None]:
-    """The library of the first of ``examples`` that compiles, and ``family``
-    with the guards it was compiled with. Raises CompileError or NotDynamic
-    (of the last example)."""
-    for i, example in enumerate(examples):
-        try:
-            artifact = compile_call(
-                example, expected, compile_options(signature.device.type), shared_dir=store.shared_directory(),
-                vec_isas=usable_vec_isas(), dynamic_shapes=family.export_shapes(example) if family else None,
-            )
-            if family is None:
-                return artifact, None
-            try:
-                guarded = family.with_guards(example, artifact.input_shapes, artifact.input_strides, artifact.range_constraints)
-                if guarded.symbol_values(signature) is None:
-                    raise NotDynamic("its guards do not admit the call it was compiled for")
-            except NotDynamic:
-                artifact.workdir.cleanup()
-                raise
-            return artifact, guarded
-        except (CompileError, NotDynamic) as e:
-            if i == len(examples) - 1 or getattr(e, "compiler_error", None) is not None:
-                raise
-            log.debug("aoti_eager: exporting %s from %s failed (%s); trying the next example", signature.op, example.short(), e)
-    raise AssertionError("no examples")
+    """The library of ``signature``'s kernel, exported from ``example``, and
+    ``family`` with the guards it was compiled with. Raises CompileError or
+    NotDynamic."""
+    artifact = compile_call(
+        example, expected, compile_options(signature.device.type), shared_dir=store.shared_directory(),
+        vec_isas=usable_vec_isas(), dynamic_shapes=family.export_shapes(example) if family else None,
+    )
+    if family is None:
+        return artifact, None
+    try:
+        guarded = family.with_guards(example, artifact.input_shapes, artifact.input_strides, artifact.range_constraints)
+        if guarded.symbol_values(signature) is None:
+            raise NotDynamic("its guards do not admit the call it was compiled for")
+    except NotDynamic:
+        artifact.workdir.cleanup()
+        raise
+    return artifact, guarded
 
 
 def _check_other_shapes(

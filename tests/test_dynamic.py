@@ -237,6 +237,14 @@ def test_one_general_kernel_serves_every_width_slice_broadcast_and_batch_of_one(
     assert compiles == [1, 1, 0, 0, 0]
 
 
+def test_a_general_kernel_keeps_a_broadcast_dim_of_one(tmp_path):
+    # BERT's position embeddings, one row for the whole batch: export is tried with that
+    # dim at 2, which cannot broadcast, then with it at 1, where it stays.
+    compiles, _ = run_shapes("aten::add.Tensor", tmp_path, torch.add, [(4, 5), (6, 5), (6, 7), (3, 9), (1, 4)],
+                             lambda s: (torch.randn(s[0], s[1], 8), torch.randn(1, s[1], 8)))
+    assert compiles == [1, 1, 1, 0, 0]
+
+
 def test_strides_the_general_kernel_was_not_compiled_for_take_the_miss_path(tmp_path):
     # Compiled for rows in order (a slice included); a transposed input has eager's
     # other output layout, and an innermost stride of 2 another kernel.
