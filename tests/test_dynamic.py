@@ -103,6 +103,16 @@ def test_layout_order(sizes, strides, order):
     assert layout_order(sizes, strides) == order
 
 
+def test_a_general_kernel_keeps_only_the_size_one_dims_that_broadcast():
+    general = ShapeFamily.general_for(signature(A.add.Tensor, torch.randn(6, 5, 8), torch.randn(1, 5, 8)))
+    assert general.general and general.dims == ((0, 1, 2), (1, 2))  # y's 1 broadcasts against 6
+    general = ShapeFamily.general_for(signature(A.add.Tensor, torch.randn(1, 8), torch.randn(1, 8)))
+    assert general.dims == ((0, 1), (0, 1))  # at 2 rows both, or either, it still runs
+    general = ShapeFamily.general_for(signature(A.embedding.default, torch.randn(64, 8), torch.arange(9)[None]))
+    assert general.dims == ((0, 1), (0, 1))  # a batch of one row of positions
+    assert ShapeFamily.general_for(CallSignature.of(A.arange.default, "cpu", [7])).dims == ()
+
+
 def test_a_family_round_trips_through_json():
     assert ShapeFamily.from_json(ADD.to_json()) == ADD
     assert ADD.dim_bits == [1, 1]
