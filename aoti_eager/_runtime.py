@@ -142,6 +142,42 @@ class _Family:
 
 
 @dataclass
+class _Ints:
+    """What this process knows of the ints given to one op's calls of one
+    signature shape (:attr:`CallSignature.shape_key`), by argument index
+    (:attr:`CallSignature.int_arguments`).
+
+    The first call compiles its ints in, unless the cache holds a kernel that
+    takes them at run time (another process saw them move). Once an int
+    moves, kernels take it as a runtime int: one kernel for every later
+    positive value, instead of one per value (``arange``'s end, a batch
+    size, a sequence length). An int
+    whose kernel fails (export cannot trace an int used as a dim index, the
+    kernel disagrees with eager) is compiled in from then on.
+    """
+
+    first: dict[int, int]  # the values of the first call that missed
+    runtime: frozenset[int] = frozenset()  # taken as runtime ints
+    constant: frozenset[int] = frozenset()  # compiled in: their runtime kernel failed
+
+    def to_take(self, signature: CallSignature) -> frozenset[int]:
+        """The ints a kernel for ``signature`` takes at run time: those that
+        moved and have not failed; none where one of them cannot be an input
+        in this call (a value of 0 or below, a device that reads no runtime
+        numbers)."""
+        values = signature.int_arguments
+        moved = {i for i, value in values.items() if value != self.first.get(i, value)}
+        wanted = (self.runtime | moved) - self.constant
+        return frozenset(wanted) if wanted and signature.can_take_runtime_ints(wanted) else frozenset()
+
+    def failed(self, tried: frozenset[int]) -> None:
+        """A kernel taking ``tried`` at run time failed: the ints it added to
+        those already taken (all of them, if it added none) are compiled in."""
+        self.constant |= (tried - self.runtime) or tried
+        self.runtime -= self.constant
+
+
+@dataclass
 class OpStats:
     """What happened to one op overload on one device since it was enabled."""
 
@@ -184,6 +220,12 @@ class Override:
     _families: dict[tuple[str, str], _Family] = field(default_factory=dict)
     # (device, kinds_key) of the calls that compiled a kernel.
     _compiled_kinds: set[tuple[str, str]] = field(default_factory=set)
+    # CallSignature.shape_key -> what this process knows of its ints.
+    _ints: dict[str, _Ints] = field(default_factory=dict)
+
+    # A call's first miss looks for kernels taking its ints at run time only
+    # where it has this many ints at most (every subset is a cache key).
+    RUNTIME_INT_LOOKUPS: ClassVar[int] = 3
 
     @property
     def name(self) -> str:
@@ -205,16 +247,63 @@ class Override:
             signature = CallSignature.of(self.op, self.device, args)
         except Unsupported as e:
             return self._eager(f"unsupported input: {e}")
+        with self._lock:
+            ints = self._ints.get(signature.shape_key)
+            first = ints is None
+            if first:
+                ints = self._ints[signature.shape_key] = _Ints(signature.int_arguments)
+            runtime_ints = ints.to_take(signature)
+        if first and (published := self._published_runtime_ints(signature)):
+            # Another process saw these ints move: its kernel serves this value too.
+            with self._lock:
+                ints.runtime |= published
+                runtime_ints = ints.to_take(signature)
+        if runtime_ints:
+            # Ints that moved: one kernel takes them at run time, for every later value.
+            with_ints = signature.with_runtime_ints(runtime_ints)
+            decision = self._decide(with_ints)
+            if not self._falls_back(decision, with_ints):
+                with self._lock:
+                    ints.runtime |= runtime_ints
+                return decision
+            with self._lock:
+                ints.failed(runtime_ints)
+            log.info("aoti_eager: %s on %s compiles the values of %s in: %s", self.name, self.device,
+                     ", ".join(self.op._schema.arguments[i].name for i in sorted(runtime_ints)), decision.reason)
         decision = self._decide(signature)
-        if (
-            isinstance(decision, RunEagerly) and signature.runtime_arguments and self.compile != "never"
-            # Where eager was measured faster, a kernel with the numbers compiled in would be no faster.
-            and signature.decision_key not in self._eager_faster
-        ):
+        if self._falls_back(decision, signature):
             # No kernel takes these numbers as inputs: compile their values in.
             # (A recording run records the first form only: compiling it tries both.)
             decision = self._decide(signature.with_constant_numbers())
         return decision
+
+    def _published_runtime_ints(self, signature: CallSignature) -> frozenset[int]:
+        """The ints that a kernel in the cache takes at run time for calls like
+        ``signature`` (the most of them, where several are), or none."""
+        ints = [i for i in signature.int_arguments if signature.can_take_runtime_ints([i])]
+        if not ints or len(ints) > self.RUNTIME_INT_LOOKUPS:
+            return frozenset()
+        try:
+            cache = self.cache(signature.device)
+            published = {key for _, key in cache.entries(self.name)}
+            for n in range(len(ints), 0, -1):
+                for taken in itertools.combinations(ints, n):
+                    key = signature.with_runtime_ints(taken).key
+                    if key in published and (entry := cache.lookup(self.name, key)) is not None and entry.library is not None:
+                        return frozenset(taken)
+        except (DamagedEntry, UntrustedEntry, OSError):
+            pass  # the miss finds it out again, and says so
+        return frozenset()
+
+    def _falls_back(self, decision: Decision, signature: CallSignature) -> bool:
+        """Whether ``signature``'s call, whose kernel would take runtime
+        numbers, is tried next with its numbers compiled in: where no such
+        kernel is used, unless nothing is compiled here or eager was measured
+        faster (a kernel with the numbers compiled in would be no faster)."""
+        return (
+            isinstance(decision, RunEagerly) and bool(signature.runtime_arguments) and self.compile != "never"
+            and signature.decision_key not in self._eager_faster
+        )
 
     def _decide(self, signature: CallSignature) -> Decision:
         known = self.decisions.get(signature.decision_key)

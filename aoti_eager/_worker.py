@@ -8,7 +8,10 @@ validated and published exactly as the miss of a real call would be. A
 dynamic-shape entry's call comes after calls at the ends of the span of sizes
 recorded for it, made with ``compile="never"``: the op's shape family then
 knows the shapes the recording process had seen, and the call compiles the
-dynamic kernel compiled there, under the same key.
+dynamic kernel compiled there, under the same key. Likewise an entry whose
+ints are runtime numbers (the recording process saw them move) comes after a
+call with each of them one higher, made with ``compile="never"``: the
+override then sees them move too.
 
 A child compiles one entry after another (entries as JSON lines on its stdin,
 outcomes as JSON lines on its stdout), so that only its first entry pays for
@@ -19,6 +22,7 @@ with it; the next entry starts a new one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -80,13 +84,19 @@ def warm(entry: ManifestEntry, root: Path) -> Outcome:
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     args = example_arguments(entry.signature, device)
+    runtime_ints = [i for i, d in enumerate(entry.signature) if d["kind"] == "int" and d.get("runtime")]
     try:
+        if entry.dynamic is not None or runtime_ints:
+            aoti_eager.enable([op], devices=[entry.device], cache_dir=root, record=None, compile="never")
         if entry.dynamic is not None:
             family = ShapeFamily(tuple(tuple(dims) for dims in entry.dynamic["dims"]), general=entry.dynamic.get("general", False))
             _runtime.plan(entry.key, family)
-            aoti_eager.enable([op], devices=[entry.device], cache_dir=root, record=None, compile="never")
             for seen in family.span_ends(CallSignature.of(op, entry.device, args), entry.dynamic["seen"]):
                 call_op(op, list(seen.args))
+        if runtime_ints:
+            moved = [a + 1 if i in runtime_ints else a for i, a in enumerate(args)]
+            with contextlib.suppress(Exception):  # eager may refuse the value: the override has seen it
+                call_op(op, moved)
         aoti_eager.enable([op], devices=[entry.device], cache_dir=root, record=None)
         call_op(op, args)
         stats = aoti_eager.stats()[entry.op]

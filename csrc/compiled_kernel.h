@@ -22,7 +22,8 @@ class CompiledKernel {
   // Tensor[] of N tensors, 0 for a return that aliases a mutated argument
   // (the kernel writes into that argument in place).
   // `runtime_arguments`: indices of the op's arguments that the kernel takes
-  // as runtime numbers (0-d float64 CPU tensors) instead of compiled-in values.
+  // as runtime numbers (0-d CPU tensors: int64 for an int, float64 for a
+  // float) instead of compiled-in values.
   // Throws unless `output_counts` describes as many outputs as the library has.
   CompiledKernel(
       const std::string& library_path,

@@ -66,8 +66,10 @@ py::object to_python(const c10::IValue& value, const c10::TypePtr& declared) {
 }
 
 // A number the kernel reads at run time, as kernels/compile.py's
-// runtime_number_input makes it: a Python float, or the wrapped number a
-// Tensor argument received for one. A float goes into a 0-d tensor kept per
+// runtime_number_input makes it: a Python float or int, or the wrapped number
+// a Tensor argument received for a float. An int goes into a 0-d int64 tensor,
+// anything else into a float64 one: the call key tells ints from doubles, so
+// a kernel only ever sees the kind it was traced with. The tensor is kept per
 // thread and argument position, reused while no one else holds it, instead of
 // a new tensor per call.
 at::Tensor runtime_number(const c10::IValue& arg, size_t position) {
@@ -80,8 +82,13 @@ at::Tensor runtime_number(const c10::IValue& arg, size_t position) {
     numbers.resize(position + 1);
   }
   at::Tensor& number = numbers[position];
-  if (!number.defined() || number.use_count() != 1) {
-    number = at::scalar_tensor(arg.toDouble(), at::TensorOptions().dtype(at::kDouble));
+  const bool is_int = arg.isInt();
+  const at::ScalarType dtype = is_int ? at::kLong : at::kDouble;
+  if (!number.defined() || number.use_count() != 1 || number.scalar_type() != dtype) {
+    number = is_int ? at::scalar_tensor(arg.toInt(), at::TensorOptions().dtype(dtype))
+                    : at::scalar_tensor(arg.toDouble(), at::TensorOptions().dtype(dtype));
+  } else if (is_int) {
+    *number.mutable_data_ptr<int64_t>() = arg.toInt();
   } else {
     *number.mutable_data_ptr<double>() = arg.toDouble();
   }
@@ -163,7 +170,19 @@ void OpOverride::call(
     counters_.hits.fetch_add(1, std::memory_order_relaxed);
   }
   if (entry && entry->kernel) {
-    run_kernel(*entry->kernel, stack);
+    if (entry->kernel->runtime_arguments().empty()) {
+      run_kernel(*entry->kernel, stack);
+      return;
+    }
+    try {
+      run_kernel(*entry->kernel, stack);
+    } catch (const std::exception&) {
+      // A kernel with runtime numbers checks what export assumed of them
+      // before it computes (topk's k at most the dim's size): a value it
+      // refuses runs the original kernel, which gives eager's result or error.
+      // The stack still holds the arguments: run_kernel drops them last.
+      run_original(op, keys, stack);
+    }
   } else {
     run_original(op, keys, stack);
   }

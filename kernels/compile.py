@@ -139,10 +139,17 @@ def flat_tensor_inputs(signature: CallSignature, args: tuple[Any, ...] | list[An
     return flat
 
 
-def runtime_number_input(value: float | torch.Tensor) -> torch.Tensor:
-    """A runtime number as the kernel takes it: a 0-d float64 CPU tensor (the
-    kernel reads it on the host, as eager reads a Python number), matching
-    what csrc/op_override.cpp passes."""
+def runtime_number_input(value: int | float | torch.Tensor) -> torch.Tensor:
+    """A runtime number as the kernel takes it: a 0-d CPU tensor, int64 for a
+    Python int and float64 for a float or a wrapped number (the kernel reads
+    it on the host, as eager reads a Python number), matching what
+    csrc/op_override.cpp passes.
+
+        >>> runtime_number_input(7).dtype, runtime_number_input(0.5).dtype
+        (torch.int64, torch.float64)
+    """
+    if type(value) is int:
+        return torch.tensor(value, dtype=torch.int64)
     return torch.tensor(float(value), dtype=torch.float64)
 
 
@@ -161,7 +168,7 @@ class _OpCall(torch.nn.Module):
 
         def rebuild(value: Any, described: Arg) -> Any:
             if isinstance(described, RuntimeNumberArg):
-                return next(it).item()  # traced as a number read at run time
+                return next(it).item()  # traced as a number read at run time (an unbacked SymInt for an int)
             if isinstance(described, TensorArg):
                 return next(it)
             if isinstance(described, NumberArg):

@@ -35,8 +35,11 @@ a number given for  tag, dtype, value: the dispatcher   ``NumberArg``: as an int
 a Tensor argument   passes a wrapped number             Python receives for a wrapped number; a
                                                         wrapped tensor: its dtype and value's repr
 runtime number      as a constant: a new value misses   ``RuntimeNumberArg``: as a number, without
-                    once, and Python hands over the     its value
-                    kernel it already holds
+                    once, and Python hands over the     its value. A float on CPU; a positive
+                    kernel it already holds. The value  int on CPU once its value moved (see
+                    is read into a 0-d CPU tensor:      ``with_runtime_ints``). Its ``"kind"``
+                    int64 for an int, float64 for a     gives the kernel input's dtype
+                    double
 bool                tag, value                          ``ConstantArg``: value
 str                 tag, length, ``std::hash``          ``ConstantArg``: the string
 dtype, layout,      tag of an int (the stack holds      ``ConstantArg``: kind, ``str`` of the value
@@ -51,9 +54,9 @@ Both refuse a call of an op that writes into an argument when two of its
 tensors share memory.
 
 :attr:`CallSignature.shape_key` is the Python key without the value of any
-number (an int, a float, a wrapped or a runtime number): calls that share it
-differ only in values compiled into the kernel, whose compiles a process
-counts. :attr:`CallSignature.decision_key` adds the device with its index: a
+number (an int, a float, a wrapped or a runtime number) and without whether a
+number is a kernel input: calls that share it differ only in numbers, whose
+compiles a process counts (a kernel with runtime numbers is one of them). :attr:`CallSignature.decision_key` adds the device with its index: a
 process loads a kernel once per device.
 """
 
@@ -63,7 +66,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, Union
+from typing import Any, Callable, Iterable, Iterator, Union
 
 import torch
 
@@ -189,9 +192,22 @@ class NumberArg:
 
     @property
     def can_be_runtime(self) -> bool:
-        """Whether a kernel may take it as an input instead: ints and bools
-        pick kernels (integer math, masks); inf and nan stay constants."""
+        """Whether a kernel may take it as an input instead, always: a finite
+        float. Ints are inputs only once they move (:attr:`can_be_runtime_int`);
+        bools pick kernels (masks); inf and nan stay constants."""
         return type(self.value) is float and math.isfinite(self.value)
+
+    @property
+    def can_be_runtime_int(self) -> bool:
+        """Whether a kernel may take it as a runtime int: a positive Python int.
+        Zero and negative values stay constants: a divisor or exponent of 0, a
+        negative size or power are eager errors or cases of their own, which a
+        kernel checked at positive values is not.
+
+            >>> NumberArg(7).can_be_runtime_int, NumberArg(0).can_be_runtime_int, NumberArg(7.0).can_be_runtime_int
+            (True, False, False)
+        """
+        return type(self.value) is int and self.wrapped_dtype is None and self.value >= 1
 
     def to_json(self) -> dict[str, Any]:
         if self.wrapped_dtype is not None:
@@ -206,7 +222,7 @@ class NumberArg:
 
 @dataclass(frozen=True)
 class RuntimeNumberArg:
-    """A float the kernel takes as an input (see
+    """A float, or an int, the kernel takes as an input (see
     :func:`aoti_eager.kernels.compile.runtime_number_input`), so that one
     kernel serves every value; ``number`` holds this call's value."""
 
@@ -339,6 +355,17 @@ def _takes_runtime_number(argument: torch._C.Argument) -> bool:
     return isinstance(declared, (torch._C.FloatType, torch._C.NumberType, torch._C.TensorType))
 
 
+def _takes_runtime_int(argument: torch._C.Argument) -> bool:
+    """Whether an int given for ``argument`` can be a kernel input once it
+    moves: an ``int``, ``SymInt`` or ``Scalar`` (a size, a count, a bound, a
+    Scalar operand). Whether the kernel can trace it as a number read at run
+    time is export's to say: an int used as a dim index cannot be."""
+    declared = argument.type
+    if isinstance(declared, torch._C.OptionalType):
+        declared = declared.getElementType()
+    return isinstance(declared, (torch._C.IntType, torch._C.NumberType))
+
+
 def _call_device(device_type: str, args: list[Any]) -> torch.device:
     """The device the call runs on: its first tensor's, or its device argument's."""
 
@@ -385,7 +412,8 @@ class CallSignature:
         With ``runtime_numbers``, finite floats given for numeric arguments are
         kernel inputs (:class:`RuntimeNumberArg`, whose values are left out of
         the key), so that one kernel serves every value; otherwise, and for
-        other numbers, values are compiled in.
+        other numbers, values are compiled in. Ints are compiled in until the
+        caller asks for them as inputs (:meth:`with_runtime_ints`).
         """
         device = _call_device(device_type, args)
         described = tuple(_describe(a, device) for a in args)
@@ -403,18 +431,63 @@ class CallSignature:
         """Indices of the arguments that the kernel takes as runtime numbers."""
         return [i for i, d in enumerate(self.described) if isinstance(d, RuntimeNumberArg)]
 
+    @property
+    def int_arguments(self) -> dict[int, int]:
+        """The ints given for arguments that may take them at run time
+        (:func:`_takes_runtime_int`), compiled in here, by argument index."""
+        return {
+            i: d.value for i, (arg, d) in enumerate(zip(self.op._schema.arguments, self.described))
+            if isinstance(d, NumberArg) and type(d.value) is int and d.wrapped_dtype is None and _takes_runtime_int(arg)
+        }
+
+    def can_take_runtime_ints(self, indices: Iterable[int]) -> bool:
+        """Whether the ints at ``indices`` may be kernel inputs in this call:
+        positive ints (see :attr:`NumberArg.can_be_runtime_int`), on a device
+        whose kernels read runtime numbers as they are called."""
+        ints = self.int_arguments
+        return self.device.type in _RUNTIME_NUMBER_DEVICES and all(
+            i in ints and self.described[i].can_be_runtime_int for i in indices
+        )
+
+    def with_runtime_ints(self, indices: Iterable[int]) -> "CallSignature":
+        """The same call with the ints at ``indices`` as kernel inputs, so that
+        one kernel serves every positive value of them (their values leave the key).
+
+            >>> call = CallSignature.of(torch.ops.aten.arange.default, "cpu", [7, None, None, torch.device("cpu"), None])
+            >>> call.with_runtime_ints([0]).runtime_arguments, call.with_runtime_ints([0]).short()
+            ([0], 'end=7, dtype=None, layout=None, device=cpu, pin_memory=None')
+        """
+        indices = sorted(set(indices))
+        if not self.can_take_runtime_ints(indices):
+            raise ValueError(f"{qualified_name(self.op)}: arguments {indices} of ({self.short()}) cannot be runtime ints")
+        described = list(self.described)
+        for i in indices:
+            described[i] = RuntimeNumberArg(described[i])
+        return replace(self, described=tuple(described))
+
     def with_constant_numbers(self) -> "CallSignature":
         """The same call with every number compiled into the kernel."""
         return replace(self, described=tuple(d.number if isinstance(d, RuntimeNumberArg) else d for d in self.described))
 
-    def with_other_numbers(self) -> "CallSignature":
+    def with_other_numbers(self, lower: bool = False) -> "CallSignature":
         """The same call with other values for its runtime numbers: a kernel that
-        takes them as inputs must match eager on these too."""
+        takes them as inputs must match eager on these too. A float becomes
+        0.75 times itself; an int the next one up, or with ``lower`` the next
+        one down where that is still positive (eager may refuse the next one up:
+        ``topk``'s k past the size).
+
+            >>> call = CallSignature.of(torch.ops.aten.arange.default, "cpu", [7, None, None, None, None]).with_runtime_ints([0])
+            >>> call.with_other_numbers().args[0], call.with_other_numbers(lower=True).args[0]
+            (8, 6)
+        """
         args, described = list(self.args), list(self.described)
         for i in self.runtime_arguments:
             number = described[i].number
-            other = number.value * 0.75 if number.value else 0.5
-            # A Python float: where the op takes a Tensor, it wraps it as a number again.
+            if type(number.value) is int:
+                other = number.value - 1 if lower and number.value > 1 else number.value + 1
+            else:
+                other = number.value * 0.75 if number.value else 0.5
+            # A Python number: where the op takes a Tensor, it wraps it as a number again.
             args[i] = other
             described[i] = RuntimeNumberArg(replace(number, value=other))
         return replace(self, args=tuple(args), described=tuple(described))
@@ -430,8 +503,9 @@ class CallSignature:
 
     @property
     def shape_key(self) -> str:
-        """The key without the values of numbers: signatures that share it
-        differ only in values compiled into the kernel (``alpha``, ``lr``, ...)."""
+        """The key without the values of numbers, nor whether they are kernel
+        inputs: signatures that share it differ only in numbers (``alpha``,
+        ``lr``, ``arange``'s end, ...)."""
         return _digest([str(self.op._schema), [_without_number_value(d) for d in self.described]])
 
     @property
@@ -457,11 +531,14 @@ def _key_form(described: Arg) -> dict[str, Any]:
 
 
 def _without_number_value(described: Arg) -> dict[str, Any]:
-    """One argument as :attr:`CallSignature.shape_key` hashes it: any number without its value."""
+    """One argument as :attr:`CallSignature.shape_key` hashes it: any number
+    without its value, a runtime number as the constant it may also be."""
     if isinstance(described, ListArg):
         return {"kind": "list", "items": [_without_number_value(item) for item in described.items]}
+    if isinstance(described, RuntimeNumberArg):
+        described = described.number
     form = described.to_json()
-    if isinstance(described, (NumberArg, RuntimeNumberArg)):
+    if isinstance(described, NumberArg):
         del form["value"]
     return form
 

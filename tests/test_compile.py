@@ -55,6 +55,9 @@ def test_the_kernels_inputs_are_the_calls_tensors_in_schema_order():
     assert inputs[0] is add.args[0] and inputs[1] is add.args[1]
     # A runtime number as the kernel reads it, on the host.
     assert (inputs[2].dtype, inputs[2].device, inputs[2].dim(), inputs[2].item()) == (torch.float64, CPU, 0, 0.5)
+    # An int as an int64: the kernel traced it as an integer.
+    (end,) = flat_tensor_inputs(CallSignature.of(A.arange.default, "cpu", [7, None, None, CPU, None]).with_runtime_ints([0]))
+    assert (end.dtype, end.device, end.dim(), end.item()) == (torch.int64, CPU, 0, 7)
     copies = clone_args(add.args)
     assert flat_tensor_inputs(add, copies)[0] is copies[0]
 

@@ -167,6 +167,27 @@ def test_other_numbers_change_the_values_not_the_key():
     assert other.key == call.key
 
 
+def test_an_int_is_a_runtime_number_only_when_asked_and_positive():
+    call = signature(A.ge.Scalar, zeros(4), 3)
+    assert call.runtime_arguments == [] and call.int_arguments == {1: 3}
+    runtime = call.with_runtime_ints([1])
+    assert runtime.runtime_arguments == [1] and runtime.described[1] == RuntimeNumberArg(NumberArg(3))
+    assert runtime.to_json()[1] == {"name": "other", "kind": "int", "value": 3, "runtime": True}
+    assert tuple(argument_from_json(d) for d in runtime.to_json()) == runtime.described
+    assert runtime.key != call.key and runtime.shape_key == call.shape_key
+    assert [runtime.with_other_numbers().args[1], runtime.with_other_numbers(lower=True).args[1]] == [4, 2]
+    assert runtime.with_other_numbers().key == runtime.key
+    for value in (0, -2):  # errors or cases of their own in eager: compiled in
+        assert not signature(A.ge.Scalar, zeros(4), value).can_take_runtime_ints([1])
+    assert signature(A.ge.Scalar, zeros(4), 3.0).int_arguments == {}  # a float is one already
+    assert signature(A.mul.Tensor, zeros(4), 3).int_arguments == {}  # a wrapped number, not an int argument
+    assert signature(A._softmax.default, zeros(4), 0, False).int_arguments == {1: 0}  # whether it traces is export's to say
+    with pytest.raises(ValueError, match="aten::ge.Scalar: arguments \\[0\\]"):
+        call.with_runtime_ints([0])
+    if torch.cuda.is_available():  # kernels there compile their numbers in
+        assert not CallSignature.of(A.ge.Scalar, "cuda", [zeros(4).cuda(), 3]).can_take_runtime_ints([1])
+
+
 def test_copies_of_the_arguments_keep_their_layout_and_share_no_memory():
     storage = torch.arange(20.0)
     args = [storage[1:13].view(4, 3).t(), [storage[:4], storage[4:8]], 2.5, None]

@@ -1,0 +1,128 @@
+"""Ints that move become kernel inputs: the first value of an int compiles
+in, a second compiles one kernel that reads the int at run time, and every
+later positive value runs it. Ints that export cannot trace as numbers (a dim
+index) stay compiled in; zero and negative values always do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import aoti_eager
+from aoti_eager import _runtime
+from aoti_eager.cache import KernelCache
+from aoti_eager.kernels.compile import compile_options
+from aoti_eager.kernels.signature import CallSignature
+from aoti_eager.kernels.toolchain import environment_name
+from aoti_eager.manifest import read_manifest
+from helpers import assert_same_as_eager, xfail_if_kernels_cannot_load
+
+A = torch.ops.aten
+ENDS = [5, 8, 3, 12, 2, 30]  # a batch size, a sequence length: arange(end) in a BERT forward
+
+
+def run(op_names: list[str], calls, cache_dir, **options):
+    """``calls()`` with the ops enabled: its results, and the ops' stats."""
+    with aoti_eager.enabled(op_names, devices=["cpu"], cache_dir=cache_dir, **options):
+        results = calls()
+        stats = aoti_eager.stats()
+        ints = {o.name: o._ints for o in _runtime.installed()}
+    for name in op_names:
+        xfail_if_kernels_cannot_load(stats[name.removesuffix(".default")])
+    return results, stats, ints
+
+
+@pytest.fixture(scope="module")
+def arange_run(tmp_path_factory):
+    """arange at each of ENDS in a cache of its own, recorded into a manifest."""
+    root = tmp_path_factory.mktemp("arange")
+    manifest = root / "misses.jsonl"
+    results, stats, _ = run(["aten::arange.default"], lambda: [torch.arange(n) for n in ENDS], root / "cache",
+                            record=manifest)
+    return root, manifest, results, stats["aten::arange"]
+
+
+def test_arange_compiles_twice_for_every_end(arange_run):
+    _, _, results, stats = arange_run
+    for n, result in zip(ENDS, results):
+        assert_same_as_eager(result, torch.arange(n), atol=0, rtol=0)
+    # The first end compiled in, then one kernel that reads the end at run time.
+    assert stats["compiles"] == 2 and stats["fallbacks"] == 0, stats
+    assert stats["hits"] == 0 and stats["misses"] == len(ENDS)  # each new value asks Python once
+
+
+def test_a_recorded_runtime_int_prewarms_into_the_kernel_the_run_compiled(arange_run):
+    root, manifest, _, _ = arange_run
+    entries = read_manifest(manifest)
+    assert [[d.get("runtime", False) for d in e.signature if d["name"] == "end"] for e in entries] == [[False], [True]]
+    assert entries[1].signature[0] == {"name": "end", "kind": "int", "value": ENDS[1], "runtime": True}
+    prewarmed = root / "prewarmed"
+    report = aoti_eager.prewarm(manifest, jobs=1, devices=["cpu"], cache_dir=prewarmed)
+    assert report.count("compiled") == 2 and not report.failed, [r.outcome for r in report.results]
+    # Same keys as the run's: a process on the prewarmed cache compiles nothing.
+    cache = KernelCache(prewarmed, environment_name(torch.device("cpu"), compile_options("cpu")))
+    assert all(cache.lookup(e.op, e.key) is not None for e in entries)
+    ends = [4, 40, 17]
+    results, stats, _ = run(["aten::arange.default"], lambda: [torch.arange(n) for n in ends], prewarmed)
+    for n, result in zip(ends, results):
+        assert_same_as_eager(result, torch.arange(n), atol=0, rtol=0)
+    # The cache's runtime-int kernel serves the first end too, though it is none the run had.
+    assert (stats["aten::arange"]["compiles"], stats["aten::arange"]["cache_loads"]) == (0, 1), stats
+
+
+def test_a_scalar_int_operand_is_read_at_run_time_and_zero_or_below_compiles_in(shared_cache):
+    x = torch.randn(6, 5) * 4
+    values = [1, 2, 3, 5, -2, 7, 0]
+
+    def calls():
+        return [torch.ge(x, v) for v in values]
+
+    results, stats, ints = run(["aten::ge.Scalar"], calls, shared_cache)
+    for v, result in zip(values, results):
+        assert_same_as_eager(result, x >= v)
+    row = stats["aten::ge.Scalar"]
+    # 1 compiled in; 2 one kernel for 3, 5 and 7 too; -2 and 0 each compiled in.
+    assert row["compiles"] + row["cache_loads"] == 4 and row["fallbacks"] == 0, row
+    (known,) = ints["aten::ge.Scalar"].values()
+    assert known.runtime == {1} and not known.constant
+
+
+def test_an_int_used_as_a_dim_stays_compiled_in(shared_cache):
+    x = torch.randn(4, 6, 5)
+    dims = [1, 2, 1, 2]  # positive: 0 would compile in anyway
+    results, stats, ints = run(["aten::_softmax"], lambda: [torch._softmax(x, d, False) for d in dims], shared_cache)
+    for d, result in zip(dims, results):
+        assert_same_as_eager(result, torch._softmax(x, d, False))
+    row = stats["aten::_softmax"]
+    # export cannot trace a dim read at run time: each dim compiles in, once.
+    assert row["compiles"] + row["cache_loads"] == 2 and row["fallbacks"] == 0 and row["hits"] == 2, row
+    (known,) = ints["aten::_softmax"].values()
+    assert known.constant == {1} and not known.runtime
+
+
+def test_a_value_the_kernels_runtime_check_refuses_runs_eagerly(shared_cache):
+    x = torch.randn(10)
+    ks = [3, 5, 10, 7]
+
+    def calls():
+        results = [torch.topk(x, k) for k in ks]
+        with pytest.raises(RuntimeError) as error:
+            torch.topk(x, 11)  # past the size: the kernel's check refuses it, eager raises its own error
+        results.append(torch.topk(x, 4))
+        return results, str(error.value)
+
+    (results, said), stats, _ = run(["aten::topk"], calls, shared_cache)
+    for k, result in zip([*ks, 4], results):
+        assert_same_as_eager(tuple(result), tuple(torch.topk(x, k)))
+    with pytest.raises(RuntimeError) as eager_error:
+        torch.topk(x, 11)
+    assert said == str(eager_error.value)
+    row = stats["aten::topk"]
+    assert row["compiles"] + row["cache_loads"] == 2, row
+
+
+def test_a_runtime_int_signature_is_keyed_without_its_value():
+    calls = [CallSignature.of(A.arange.default, "cpu", [n, None, None, torch.device("cpu"), False]) for n in (7, 9)]
+    runtime = [c.with_runtime_ints([0]) for c in calls]
+    assert calls[0].key != calls[1].key and runtime[0].key == runtime[1].key
+    assert runtime[0].shape_key == calls[0].shape_key  # one count of compiles for every value
