@@ -130,7 +130,12 @@ class _Family:
 
     SEEN = 8
 
+    # Keys of the signatures seen: a signature seen again (its entry damaged, or
+    # its compile retried) is not a shape that moved.
+    keys: set[str] = field(default_factory=set)
+
     def see(self, signature: CallSignature) -> None:
+        self.keys.add(signature.key)
         sizes = [t.sizes for t in tensor_args(signature)]
         if sizes not in self.seen:
             self.seen = [*self.seen, sizes][-self.SEEN:]
@@ -430,6 +435,8 @@ class Override:
         if known:
             # Where the general kernel refuses it (a size export fixed), the shape compiles alone.
             return None if general.entry_key(signature) in known else general
+        if signature.key in family.keys:
+            return None
         changed = changed_dims(signature, family.seen)
         # Where only strides changed, or a size to 1, a general kernel (a broadcast, a slice, a batch of one).
         return ShapeFamily(changed) if any(changed) else general

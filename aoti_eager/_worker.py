@@ -71,7 +71,7 @@ def warm(entry: ManifestEntry, root: Path) -> Outcome:
     import torch
 
     import aoti_eager
-    from aoti_eager import _ops, _runtime
+    from aoti_eager import _ops
     from aoti_eager.cache import KernelCache
     from aoti_eager.kernels.compile import call_op, compile_options
     from aoti_eager.kernels.dynamic import ShapeFamily
@@ -90,7 +90,7 @@ def warm(entry: ManifestEntry, root: Path) -> Outcome:
             aoti_eager.enable([op], devices=[entry.device], cache_dir=root, record=None, compile="never")
         if entry.dynamic is not None:
             family = ShapeFamily(tuple(tuple(dims) for dims in entry.dynamic["dims"]), general=entry.dynamic.get("general", False))
-            _runtime.plan(entry.key, family)
+            aoti_eager._runtime.plan(entry.key, family)  # the runtime enable() installs
             for seen in family.span_ends(CallSignature.of(op, entry.device, args), entry.dynamic["seen"]):
                 call_op(op, list(seen.args))
         if runtime_ints:
