@@ -423,23 +423,27 @@ class Override:
             return planned
         if family.dynamic_failed:
             return None
-        general = ShapeFamily.general_for(signature)
-        if not any(general.dims):
-            return None  # no sizes to move
+
+        def general() -> ShapeFamily | None:
+            # Asked of the op on meta tensors: only where it is the answer.
+            kernel = ShapeFamily.general_for(signature)
+            return kernel if any(kernel.dims) else None  # else no sizes to move
+
         if not family.seen:
             # The op compiled already for calls of these dtypes and ranks, in another
             # family: its shapes move, so the family's first kernel is general.
             kinds = (str(signature.device), kinds_key(signature))
-            return general if kinds in self._compiled_kinds else None
+            return general() if kinds in self._compiled_kinds else None
         known = {key for key, _ in family.dynamic()}
         if known:
             # Where the general kernel refuses it (a size export fixed), the shape compiles alone.
-            return None if general.entry_key(signature) in known else general
+            kernel = general()
+            return None if kernel is None or kernel.entry_key(signature) in known else kernel
         if signature.key in family.keys:
             return None
         changed = changed_dims(signature, family.seen)
         # Where only strides changed, or a size to 1, a general kernel (a broadcast, a slice, a batch of one).
-        return ShapeFamily(changed) if any(changed) else general
+        return ShapeFamily(changed) if any(changed) else general()
 
     def report_unkeyable(self, args: list[Any]) -> None:
         """Records why the C++ side could not key a call (it runs eagerly)."""
