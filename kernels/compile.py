@@ -24,6 +24,7 @@ from torch.fx.experimental import _config as fx_config
 
 from aoti_eager.cache.store import LIBRARY_FILE
 from aoti_eager.kernels import scratch
+from aoti_eager.kernels.parallel_grain import parallel_above_grain
 from aoti_eager.kernels.signature import (
     Arg, CallSignature, ListArg, NumberArg, RuntimeNumberArg, TensorArg, clone_args, tensors_in,
 )
@@ -207,7 +208,8 @@ def _dynamic_options(signature: CallSignature, dynamic_shapes: tuple[Any, ...] |
     compiles at: a kernel made at a few rows would run every later size on one
     thread (4-16x a static kernel's time at 512 and 8192 rows of 1024 on 16
     cores). With dynamic threads every loop nest has a parallel region, and
-    OpenMP sizes it when the kernel runs."""
+    OpenMP sizes it when the kernel runs; below ATen's grain it runs on one
+    thread (:mod:`aoti_eager.kernels.parallel_grain`)."""
     if dynamic_shapes is None or signature.device.type != "cpu":
         return {}
     return {"cpp.dynamic_threads": True}
@@ -264,7 +266,8 @@ def compile_call(
             seconds["export"] = time.perf_counter() - start
             stage = "AOTInductor"
             start = time.perf_counter()
-            with split_wrapper_builds(shared_dir, seconds), known_vec_isas(vec_isas):
+            grain = parallel_above_grain() if _dynamic_options(signature, dynamic_shapes) else contextlib.nullcontext()
+            with split_wrapper_builds(shared_dir, seconds), known_vec_isas(vec_isas), grain:
                 torch._inductor.aot_compile(
                     exported.module(), example,
                     options={**options, **_dynamic_options(signature, dynamic_shapes), "aot_inductor.output_path": str(library)},
