@@ -15,15 +15,16 @@ from aoti_eager.kernels.compile import compile_options
 from aoti_eager.kernels.signature import CallSignature
 from aoti_eager.kernels.toolchain import environment_name
 from aoti_eager.manifest import read_manifest
+from conftest import needs_cuda
 from helpers import assert_same_as_eager, xfail_if_kernels_cannot_load
 
 A = torch.ops.aten
 ENDS = [5, 8, 3, 12, 2, 30]  # a batch size, a sequence length: arange(end) in a BERT forward
 
 
-def run(op_names: list[str], calls, cache_dir, **options):
+def run(op_names: list[str], calls, cache_dir, device="cpu", **options):
     """``calls()`` with the ops enabled: its results, and the ops' stats."""
-    with aoti_eager.enabled(op_names, devices=["cpu"], cache_dir=cache_dir, **options):
+    with aoti_eager.enabled(op_names, devices=[device], cache_dir=cache_dir, **options):
         results = calls()
         stats = aoti_eager.stats()
         ints = {o.name: o._ints for o in _runtime.installed()}
@@ -40,6 +41,15 @@ def arange_run(tmp_path_factory):
     results, stats, _ = run(["aten::arange.default"], lambda: [torch.arange(n) for n in ENDS], root / "cache",
                             record=manifest)
     return root, manifest, results, stats["aten::arange"]
+
+
+@needs_cuda
+def test_cuda_arange_compiles_twice_for_every_end(tmp_path):
+    results, stats, _ = run(["aten::arange.default"], lambda: [torch.arange(n, device="cuda") for n in ENDS], tmp_path,
+                            device="cuda")
+    for n, result in zip(ENDS, results):
+        assert_same_as_eager(result, torch.arange(n, device="cuda"), atol=0, rtol=0)
+    assert stats["aten::arange"]["compiles"] == 2 and stats["aten::arange"]["fallbacks"] == 0, stats
 
 
 def test_arange_compiles_twice_for_every_end(arange_run):
