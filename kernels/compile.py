@@ -9,6 +9,7 @@ ops stay mutating: the library writes into the given tensors.
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import shutil
 import subprocess
@@ -20,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch._prims_common import (
+    compute_elementwise_output_logical_to_physical_perm, is_non_overlapping_and_dense_or_false, make_contiguous_strides_for,
+)
 from torch.fx.experimental import _config as fx_config
 
 from aoti_eager.cache.store import LIBRARY_FILE
@@ -160,15 +164,47 @@ def runtime_number_input(value: int | float | torch.Tensor) -> torch.Tensor:
     return torch.tensor(float(value), dtype=torch.float64)
 
 
-class _OpCall(torch.nn.Module):
-    """``forward(*tensors)`` calls the op with every other argument fixed."""
+def _dense_order(t: Any) -> tuple[int, ...] | None:
+    """The dims of ``t`` outermost first in memory, if it is dense (a
+    permutation of a contiguous tensor); None for anything else."""
+    if not isinstance(t, torch.Tensor) or t.dim() < 2 or not is_non_overlapping_and_dense_or_false(t):
+        return None
+    perm, _ = compute_elementwise_output_logical_to_physical_perm(t)
+    return tuple(perm)
 
-    def __init__(self, signature: CallSignature):
+
+def _in_order(t: Any, order: tuple[int, ...] | None) -> Any:
+    """``t`` laid out densely with its dims in ``order``, outermost first.
+    Inductor drops the copy where ``t`` already is (a copy between equal
+    layouts is one of its no-ops), and keeps it where dropping it would hand
+    back an input's memory."""
+    if order is None:
+        return t
+    strides = [0] * t.dim()
+    for d, stride in zip(order, make_contiguous_strides_for([t.shape[d] for d in order])):
+        strides[d] = stride
+    # Not empty_permuted: export makes it a permuted view, and the copy would
+    # then not be the output, which Inductor checks for aliasing an input.
+    return torch.empty_strided(t.shape, strides, dtype=t.dtype, device=t.device).copy_(t)
+
+
+class _OpCall(torch.nn.Module):
+    """``forward(*tensors)`` calls the op with every other argument fixed.
+
+    Its outputs have eager's layout: the order of dims in memory of
+    ``eager_result``'s dense tensors. Inductor keeps the strides its own
+    decompositions give an output, which are not always eager's (``cat`` of
+    one non-empty tensor is its ``clone``, in the input's layout, where eager
+    returns a contiguous tensor); where they are eager's, the copy into
+    eager's layout costs nothing (see :func:`_in_order`)."""
+
+    def __init__(self, signature: CallSignature, eager_result: Any = None):
         super().__init__()
         self.op = signature.op
         self.signature = signature
         # Returns that hand back a mutated argument (in-place, out=).
         self.aliased = [i is not None for i in return_alias_indices(signature.op)]
+        self.orders = [_dense_order(t) for t in self._outputs(eager_result)] if eager_result is not None else None
 
     def _arguments(self, tensors: list[torch.Tensor]) -> list[Any]:
         it = iter(tensors)
@@ -187,7 +223,11 @@ class _OpCall(torch.nn.Module):
         return [rebuild(v, d) for v, d in zip(self.signature.args, self.signature.described)]
 
     def forward(self, *tensors: torch.Tensor):
-        result = call_op(self.op, self._arguments(list(tensors)))
+        outputs = self._outputs(call_op(self.op, self._arguments(list(tensors))))
+        return tuple(_in_order(t, order) for t, order in zip(outputs, self.orders or itertools.repeat(None)))
+
+    def _outputs(self, result: Any) -> list[Any]:
+        """The returns of ``result`` the kernel gives back, flat."""
         results = result if isinstance(result, tuple) else (result,)
         if not self.op._schema.returns:
             results = ()
@@ -199,7 +239,7 @@ class _OpCall(torch.nn.Module):
                 outputs.extend(r)
             else:
                 outputs.append(r)
-        return tuple(outputs)
+        return outputs
 
     def output_counts(self, eager_result: Any) -> list[int]:
         results = eager_result if isinstance(eager_result, tuple) else (eager_result,)
@@ -255,7 +295,7 @@ def compile_call(
     symbolic (see :mod:`aoti_eager.kernels.dynamic`).
     Raises CompileError with the stage and cause on failure.
     """
-    module = _OpCall(signature)
+    module = _OpCall(signature, eager_result)
     # Fresh copies: tracing an in-place op must not touch the caller's tensors.
     example = tuple(flat_tensor_inputs(signature, clone_args(signature.args)))
     if workdir is None:

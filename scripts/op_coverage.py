@@ -4,7 +4,9 @@ For each OpInfo in ``op_db``, dtype and device (a *unit*), a worker process
 runs the OpInfo's first sample inputs once under a dispatch mode to see which
 aten overloads they reach, enables those that aoti_eager accepts, calls the op
 twice (the first call compiles or loads, the second must hit the kernel) and
-compares with eager. A unit ends as one of:
+compares with eager. ``--layouts`` also runs each sample with its tensors
+laid out otherwise (with gaps, or transposed), where a kernel must still give
+eager's output strides. A unit ends as one of:
 
 - ``compiled``: every enabled overload ran a compiled kernel, results equal eager's;
 - ``eager``: some enabled overload ran its original kernel (the reasons are kept);
@@ -167,14 +169,35 @@ def check_sample(opinfo: Any, sample: Any, dtype: Any, device: str) -> dict[str,
     return {**row, "outcome": "compiled", "reason": None}
 
 
-def run_unit(unit: Unit, samples: int) -> dict[str, Any]:
-    """Runs ``unit`` in this process; returns its JSONL row (without the run's metadata)."""
+def _transposed(t: Any) -> Any:
+    """A tensor ``t`` with its last two dims swapped in memory: same shape and values."""
+    import torch
+
+    return t.mT.contiguous().mT if isinstance(t, torch.Tensor) and t.dim() >= 2 else t
+
+
+# How each sample's tensors are laid out: as the OpInfo gives them, with gaps
+# between elements, or with their last two dims transposed (a KV cache's layout).
+LAYOUTS = {
+    "given": lambda sample: sample,
+    "noncontiguous": lambda sample: sample.noncontiguous(),
+    "transposed": lambda sample: sample.transform(_transposed),
+}
+
+
+def run_unit(unit: Unit, samples: int, layouts: list[str] = ("given",)) -> dict[str, Any]:
+    """Runs ``unit`` in this process, each sample in each of ``layouts``;
+    returns its JSONL row (without the run's metadata)."""
     import torch
 
     opinfo = _op_db()[unit.op]
     dtype = getattr(torch, unit.dtype)
     torch.manual_seed(0)
-    rows = [check_sample(opinfo, s, dtype, unit.device) for s in itertools.islice(opinfo.sample_inputs(unit.device, dtype), samples)]
+    rows = [
+        check_sample(opinfo, LAYOUTS[layout](s), dtype, unit.device)
+        for s in itertools.islice(opinfo.sample_inputs(unit.device, dtype), samples)
+        for layout in layouts
+    ]
     checked = [r for r in rows if r["outcome"] != "ineligible"]
     if not checked:
         reasons = sorted({r["reason"] for r in rows}) or ["no sample inputs"]
@@ -192,7 +215,7 @@ def run_unit(unit: Unit, samples: int) -> dict[str, Any]:
     }
 
 
-def _worker(unit: Unit, samples: int, cache_dir: str | None, result_path: str, log_path: str) -> None:
+def _worker(unit: Unit, samples: int, layouts: list[str], cache_dir: str | None, result_path: str, log_path: str) -> None:
     """A unit's process: its own session (so a timeout kills its compilers too),
     its output in a log whose tail explains a crash."""
     os.setsid()
@@ -206,7 +229,7 @@ def _worker(unit: Unit, samples: int, cache_dir: str | None, result_path: str, l
     os.dup2(log, 2)
     faulthandler.enable()  # a crash leaves the Python stack in the log
     try:
-        row = run_unit(unit, samples)
+        row = run_unit(unit, samples, layouts)
     except Exception as e:  # noqa: BLE001 - a harness error is reported, not a crash
         traceback.print_exc()
         row = {"outcome": "harness error", "reason": f"{type(e).__name__}: {e}"[:500]}
@@ -239,11 +262,11 @@ def _tail(path: Path, lines: int = 8) -> str:
     return " | ".join(line.strip() for line in text[-lines:])[-1000:]
 
 
-def run_isolated(unit: Unit, samples: int, timeout: float, cache_dir: str | None, context: Any) -> dict[str, Any]:
+def run_isolated(unit: Unit, samples: int, layouts: list[str], timeout: float, cache_dir: str | None, context: Any) -> dict[str, Any]:
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="op_coverage-") as tmp:
         result, log = Path(tmp) / "result.json", Path(tmp) / "log.txt"
-        process = context.Process(target=_worker, args=(unit, samples, cache_dir, str(result), str(log)))
+        process = context.Process(target=_worker, args=(unit, samples, layouts, cache_dir, str(result), str(log)))
         process.start()
         process.join(timeout)
         if process.is_alive():
@@ -263,14 +286,15 @@ def run_isolated(unit: Unit, samples: int, timeout: float, cache_dir: str | None
 
 
 def run_units(
-    units: list[Unit], *, jobs: int, samples: int, timeout: float, cache_dir: str | None = None, on_result=None
+    units: list[Unit], *, jobs: int, samples: int, timeout: float, cache_dir: str | None = None, on_result=None,
+    layouts: list[str] = ("given",),
 ) -> list[dict[str, Any]]:
     """Runs ``units`` ``jobs`` at a time, each in its own process, sharing one
     kernel cache (default ``$AOTI_EAGER_CACHE_DIR``)."""
     context = _context(units)
     rows = []
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        futures = [pool.submit(run_isolated, u, samples, timeout, cache_dir, context) for u in units]
+        futures = [pool.submit(run_isolated, u, samples, layouts, timeout, cache_dir, context) for u in units]
         for future in concurrent.futures.as_completed(futures):
             row = future.result()
             rows.append(row)
@@ -387,6 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--report", type=Path, nargs="?", const=Path("docs/coverage.md"), help="write the Markdown report (default docs/coverage.md)")
     parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="worker processes at a time")
     parser.add_argument("--samples", type=int, default=3, help="sample inputs per unit")
+    parser.add_argument("--layouts", default="given", help=f"comma-separated, each sample in each: {', '.join(LAYOUTS)}")
     parser.add_argument("--ops", help="comma-separated OpInfo names or globs (e.g. 'add,nn.functional.*')")
     parser.add_argument("--dtypes", default="float32", help="comma-separated, e.g. float32,float64,int64,bool")
     parser.add_argument("--devices", default="cpu,cuda", help="comma-separated; cuda is skipped without a GPU")
@@ -413,7 +438,8 @@ def main(argv: list[str] | None = None) -> int:
             out.flush()
             print(f"{row['outcome']:>10}  {row['op']} {row['dtype']} {row['device']}  {row['seconds']} s  {row.get('reason') or ''}"[:200], flush=True)
 
-        run_units(todo, jobs=args.jobs, samples=args.samples, timeout=args.timeout, cache_dir=args.cache_dir, on_result=record)
+        run_units(todo, jobs=args.jobs, samples=args.samples, timeout=args.timeout, cache_dir=args.cache_dir, on_result=record,
+                  layouts=args.layouts.split(","))
 
     if args.report:
         write_report(read_results(args.results).values(), args.report)

@@ -31,6 +31,7 @@ from aoti_eager.kernels.compile import (
 from aoti_eager.kernels.signature import CallSignature, clone_args
 from aoti_eager.kernels.toolchain import environment_name, usable_vec_isas
 from aoti_eager.kernels.validate import check_matches_eager
+from conftest import DEVICES
 from helpers import FakeKernel, assert_same_as_eager, xfail_if_kernels_cannot_load
 
 A = torch.ops.aten
@@ -182,3 +183,42 @@ def test_a_compiled_kernel_does_what_eager_does_for_any_runtime_number(compiled_
     for call in (signature, signature.with_other_numbers()):
         (result,) = kernel.run(flat_tensor_inputs(call))
         assert_same_as_eager(result, call_op(A.add.Tensor, call.args))
+
+
+# Calls whose outputs Inductor's own decompositions lay out otherwise than
+# eager: a KV cache's first keys (``cat`` of one non-empty tensor is its
+# ``clone``, in the input's layout), ``stack`` and batch norm of transposed
+# inputs (eager returns them contiguous).
+EAGER_LAYOUTS = {
+    "cat of a KV cache": (A.cat.default, lambda d: [[torch.tensor([], device=d), torch.randn(1, 6, 3, 4, device=d).transpose(1, 2)], -2]),
+    "stack of transposed": (A.stack.default, lambda d: [[torch.randn(6, 5, device=d).t(), torch.randn(6, 5, device=d).t()]]),
+    "batch norm of transposed": (
+        A.native_batch_norm.default,
+        lambda d: [torch.randn(4, 6, 5, device=d).transpose(1, 2), torch.randn(5, device=d), None, None, None, True, 0.1, 1e-5],
+    ),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("call", EAGER_LAYOUTS)
+def test_a_kernels_outputs_have_eagers_strides(call, device, shared_cache):
+    op, args = EAGER_LAYOUTS[call]
+    signature = CallSignature.of(op, device, args(device)).with_constant_numbers()  # batch norm's momentum cannot be traced
+    reference_args = clone_args(signature.args)
+    expected = call_op(op, reference_args)
+    options = compile_options(device)
+    environment = environment_name(torch.device(device), options)
+    artifact = compile_call(
+        signature, expected, options, shared_dir=KernelCache(shared_cache, environment).shared_directory(), vec_isas=usable_vec_isas(),
+    )
+    try:
+        load_probe.check_loads(environment, artifact.library, device, artifact.output_counts, known_good=False)
+        kernel = _extension.load().CompiledKernel(str(artifact.library), device, artifact.output_counts, signature.runtime_arguments)
+        check_matches_eager(kernel, signature, op, reference_args, expected)  # strides included
+        results = kernel.run(flat_tensor_inputs(signature))
+        assert_same_as_eager(results if isinstance(expected, tuple) else results[0], expected)
+    except load_probe.LibraryDoesNotLoad as e:
+        xfail_if_kernels_cannot_load({"fallback_reason": str(e)})
+        raise
+    finally:
+        artifact.workdir.cleanup()

@@ -181,6 +181,17 @@ def test_a_second_shape_compiles_one_kernel_that_serves_later_shapes(tmp_path, d
     assert "(self=float32[s0, 16], other=float32[16], alpha=1; s0 in [1, inf])" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_dynamic_kernel_gives_eagers_strides_at_every_size(tmp_path, device):
+    # A KV cache's first keys at several prompt lengths: the input is transposed,
+    # eager's output contiguous (symbolic strides in the kernel).
+    def prompt(n):
+        return [torch.tensor([], device=device), torch.randn(1, n, 3, 4, device=device).transpose(1, 2)], -2
+
+    compiles, stats = run_shapes("aten::cat", tmp_path, torch.cat, [5, 9, 17, 2], prompt, device)
+    assert compiles == [1, 1, 0, 0] and stats["hits"] == 2 and stats["fallbacks"] == 0
+
+
 def test_equal_dims_and_broadcasting_never_reach_a_kernel_not_compiled_for_them(tmp_path):
     same = lambda n: (torch.randn(n, 8), torch.randn(n, 8))  # noqa: E731
     compiles, _ = run_shapes("aten::mul.Tensor", tmp_path, torch.mul, [5, 9, 12], same)
