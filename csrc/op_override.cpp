@@ -23,6 +23,10 @@ thread_local int reentry_depth = 0;
 // object at process exit without the GIL is not safe.
 py::object* miss_handler = nullptr;
 
+// A boxed kernel that hands the call to one of the override's boxed paths:
+// OpOverride::call, the whole of it; OpOverride::run_original, for a call of
+// an unboxed override decided eager.
+template <auto Run>
 class BoxedOverride final : public c10::OperatorKernel {
  public:
   explicit BoxedOverride(std::shared_ptr<OpOverride> override)
@@ -32,12 +36,14 @@ class BoxedOverride final : public c10::OperatorKernel {
       const c10::OperatorHandle& op,
       c10::DispatchKeySet keys,
       torch::jit::Stack* stack) {
-    override_->call(op, keys, stack);
+    (override_.get()->*Run)(op, keys, stack);
   }
 
  private:
   std::shared_ptr<OpOverride> override_;
 };
+
+using WholeBoxedOverride = BoxedOverride<&OpOverride::call>;
 
 // Like torch::jit::toPyObject, but with the enums that the dispatcher stack
 // carries as plain ints (dtype, layout, memory format) turned back into their
@@ -454,24 +460,6 @@ size_t OpOverride::num_entries() const {
   return entries_.size();
 }
 
-// Runs the original kernel as OpOverride::run_original does: for a call whose
-// signature was decided eager, boxed from an unboxed call.
-class OriginalKernelOf final : public c10::OperatorKernel {
- public:
-  explicit OriginalKernelOf(std::shared_ptr<OpOverride> override)
-      : override_(std::move(override)) {}
-
-  void operator()(
-      const c10::OperatorHandle& op,
-      c10::DispatchKeySet keys,
-      torch::jit::Stack* stack) {
-    override_->run_original(op, keys, stack);
-  }
-
- private:
-  std::shared_ptr<OpOverride> override_;
-};
-
 // The override for ops of one C++ signature, which the dispatcher calls with
 // the arguments as it holds them. A boxed kernel costs every call a
 // std::vector<IValue> of the arguments, a reference count per tensor in and
@@ -487,8 +475,9 @@ class UnboxedOverride<Return(Args...)> final : public c10::OperatorKernel {
  public:
   explicit UnboxedOverride(std::shared_ptr<OpOverride> override)
       : override_(std::move(override)),
-        boxed_(c10::BoxedKernel::makeFromFunctor(std::make_unique<BoxedOverride>(override_))),
-        original_(c10::BoxedKernel::makeFromFunctor(std::make_unique<OriginalKernelOf>(override_))) {}
+        boxed_(c10::BoxedKernel::makeFromFunctor(std::make_unique<WholeBoxedOverride>(override_))),
+        original_(c10::BoxedKernel::makeFromFunctor(
+            std::make_unique<BoxedOverride<&OpOverride::run_original>>(override_))) {}
 
   Return operator()(c10::DispatchKeySet keys, Args... args) {
     OpOverride& o = *override_;
@@ -612,7 +601,7 @@ c10::KernelFunction override_kernel(
   if constexpr (sizeof...(FuncTypes) > 0) {
     return override_kernel<FuncTypes...>(schema, std::move(override), signature);
   } else {
-    return c10::KernelFunction::makeFromBoxedFunctor(std::make_unique<BoxedOverride>(std::move(override)));
+    return c10::KernelFunction::makeFromBoxedFunctor(std::make_unique<WholeBoxedOverride>(std::move(override)));
   }
 }
 
@@ -648,15 +637,15 @@ std::unique_ptr<c10::RegistrationHandleRAII> register_override(
       return std::make_unique<c10::RegistrationHandleRAII>(
           dispatcher.registerImpl(name, dispatch_key, std::move(kernel), signature, nullptr, debug));
     } catch (const c10::Error&) {
-      // The dispatcher checks the C++ signature against the op's own: an op
-      // declared otherwise (resize_ takes a const Tensor& it writes) is
-      // registered boxed, as any op.
+      // The dispatcher checks the C++ signature against the op's own. Those
+      // that write a const Tensor& (resize_, the in-place views) are never
+      // overridden; any other op declared otherwise is registered boxed.
     }
   }
   return std::make_unique<c10::RegistrationHandleRAII>(dispatcher.registerImpl(
       name,
       dispatch_key,
-      c10::KernelFunction::makeFromBoxedFunctor(std::make_unique<BoxedOverride>(std::move(override))),
+      c10::KernelFunction::makeFromBoxedFunctor(std::make_unique<WholeBoxedOverride>(std::move(override))),
       std::nullopt,
       nullptr,
       debug));

@@ -66,7 +66,6 @@ class OpOverride : public std::enable_shared_from_this<OpOverride> {
  private:
   template <class FuncType>
   friend class UnboxedOverride;
-  friend class OriginalKernelOf;
 
   struct Entry {
     std::shared_ptr<const CompiledKernel> kernel; // null: run eagerly
