@@ -33,25 +33,15 @@ int64_t double_bits(double v) {
   return bits;
 }
 
-// Storages of the call's tensors, to find arguments that share memory.
-using Storages = c10::SmallVector<const c10::StorageImpl*, 8>;
-
 // Left where a dynamic dim's size would be.
 constexpr int64_t kAnySize = std::numeric_limits<int64_t>::min();
 
-struct KeyBuilder {
-  CallKey& key;
-  Storages storages;
-  const DynamicDims* dynamic = nullptr;
-  KeyedTensors* tensors = nullptr;
-  size_t tensor_index = 0;
-};
+} // namespace
 
-bool add_tensor(const at::Tensor& t, KeyBuilder& builder) {
-  CallKey& key = builder.key;
-  Storages& storages = builder.storages;
+bool CallKeyBuilder::add(const at::Tensor& t) {
+  auto& words = key_.words;
   if (!t.defined()) {
-    key.words.push_back(kUndefinedTensor);
+    words.push_back(kUndefinedTensor);
     return true;
   }
   // Layouts and lazily materialized views that the compiled kernels do not model.
@@ -62,12 +52,12 @@ bool add_tensor(const at::Tensor& t, KeyBuilder& builder) {
   if (t.unsafeGetTensorImpl()->is_wrapped_number()) {
     // A Python number that became a 0-d tensor: it promotes like a scalar and
     // its value is compiled into the kernel.
-    key.words.push_back(kWrappedNumber);
-    key.words.push_back(static_cast<int64_t>(t.scalar_type()));
+    words.push_back(kWrappedNumber);
+    words.push_back(static_cast<int64_t>(t.scalar_type()));
     if (at::isFloatingType(t.scalar_type())) {
-      key.words.push_back(double_bits(t.item<double>()));
+      words.push_back(double_bits(t.item<double>()));
     } else if (at::isIntegralType(t.scalar_type(), /*includeBool=*/true)) {
-      key.words.push_back(t.item<int64_t>());
+      words.push_back(t.item<int64_t>());
     } else {
       return false;
     }
@@ -75,22 +65,24 @@ bool add_tensor(const at::Tensor& t, KeyBuilder& builder) {
   }
   if (t.has_storage()) {
     // Borrowed: Tensor::storage() would copy the handle (two atomic updates).
-    storages.push_back(t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
-  }
-  key.words.push_back(kTensor);
-  key.words.push_back(static_cast<int64_t>(t.scalar_type()));
-  key.words.push_back(static_cast<int64_t>(t.device().type()));
-  key.words.push_back(t.device().index());
-  key.words.push_back(t.dim());
-  const size_t index = builder.tensor_index++;
-  const uint64_t dynamic =
-      builder.dynamic != nullptr && index < builder.dynamic->size() ? (*builder.dynamic)[index] : 0;
-  if (builder.tensors != nullptr) {
-    builder.tensors->push_back(&t);
+    storages_.push_back(t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
   }
   const auto sizes = t.sizes();
+  // One word for all but sizes and strides: the key of a 64x64 add is 12
+  // words instead of 22, hashed and compared on every call.
+  words.push_back(
+      kTensor | static_cast<int64_t>(t.scalar_type()) << 8 |
+      static_cast<int64_t>(static_cast<uint8_t>(t.device().type())) << 16 |
+      static_cast<int64_t>(static_cast<uint8_t>(t.device().index())) << 24 |
+      static_cast<int64_t>(sizes.size()) << 32 | static_cast<int64_t>(is_aligned(t)) << 48);
+  const size_t index = tensor_index_++;
+  const uint64_t dynamic =
+      dynamic_ != nullptr && index < dynamic_->size() ? (*dynamic_)[index] : 0;
+  if (tensors_ != nullptr) {
+    tensors_->push_back(&t);
+  }
   for (size_t d = 0; d < sizes.size(); ++d) {
-    key.words.push_back(d < 64 && (dynamic >> d) & 1 ? kAnySize : sizes[d]);
+    words.push_back(d < 64 && (dynamic >> d) & 1 ? kAnySize : sizes[d]);
   }
   if (dynamic == 0) {
     // A size-1 dim's stride never moves through memory, and views give it
@@ -98,76 +90,93 @@ bool add_tensor(const at::Tensor& t, KeyBuilder& builder) {
     // kernels/signature.py's TensorArg is).
     const auto strides = t.strides();
     for (size_t d = 0; d < strides.size(); ++d) {
-      key.words.push_back(sizes[d] == 1 ? kAnySize : strides[d]);
+      words.push_back(sizes[d] == 1 ? kAnySize : strides[d]);
     }
   }
-  key.words.push_back(is_aligned(t));
   return true;
 }
 
-bool add_value(const c10::IValue& v, KeyBuilder& builder) {
-  CallKey& key = builder.key;
+bool CallKeyBuilder::add(const c10::Scalar& s) {
+  // In the order of c10::IValue's constructor from a Scalar.
+  if (s.isSymbolic() || s.isComplex()) {
+    return false;
+  }
+  if (s.isFloatingPoint()) {
+    key_.words.push_back(kDouble);
+    key_.words.push_back(double_bits(s.toDouble()));
+  } else if (s.isBoolean()) {
+    key_.words.push_back(kBool);
+    key_.words.push_back(s.toBool());
+  } else {
+    key_.words.push_back(kInt);
+    key_.words.push_back(s.toLong());
+  }
+  return true;
+}
+
+bool CallKeyBuilder::add(const c10::IValue& v) {
+  auto& words = key_.words;
   if (v.isTensor()) {
-    return add_tensor(v.toTensor(), builder);
+    return add(v.toTensor());
   }
   if (v.isNone()) {
-    key.words.push_back(kNone);
+    words.push_back(kNone);
   } else if (v.isInt()) {
-    key.words.push_back(kInt);
-    key.words.push_back(v.toInt());
+    words.push_back(kInt);
+    words.push_back(v.toInt());
   } else if (v.isDouble()) {
-    key.words.push_back(kDouble);
-    key.words.push_back(double_bits(v.toDouble()));
+    words.push_back(kDouble);
+    words.push_back(double_bits(v.toDouble()));
   } else if (v.isBool()) {
-    key.words.push_back(kBool);
-    key.words.push_back(v.toBool());
+    words.push_back(kBool);
+    words.push_back(v.toBool());
   } else if (v.isString()) {
     const auto& s = v.toStringRef();
-    key.words.push_back(kString);
-    key.words.push_back(static_cast<int64_t>(s.size()));
-    key.words.push_back(static_cast<int64_t>(std::hash<std::string>{}(s)));
+    words.push_back(kString);
+    words.push_back(static_cast<int64_t>(s.size()));
+    words.push_back(static_cast<int64_t>(std::hash<std::string>{}(s)));
   } else if (v.isDevice()) {
-    key.words.push_back(kDevice);
-    key.words.push_back(static_cast<int64_t>(v.toDevice().type()));
-    key.words.push_back(v.toDevice().index());
+    words.push_back(kDevice);
+    words.push_back(static_cast<int64_t>(v.toDevice().type()));
+    words.push_back(v.toDevice().index());
   } else if (v.isIntList()) {
-    key.words.push_back(kIntList);
+    words.push_back(kIntList);
     auto list = v.toIntList();
-    key.words.push_back(static_cast<int64_t>(list.size()));
+    words.push_back(static_cast<int64_t>(list.size()));
     for (int64_t i : list) {
-      key.words.push_back(i);
+      words.push_back(i);
     }
   } else if (v.isDoubleList()) {
-    key.words.push_back(kDoubleList);
+    words.push_back(kDoubleList);
     auto list = v.toDoubleList();
-    key.words.push_back(static_cast<int64_t>(list.size()));
+    words.push_back(static_cast<int64_t>(list.size()));
     for (double d : list) {
-      key.words.push_back(double_bits(d));
+      words.push_back(double_bits(d));
     }
   } else if (v.isBoolList()) {
-    key.words.push_back(kBoolList);
+    words.push_back(kBoolList);
     auto list = v.toBoolList();
-    key.words.push_back(static_cast<int64_t>(list.size()));
+    words.push_back(static_cast<int64_t>(list.size()));
     for (bool b : list) {
-      key.words.push_back(b);
+      words.push_back(b);
     }
   } else if (v.isTensorList()) {
-    key.words.push_back(kTensorList);
+    words.push_back(kTensorList);
     auto list = v.toTensorList();
-    key.words.push_back(static_cast<int64_t>(list.size()));
+    words.push_back(static_cast<int64_t>(list.size()));
     for (const at::Tensor& t : list) {
-      if (!add_tensor(t, builder)) {
+      if (!add(t)) {
         return false;
       }
     }
   } else if (v.isList()) {
     // Lists of mixed IValues: Tensor?[] (the indices of aten::index_put) and
     // Scalar[] (the scalars of aten::_foreach_add.ScalarList).
-    key.words.push_back(kList);
+    words.push_back(kList);
     auto list = v.toListRef();
-    key.words.push_back(static_cast<int64_t>(list.size()));
+    words.push_back(static_cast<int64_t>(list.size()));
     for (const c10::IValue& item : list) {
-      if (!add_value(item, builder)) {
+      if (!add(item)) {
         return false;
       }
     }
@@ -178,38 +187,23 @@ bool add_value(const c10::IValue& v, KeyBuilder& builder) {
   return true;
 }
 
-} // namespace
-
-bool compute_call_key(
-    c10::ArrayRef<c10::IValue> args,
-    bool mutates,
-    CallKey& key,
-    const DynamicDims* dynamic,
-    KeyedTensors* tensors) {
-  key.words.clear();
-  KeyBuilder builder{key, {}, dynamic, tensors};
-  Storages& storages = builder.storages;
-  for (const c10::IValue& arg : args) {
-    if (!add_value(arg, builder)) {
-      return false;
-    }
-  }
+bool CallKeyBuilder::finish(bool mutates) {
   if (mutates) {
     // Kernels are compiled for arguments in separate memory; an op that
     // writes into one of them may not be handed overlapping ones.
-    for (size_t i = 0; i < storages.size(); ++i) {
+    for (size_t i = 0; i < storages_.size(); ++i) {
       for (size_t j = 0; j < i; ++j) {
-        if (storages[i] == storages[j]) {
+        if (storages_[i] == storages_[j]) {
           return false;
         }
       }
     }
   }
-  size_t h = key.words.size();
-  for (int64_t w : key.words) {
+  size_t h = key_.words.size();
+  for (int64_t w : key_.words) {
     h = c10::hash_combine(h, static_cast<size_t>(w));
   }
-  key.hash = h;
+  key_.hash = h;
   return true;
 }
 

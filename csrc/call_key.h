@@ -35,21 +35,58 @@ using DynamicDims = c10::SmallVector<uint64_t, 4>;
 // guards.
 using KeyedTensors = c10::SmallVector<const at::Tensor*, 8>;
 
-// Fills `key` from the op's arguments. Returns false when an argument is of a
-// kind no kernel is compiled for, or when an op that `mutates` its arguments
-// gets two tensors sharing memory (the call then runs the original kernel).
-// What it hashes, argument by argument, beside what the Python key of a cache
-// entry hashes: the Keys section of kernels/signature.py.
+// Fills a CallKey argument by argument: compute_call_key from the boxed
+// arguments of a dispatcher stack, an unboxed kernel from its C++ arguments
+// (csrc/op_override.cpp), so that both find the same entries. What it hashes,
+// argument by argument, beside what the Python key of a cache entry hashes:
+// the Keys section of kernels/signature.py.
 //
 // With `dynamic`, the key of a dynamic kernel's family: each dynamic dim's
 // size is left out, and so are the strides of a tensor with one (its kernel's
 // ShapeGuards check them); `tensors` receives the tensor arguments.
-bool compute_call_key(
+class CallKeyBuilder {
+ public:
+  explicit CallKeyBuilder(
+      CallKey& key,
+      const DynamicDims* dynamic = nullptr,
+      KeyedTensors* tensors = nullptr)
+      : key_(key), dynamic_(dynamic), tensors_(tensors) {
+    key_.words.clear();
+  }
+
+  // Each returns false for an argument of a kind no kernel is compiled for.
+  bool add(const c10::IValue& arg);
+  bool add(const at::Tensor& arg);
+  // As the dispatcher boxes a Scalar: an int, a double or a bool.
+  bool add(const c10::Scalar& arg);
+
+  // Hashes the key. Returns false when an op that `mutates` its arguments got
+  // two tensors sharing memory (the call then runs the original kernel).
+  bool finish(bool mutates);
+
+ private:
+  CallKey& key_;
+  const DynamicDims* dynamic_;
+  KeyedTensors* tensors_;
+  size_t tensor_index_ = 0;
+  // Storages of the call's tensors, to find arguments that share memory.
+  c10::SmallVector<const c10::StorageImpl*, 8> storages_;
+};
+
+inline bool compute_call_key(
     c10::ArrayRef<c10::IValue> args,
     bool mutates,
     CallKey& key,
     const DynamicDims* dynamic = nullptr,
-    KeyedTensors* tensors = nullptr);
+    KeyedTensors* tensors = nullptr) {
+  CallKeyBuilder builder(key, dynamic, tensors);
+  for (const c10::IValue& arg : args) {
+    if (!builder.add(arg)) {
+      return false;
+    }
+  }
+  return builder.finish(mutates);
+}
 
 // What a dynamic kernel was compiled for beyond its family's key, as
 // torch.export recorded it (kernels/dynamic.py builds them): each dynamic dim

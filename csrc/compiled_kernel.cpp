@@ -88,16 +88,19 @@ size_t library_num_inputs(const std::string& library_path, AOTInductorModelConta
 }
 
 // A library whose wrapper was built in parts (kernels/wrapper_split.py)
-// allocates through a hook, left empty (the shim) until set here.
-void install_allocation_hook(const std::string& library_path) {
+// allocates through a hook, left empty (the shim) until set here. Returns
+// whether the library borrows its inputs instead of taking them over.
+bool install_allocation_hook(const std::string& library_path) {
   void* library = dlopen(library_path.c_str(), RTLD_NOW | RTLD_NOLOAD);
   if (library == nullptr) {
-    return;
+    return false;
   }
   if (void* hook = dlsym(library, "aoti_eager_empty_strided_hook")) {
     *static_cast<decltype(&empty_strided)*>(hook) = &empty_strided;
   }
+  const bool borrows = dlsym(library, "aoti_eager_borrows_inputs") != nullptr;
   dlclose(library);
+  return borrows;
 }
 
 } // namespace
@@ -151,16 +154,19 @@ CompiledKernel::CompiledKernel(
       described,
       " outputs, its library returns ",
       num_outputs_);
-  install_allocation_hook(library_path);
+  borrows_inputs_ = install_allocation_hook(library_path);
 }
 
 void CompiledKernel::run(c10::ArrayRef<at::Tensor> inputs, Outputs& outputs) const {
-  // The library takes ownership of one new at::Tensor per input and hands
-  // back one per output: the only allocations of a call besides the outputs'.
+  // AOTInductor's library takes ownership of one new at::Tensor per input
+  // (and a vector of owners of them); one built to borrow them reads the
+  // caller's, which `inputs` keeps alive for the call. Either hands back a
+  // new at::Tensor per output.
   c10::SmallVector<AtenTensorHandle, 8> input_handles;
   input_handles.reserve(inputs.size());
   for (const at::Tensor& t : inputs) {
-    input_handles.push_back(reinterpret_cast<AtenTensorHandle>(new at::Tensor(t)));
+    input_handles.push_back(reinterpret_cast<AtenTensorHandle>(
+        borrows_inputs_ ? const_cast<at::Tensor*>(&t) : new at::Tensor(t)));
   }
   c10::SmallVector<AtenTensorHandle, 4> output_handles(num_outputs_, nullptr);
   void* stream = nullptr;

@@ -63,6 +63,7 @@ class CompiledKernel {
   decltype(&AOTInductorModelContainerRun) run_func_ = nullptr;
   size_t num_inputs_ = 0;
   size_t num_outputs_ = 0;
+  bool borrows_inputs_ = false; // kernels/wrapper_split.py: _borrow_inputs
   mutable std::mutex run_mutex_;
   std::vector<int64_t> output_counts_;
   std::vector<int64_t> runtime_arguments_;

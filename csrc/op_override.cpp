@@ -23,6 +23,10 @@ thread_local int reentry_depth = 0;
 // object at process exit without the GIL is not safe.
 py::object* miss_handler = nullptr;
 
+// A boxed kernel that hands the call to one of the override's boxed paths:
+// OpOverride::call, the whole of it; OpOverride::run_original, for a call of
+// an unboxed override decided eager.
+template <auto Run>
 class BoxedOverride final : public c10::OperatorKernel {
  public:
   explicit BoxedOverride(std::shared_ptr<OpOverride> override)
@@ -32,12 +36,14 @@ class BoxedOverride final : public c10::OperatorKernel {
       const c10::OperatorHandle& op,
       c10::DispatchKeySet keys,
       torch::jit::Stack* stack) {
-    override_->call(op, keys, stack);
+    (override_.get()->*Run)(op, keys, stack);
   }
 
  private:
   std::shared_ptr<OpOverride> override_;
 };
+
+using WholeBoxedOverride = BoxedOverride<&OpOverride::call>;
 
 // Like torch::jit::toPyObject, but with the enums that the dispatcher stack
 // carries as plain ints (dtype, layout, memory format) turned back into their
@@ -95,6 +101,15 @@ at::Tensor runtime_number(const c10::IValue& arg, size_t position) {
   return number;
 }
 
+using KernelInputs = c10::SmallVector<at::Tensor, 8>;
+
+void add_kernel_input(const at::Tensor& t, KernelInputs& inputs) {
+  // Wrapped numbers are compiled into the kernel (they are in its key).
+  if (t.defined() && !t.unsafeGetTensorImpl()->is_wrapped_number()) {
+    inputs.push_back(t);
+  }
+}
+
 } // namespace
 
 ReentryGuard::ReentryGuard() {
@@ -116,7 +131,8 @@ OpOverride::OpOverride(
     const c10::OperatorHandle& op,
     c10::DispatchKey dispatch_key,
     int64_t token)
-    : original_(op.getComputedKernelForDispatchKey(dispatch_key)),
+    : op_(op),
+      original_(op.getComputedKernelForDispatchKey(dispatch_key)),
       schema_(&op.schema()),
       token_(token),
       num_arguments_(op.schema().arguments().size()),
@@ -150,7 +166,10 @@ void OpOverride::call(
   counters_.calls.fetch_add(1, std::memory_order_relaxed);
   CallKey key;
   auto args = torch::jit::last(*stack, num_arguments_);
-  if (!compute_call_key(args, mutates_, key)) {
+  auto add_arguments = [&](CallKeyBuilder& builder) {
+    return std::all_of(args.begin(), args.end(), [&](const c10::IValue& arg) { return builder.add(arg); });
+  };
+  if (!compute_key(add_arguments, key)) {
     if (!reported_unkeyable_.exchange(true)) {
       // Once per override, so that Python can log and count the reason.
       on_miss(key, stack, /*remember=*/false);
@@ -159,10 +178,7 @@ void OpOverride::call(
     return;
   }
 
-  std::optional<Entry> entry = lookup(key);
-  if (!entry && has_families_.load(std::memory_order_acquire)) {
-    entry = lookup_dynamic(args);
-  }
+  std::optional<Entry> entry = find(key, add_arguments);
   if (!entry) {
     counters_.misses.fetch_add(1, std::memory_order_relaxed);
     entry = on_miss(key, stack);
@@ -188,6 +204,12 @@ void OpOverride::call(
   }
 }
 
+template <class AddArguments>
+bool OpOverride::compute_key(const AddArguments& add_arguments, CallKey& key) const {
+  CallKeyBuilder builder(key);
+  return add_arguments(builder) && builder.finish(mutates_);
+}
+
 std::optional<OpOverride::Entry> OpOverride::lookup(const CallKey& key) const {
   std::shared_lock<std::shared_mutex> lock(mutex_);
   auto it = entries_.find(key);
@@ -197,23 +219,30 @@ std::optional<OpOverride::Entry> OpOverride::lookup(const CallKey& key) const {
   return it->second;
 }
 
-std::optional<OpOverride::Entry> OpOverride::lookup_dynamic(
-    c10::ArrayRef<c10::IValue> args) const {
+template <class AddArguments>
+std::optional<OpOverride::Entry> OpOverride::find(
+    const CallKey& key,
+    const AddArguments& add_arguments) const {
+  std::optional<Entry> entry = lookup(key);
+  if (entry || !has_families_.load(std::memory_order_acquire)) {
+    return entry;
+  }
   std::shared_lock<std::shared_mutex> lock(mutex_);
-  CallKey key;
+  CallKey family_key;
   KeyedTensors tensors;
   for (const Family& family : families_) {
     tensors.clear();
-    if (!compute_call_key(args, mutates_, key, &family.dims, &tensors)) {
+    CallKeyBuilder builder(family_key, &family.dims, &tensors);
+    if (!add_arguments(builder) || !builder.finish(mutates_)) {
       continue;
     }
-    auto it = family.kernels.find(key);
+    auto it = family.kernels.find(family_key);
     if (it == family.kernels.end()) {
       continue;
     }
-    for (const DynamicEntry& entry : it->second) {
-      if (entry.guards.admit(tensors)) {
-        return Entry{entry.kernel};
+    for (const DynamicEntry& dynamic : it->second) {
+      if (dynamic.guards.admit(tensors)) {
+        return Entry{dynamic.kernel};
       }
     }
   }
@@ -305,13 +334,8 @@ void OpOverride::run_kernel(
   // for its own runtime number, without end.
   ReentryGuard guard;
   auto args = torch::jit::last(*stack, num_arguments_);
-  c10::SmallVector<at::Tensor, 8> inputs;
-  auto add_input = [&](const at::Tensor& t) {
-    // Wrapped numbers are compiled into the kernel (they are in its key).
-    if (t.defined() && !t.unsafeGetTensorImpl()->is_wrapped_number()) {
-      inputs.push_back(t);
-    }
-  };
+  KernelInputs inputs;
+  auto add_input = [&](const at::Tensor& t) { add_kernel_input(t, inputs); };
   auto runtime = kernel.runtime_arguments().begin();
   const auto runtime_end = kernel.runtime_arguments().end();
   size_t numbers = 0;
@@ -436,21 +460,195 @@ size_t OpOverride::num_entries() const {
   return entries_.size();
 }
 
+// The override for ops of one C++ signature, which the dispatcher calls with
+// the arguments as it holds them. A boxed kernel costs every call a
+// std::vector<IValue> of the arguments, a reference count per tensor in and
+// out of it, and the result boxed and unboxed again. Only calls of a loaded
+// kernel or of a signature decided eager stay unboxed; a miss, an argument
+// that cannot be keyed and a call from inside aoti_eager take the boxed path,
+// where they are handled as before.
+template <class FuncType>
+class UnboxedOverride;
+
+template <class Return, class... Args>
+class UnboxedOverride<Return(Args...)> final : public c10::OperatorKernel {
+ public:
+  explicit UnboxedOverride(std::shared_ptr<OpOverride> override)
+      : override_(std::move(override)),
+        boxed_(c10::BoxedKernel::makeFromFunctor(std::make_unique<WholeBoxedOverride>(override_))),
+        original_(c10::BoxedKernel::makeFromFunctor(
+            std::make_unique<BoxedOverride<&OpOverride::run_original>>(override_))) {}
+
+  Return operator()(c10::DispatchKeySet keys, Args... args) {
+    OpOverride& o = *override_;
+    auto add_arguments = [&](CallKeyBuilder& builder) { return (builder.add(args) && ...); };
+    CallKey key;
+    std::optional<OpOverride::Entry> entry;
+    if (!ReentryGuard::active() && o.compute_key(add_arguments, key)) {
+      entry = o.find(key, add_arguments);
+    }
+    if (!entry) {
+      return boxed(boxed_, keys, args...);
+    }
+    o.counters_.calls.fetch_add(1, std::memory_order_relaxed);
+    if (!entry->kernel) {
+      return boxed(original_, keys, args...);
+    }
+    o.counters_.hits.fetch_add(1, std::memory_order_relaxed);
+    if (entry->kernel->runtime_arguments().empty()) {
+      return run(*entry->kernel, args...);
+    }
+    try {
+      return run(*entry->kernel, args...);
+    } catch (const std::exception&) {
+      // A runtime number the kernel refuses (see OpOverride::call).
+      return boxed(original_, keys, args...);
+    }
+  }
+
+ private:
+  Return boxed(const c10::BoxedKernel& kernel, c10::DispatchKeySet keys, Args... args) {
+    return c10::impl::BoxedKernelWrapper<Return(Args...)>::call(
+        kernel, override_->op_, keys, std::forward<Args>(args)...);
+  }
+
+  // OpOverride::run_kernel, from the C++ arguments.
+  Return run(const CompiledKernel& kernel, Args... args) {
+    ReentryGuard guard;
+    KernelInputs inputs;
+    auto runtime = kernel.runtime_arguments().begin();
+    const auto runtime_end = kernel.runtime_arguments().end();
+    int64_t position = 0;
+    size_t numbers = 0;
+    auto add_input = [&](const auto& arg) {
+      if (runtime != runtime_end && *runtime == position++) {
+        ++runtime;
+        inputs.push_back(runtime_number(c10::IValue(arg), numbers++));
+      } else if constexpr (std::is_same_v<std::decay_t<decltype(arg)>, at::Tensor>) {
+        add_kernel_input(arg, inputs);
+      }
+    };
+    (add_input(args), ...);
+    CompiledKernel::Outputs outputs;
+    kernel.run(inputs, outputs);
+    if constexpr (std::is_same_v<Return, at::Tensor>) {
+      return std::move(outputs[0]);
+    } else {
+      // In-place and out= ops hand back the argument they wrote into.
+      const int64_t alias = override_->return_aliases_[0];
+      at::Tensor* written = nullptr;
+      int64_t i = 0;
+      auto find_written = [&](auto& arg) {
+        if constexpr (std::is_same_v<std::remove_reference_t<decltype(arg)>, at::Tensor>) {
+          if (i == alias) {
+            written = &arg;
+          }
+        }
+        ++i;
+      };
+      (find_written(args), ...);
+      TORCH_INTERNAL_ASSERT(written != nullptr, "aoti_eager: no written argument for ", override_->schema_->name());
+      return *written;
+    }
+  }
+
+  std::shared_ptr<OpOverride> override_;
+  c10::BoxedKernel boxed_;
+  c10::BoxedKernel original_;
+};
+
+namespace {
+
+// Whether the dispatcher passes a schema argument (or return) as `T`, as
+// PyTorch's code generator declares it: a tensor it writes as `at::Tensor&`.
+template <class T>
+bool passed_as(const c10::Argument& argument) {
+  const bool tensor = argument.type()->kind() == c10::TypeKind::TensorType;
+  const bool written = argument.alias_info() != nullptr && argument.alias_info()->isWrite();
+  if constexpr (std::is_same_v<T, at::Tensor&>) {
+    return tensor && written;
+  } else if constexpr (std::is_same_v<T, at::Tensor> || std::is_same_v<T, const at::Tensor&>) {
+    return tensor && !written;
+  } else {
+    static_assert(std::is_same_v<T, const c10::Scalar&>);
+    return argument.type()->kind() == c10::TypeKind::NumberType;
+  }
+}
+
+template <class Return, class... Args>
+bool has_signature(const c10::FunctionSchema& schema, Return (*)(Args...)) {
+  if (schema.returns().size() != 1 || schema.arguments().size() != sizeof...(Args)) {
+    return false;
+  }
+  size_t i = 0;
+  return passed_as<Return>(schema.returns()[0]) && (passed_as<Args>(schema.arguments()[i++]) && ...);
+}
+
+// The unboxed kernel for the first of `FuncTypes` that is the op's C++
+// signature, with that signature; else the boxed one. The signatures of
+// unary, binary and alpha-scaled pointwise ops and their in-place and out=
+// forms: the tiny calls whose time the boxing shows in.
+template <class FuncType, class... FuncTypes>
+c10::KernelFunction override_kernel(
+    const c10::FunctionSchema& schema,
+    std::shared_ptr<OpOverride> override,
+    std::optional<c10::impl::CppSignature>& signature) {
+  if (has_signature(schema, static_cast<FuncType*>(nullptr))) {
+    signature = c10::impl::CppSignature::make<FuncType>();
+    return c10::KernelFunction::makeFromUnboxedFunctor<false, UnboxedOverride<FuncType>>(
+        std::make_unique<UnboxedOverride<FuncType>>(std::move(override)));
+  }
+  if constexpr (sizeof...(FuncTypes) > 0) {
+    return override_kernel<FuncTypes...>(schema, std::move(override), signature);
+  } else {
+    return c10::KernelFunction::makeFromBoxedFunctor(std::make_unique<WholeBoxedOverride>(std::move(override)));
+  }
+}
+
+using Tensor = at::Tensor;
+using Scalar = c10::Scalar;
+
+} // namespace
+
 std::unique_ptr<c10::RegistrationHandleRAII> register_override(
     const std::string& op_name,
     const std::string& overload_name,
     c10::DispatchKey dispatch_key,
     std::shared_ptr<OpOverride> override) {
   c10::OperatorName name(op_name, overload_name);
-  return std::make_unique<c10::RegistrationHandleRAII>(
-      c10::Dispatcher::singleton().registerImpl(
-          name,
-          dispatch_key,
-          c10::KernelFunction::makeFromBoxedFunctor(
-              std::make_unique<BoxedOverride>(std::move(override))),
-          std::nullopt,
-          nullptr,
-          "aoti_eager override of " + c10::toString(name)));
+  auto& dispatcher = c10::Dispatcher::singleton();
+  const auto& schema = dispatcher.findSchemaOrThrow(op_name.c_str(), overload_name.c_str()).schema();
+  std::optional<c10::impl::CppSignature> signature;
+  c10::KernelFunction kernel = override_kernel<
+      Tensor(const Tensor&),
+      Tensor(const Tensor&, const Tensor&),
+      Tensor(const Tensor&, const Scalar&),
+      Tensor(const Tensor&, const Tensor&, const Scalar&),
+      Tensor&(Tensor&),
+      Tensor&(Tensor&, const Tensor&),
+      Tensor&(Tensor&, const Scalar&),
+      Tensor&(Tensor&, const Tensor&, const Scalar&),
+      Tensor&(const Tensor&, Tensor&),
+      Tensor&(const Tensor&, const Tensor&, Tensor&),
+      Tensor&(const Tensor&, const Tensor&, const Scalar&, Tensor&)>(schema, override, signature);
+  const std::string debug = "aoti_eager override of " + c10::toString(name);
+  if (signature) {
+    try {
+      return std::make_unique<c10::RegistrationHandleRAII>(
+          dispatcher.registerImpl(name, dispatch_key, std::move(kernel), signature, nullptr, debug));
+    } catch (const c10::Error&) {
+      // The dispatcher checks the C++ signature against the op's own. Those
+      // that write a const Tensor& (resize_, the in-place views) are never
+      // overridden; any other op declared otherwise is registered boxed.
+    }
+  }
+  return std::make_unique<c10::RegistrationHandleRAII>(dispatcher.registerImpl(
+      name,
+      dispatch_key,
+      c10::KernelFunction::makeFromBoxedFunctor(std::make_unique<WholeBoxedOverride>(std::move(override))),
+      std::nullopt,
+      nullptr,
+      debug));
 }
 
 } // namespace aoti_eager

@@ -1,9 +1,11 @@
 #pragma once
 
-// The boxed kernel that replaces one aten op at one dispatch key.
+// The kernel that replaces one aten op at one dispatch key.
 //
-// Hit path (no Python, no GIL): key the call from the dispatcher stack, find
-// the loaded kernel, run it, push its outputs. Miss path: ask Python (the
+// Hit path (no Python, no GIL): key the call from its arguments, find the
+// loaded kernel, run it, return its outputs. Ops of the common C++ signatures
+// (register_override lists them) take their arguments unboxed, as the
+// dispatcher holds them; every other op takes them boxed on its stack. Miss path: ask Python (the
 // handler set with set_miss_handler) for a decision about the signature and
 // remember it. Signatures decided "eager", arguments that cannot be keyed, and
 // calls made while this thread is already inside aoti_eager (compiling, or
@@ -62,6 +64,9 @@ class OpOverride : public std::enable_shared_from_this<OpOverride> {
   size_t num_entries() const;
 
  private:
+  template <class FuncType>
+  friend class UnboxedOverride;
+
   struct Entry {
     std::shared_ptr<const CompiledKernel> kernel; // null: run eagerly
   };
@@ -83,10 +88,16 @@ class OpOverride : public std::enable_shared_from_this<OpOverride> {
       c10::DispatchKeySet keys,
       torch::jit::Stack* stack);
   void run_kernel(const CompiledKernel& kernel, torch::jit::Stack* stack);
+  // `add_arguments(CallKeyBuilder&)` adds the call's arguments to a key,
+  // boxed or unboxed; false where one cannot be keyed.
+  template <class AddArguments>
+  bool compute_key(const AddArguments& add_arguments, CallKey& key) const;
+  // The decision for the call: its key's, else that of a family whose key
+  // and guards it matches (a dynamic kernel, or eager for a family that
+  // compiles no more); nullopt for a miss.
+  template <class AddArguments>
+  std::optional<Entry> find(const CallKey& key, const AddArguments& add_arguments) const;
   std::optional<Entry> lookup(const CallKey& key) const;
-  // The decision of a family whose key and guards the call matches: a
-  // dynamic kernel, or eager for a family that compiles no more.
-  std::optional<Entry> lookup_dynamic(c10::ArrayRef<c10::IValue> args) const;
   // Keeps `kernel` (null: eager) for the call's family, where its guards admit the call.
   void add_dynamic(
       c10::ArrayRef<c10::IValue> args,
@@ -98,6 +109,7 @@ class OpOverride : public std::enable_shared_from_this<OpOverride> {
       torch::jit::Stack* stack,
       bool remember = true);
 
+  const c10::OperatorHandle op_;
   OriginalKernel original_;
   const c10::FunctionSchema* schema_; // owned by the dispatcher, lives forever
   const int64_t token_;

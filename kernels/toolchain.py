@@ -231,6 +231,9 @@ def environment_fields(device: torch.device, compile_options: dict[str, Any] | N
         "inductor_options": json.dumps(compile_options or {}, sort_keys=True),
     }
     if device.type == "cpu":
+        # Libraries that borrow their inputs (kernels/wrapper_split.py): a
+        # runtime that hands them over would never free them.
+        fields["inputs"] = "borrowed"
         fields["isa"] = cpu_isa()
         # Inductor compiles with -march=native: the exact CPU model matters.
         fields["cpu"] = _cpu_identity()

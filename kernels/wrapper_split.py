@@ -25,6 +25,12 @@ see ``csrc/compiled_kernel.cpp``): on CUDA, straight from the caching
 allocator instead of through the dispatcher. Until it is filled, and in a
 library built whole, allocation is AOTInductor's own.
 
+On CPU, where every use of an input in the generated ``run_impl`` only reads
+it, the op's part borrows its inputs (``_borrow_inputs``): the caller keeps
+them alive for the call, instead of handing over a new ``at::Tensor`` per input
+for the library to delete, and the library says so with
+``aoti_eager_borrows_inputs``.
+
 Both parts are compiled with Inductor's own command line. A wrapper that does
 not have the expected shape, or a part that fails to compile, gets Inductor's
 own build instead: the split can change how long a compile takes, not what it
@@ -37,6 +43,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -63,6 +70,58 @@ static inline AOTITorchError aoti_eager_empty_strided(
   return allocate(ndim, sizes, strides, dtype, device_type, device_index, result);
 }
 """
+
+
+# Inputs as the caller lent them (csrc/compiled_kernel.cpp): read, never owned.
+_BORROWED_HANDLES = """
+namespace torch::aot_inductor {
+class AOTIEagerBorrowedHandle {
+ public:
+  explicit AOTIEagerBorrowedHandle(AtenTensorHandle handle) : handle_(handle) {}
+  operator AtenTensorHandle() const { return handle_; }
+  void reset() { handle_ = nullptr; }
+  void* data_ptr() const {
+    void* result = nullptr;
+    AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_get_data_ptr(handle_, &result));
+    return result;
+  }
+ private:
+  AtenTensorHandle handle_;
+};
+struct AOTIEagerBorrowedHandles {
+  AOTIEagerBorrowedHandle operator[](size_t i) const { return AOTIEagerBorrowedHandle(handles[i]); }
+  void clear() {}
+  AtenTensorHandle* handles;
+};
+} // namespace torch::aot_inductor
+"""
+_STEAL = "auto inputs = steal_from_raw_handles_to_raii_handles(input_handles, "
+_BORROW = "auto inputs = AOTIEagerBorrowedHandles{input_handles}; // of "
+_BORROWS = 'extern "C" __attribute__((visibility("default"))) const int aoti_eager_borrows_inputs = 1;\n'
+
+
+def _borrow_inputs(own_text: str) -> str:
+    """``own_text`` with run_impl borrowing its inputs, where each use of one
+    only reads it: its data pointer, a size or stride check, a shim call (the
+    C shim never takes ownership of an argument), dropping it. Any other use
+    (a move into an owner, a handle handed back as an output) keeps it as it
+    is: the library steals its inputs, as AOTInductor's do."""
+    if own_text.count(_STEAL) != 1 or "CACHE_TORCH_DEVICE(cpu)" not in own_text or "CACHE_TORCH_DEVICE(cuda)" in own_text:
+        return own_text
+    start = own_text.index(_STEAL)
+    body = own_text[start:own_text.index("} // AOTInductorModel::run_impl", start)]
+    names = re.findall(r"auto (\w+) = std::move\(inputs\[\d+\]\);", body)
+    for line in body.splitlines()[1:]:
+        for name in names:
+            for use in re.finditer(rf"(?<![\w&]){name}(?!\w)", line):
+                rest, stripped = line[use.end():], line.strip()
+                if not (
+                    rest.startswith((".data_ptr()", ".reset();", " = std::move(inputs["))
+                    or "assert_size_stride(" in stripped
+                    or stripped.startswith("AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_")
+                ):
+                    return own_text
+    return own_text.replace(_STEAL, _BORROW) + _BORROWS
 
 
 class _Unsplittable(Exception):
@@ -155,10 +214,11 @@ def _start_split(
     end += len(_INTERFACE_END)
     includes = "".join(line + "\n" for line in text[:end].splitlines() if line.startswith("#include"))
     shared_text = text[:end] + f"\ntemplate class {_BASE};\n"
-    own_text = (
+    own_text = _borrow_inputs(
         includes
         + f"extern template class {_BASE};\n"
         + _ALLOCATION_HOOK
+        + _BORROWED_HANDLES
         + text[end:].replace("aoti_torch_empty_strided(", "aoti_eager_empty_strided(")
     )
 

@@ -24,6 +24,7 @@ def cases(device: str):
         ("abs, 128 floats", "aten::abs.default", lambda: torch.abs(x)),
         ("add 64x64", "aten::add.Tensor", lambda: torch.add(a, b)),
         ("add 64x64, alpha=2", "aten::add.Tensor", lambda: torch.add(a, b, alpha=2)),
+        ("mul 64x64", "aten::mul.Tensor", lambda: torch.mul(a, b)),
     ]
 
 

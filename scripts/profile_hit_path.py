@@ -34,6 +34,7 @@ def cases(device: str):
         ("add 64x64", A.add.Tensor, [a, b, 1]),
         ("add 64x64, alpha=2", A.add.Tensor, [a, b, 2]),
         ("add 64x64, alpha=2.5", A.add.Tensor, [a, b, 2.5]),
+        ("mul 64x64", A.mul.Tensor, [a, b]),
     ]
 
 
@@ -44,8 +45,8 @@ def profile(op, args, device: str, calls: int, cache_dir: str) -> dict[str, floa
     call_op(op, args)  # decide the signature: compile or load
     override = next(o for o in _runtime.installed() if o.op == op)
     signature = CallSignature.of(op, device, args)
-    kernel = override.decisions.get(signature.decision_key)
-    if not kernel:
+    kernel = getattr(override.decisions.get(signature.decision_key), "kernel", None)
+    if kernel is None:
         raise SystemExit(f"{name}.{overload}: no compiled kernel for {signature.short()} (decided eager)")
     inputs = flat_tensor_inputs(signature, args)
     aoti_eager.disable()

@@ -339,3 +339,55 @@ def test_an_override_of_the_op_that_makes_runtime_numbers_does_not_call_itself(s
     for result, value in zip(results, values):
         assert_same_as_eager(result, torch.scalar_tensor(value))
     assert (stats["compiles"] + stats["cache_loads"], stats["hits"], stats["fallbacks"]) == (1, 1, 0), stats
+
+
+# Ops of the C++ signatures that get an unboxed override (csrc/op_override.cpp:
+# register_override), called as the dispatcher passes them unboxed (torch.*,
+# Tensor methods) and boxed (torch.ops). A float alpha is a runtime number.
+UNBOXED_CALLS = {
+    "abs": ("aten::abs.default", lambda x, y, out: torch.abs(x)),
+    "mul": ("aten::mul.Tensor", lambda x, y, out: torch.mul(x, y)),
+    "mul, boxed": ("aten::mul.Tensor", lambda x, y, out: A.mul.Tensor(x, y)),
+    "mul scalar": ("aten::mul.Scalar", lambda x, y, out: A.mul.Scalar(x, 3)),
+    "add alpha=2": ("aten::add.Tensor", lambda x, y, out: torch.add(x, y, alpha=2)),
+    "add alpha=0.5": ("aten::add.Tensor", lambda x, y, out: torch.add(x, y, alpha=0.5)),
+    "abs_": ("aten::abs_", lambda x, y, out: x.abs_()),
+    "mul_": ("aten::mul_.Tensor", lambda x, y, out: x.mul_(y)),
+    "mul_ scalar": ("aten::mul_.Scalar", lambda x, y, out: A.mul_.Scalar(x, 3)),
+    "add_ alpha=-0.1": ("aten::add_.Tensor", lambda x, y, out: x.add_(y, alpha=-0.1)),
+    "abs out": ("aten::abs.out", lambda x, y, out: torch.abs(x, out=out)),
+    "mul out": ("aten::mul.out", lambda x, y, out: torch.mul(x, y, out=out)),
+    "add out": ("aten::add.out", lambda x, y, out: torch.add(x, y, alpha=3, out=out)),
+}
+
+
+@pytest.mark.parametrize("case", list(UNBOXED_CALLS))
+def test_unboxed_overrides_match_eager_and_return_the_written_argument(case, shared_cache):
+    op, fn = UNBOXED_CALLS[case]
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+
+    def call():
+        arguments = (x.clone(), y, torch.empty(16, 8))
+        result = fn(*arguments)
+        return result, [result is a for a in arguments]
+
+    expected, expected_identity = call()
+    with aoti_eager.enabled([op], devices=["cpu"], cache_dir=shared_cache):
+        calls = [call() for _ in range(3)]  # compile (or load), then hits
+        (stats,) = aoti_eager.stats().values()
+    # Compared once disabled: assert_close's own abs calls abs.out.
+    for got, identity in calls:
+        assert_same_as_eager(got, expected)
+        assert identity == expected_identity
+    assert stats["hits"] >= 2 and stats["fallbacks"] == 0, stats
+
+
+def test_a_signature_decided_eager_runs_the_original_kernel_unboxed(tmp_path, monkeypatch):
+    monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: (_ for _ in ()).throw(CompileError("no kernel")))
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    with aoti_eager.enabled(["aten::add.Tensor"], devices=["cpu"], cache_dir=tmp_path):
+        results = [torch.add(a, b, alpha=2) for _ in range(3)]
+        stats = aoti_eager.stats()["aten::add.Tensor"]
+    for r in results:
+        assert_same_as_eager(r, torch.add(a, b, alpha=2))
+    assert stats["calls"] == 3 and stats["hits"] == 0 and stats["fallbacks"] == 3, stats

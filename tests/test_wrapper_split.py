@@ -123,3 +123,50 @@ def test_split_kernels_allocate_through_the_runtimes_hook(shared_cache, device, 
     for result in results:
         assert_same_as_eager(result, x * y)
     assert results[0].data_ptr() != results[1].data_ptr()
+
+
+_RUN_IMPL = """CACHE_TORCH_DEVICE({device});
+void AOTInductorModel::run_impl(AtenTensorHandle* input_handles, AtenTensorHandle* output_handles) {{
+    auto inputs = steal_from_raw_handles_to_raii_handles(input_handles, 2);
+    auto arg0_1 = std::move(inputs[0]);
+    auto arg1_1 = std::move(inputs[1]);
+    inputs.clear();
+    if (_check_aoti_runtime_check_inputs_env()) {{ assert_size_stride(arg0_1, {{4L}}, {{1L}}, "input"); }}
+    {use}
+    arg0_1.reset();
+}} // AOTInductorModel::run_impl
+"""
+
+
+@pytest.mark.parametrize(
+    "device, use, borrows",
+    [
+        ("cpu", "cpp_fused_add_0((const float*)(arg0_1.data_ptr()), (float*)(arg1_1.data_ptr()));", True),
+        ("cpu", "AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_item_float64(arg1_1, &zuf0_raw));", True),
+        ("cpu", "output_handles[0] = arg1_1.release();", False),
+        ("cpu", "RAIIAtenTensorHandle buf0(std::move(arg1_1));", False),
+        ("cpu", "output_handles[0] = wrap_with_raii_handle_if_needed(arg1_1).release();", False),
+        ("cuda", "launch((const float*)(arg0_1.data_ptr()), (float*)(arg1_1.data_ptr()));", False),
+    ],
+    ids=["data pointers", "shim call", "handed back", "moved into an owner", "wrapped in an owner", "cuda"],
+)
+def test_a_cpu_wrapper_borrows_its_inputs_only_where_it_only_reads_them(device, use, borrows):
+    text = _RUN_IMPL.format(device=device, use=use)
+    borrowed = wrapper_split._borrow_inputs(text)
+    assert (borrowed != text) == borrows
+    assert ("aoti_eager_borrows_inputs" in borrowed) == borrows
+
+
+def test_a_kernel_that_borrows_its_inputs_neither_keeps_nor_frees_them(shared_cache):
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    with aoti_eager.enabled(["aten::add.Tensor"], devices=["cpu"], cache_dir=shared_cache):
+        torch.add(a, b)
+        counts = a._use_count(), b._use_count()
+        results = [torch.add(a, b) for _ in range(3)]
+        assert (a._use_count(), b._use_count()) == counts
+        assert aoti_eager.stats()["aten::add.Tensor"]["hits"] >= 3
+    libraries = shared_cache.glob(f"{layout.LAYOUT_VERSION}/*/aten.add.Tensor/*/kernel.so")
+    symbols = [subprocess.run(["nm", "-D", "--defined-only", str(p)], capture_output=True, text=True, check=True).stdout for p in libraries]
+    assert any("aoti_eager_borrows_inputs" in s for s in symbols)
+    for r in results:
+        assert_same_as_eager(r, a + b)
