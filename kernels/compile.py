@@ -32,11 +32,13 @@ from aoti_eager.kernels.parallel_grain import parallel_above_grain
 from aoti_eager.kernels.signature import (
     Arg, CallSignature, ListArg, NumberArg, RuntimeNumberArg, TensorArg, clone_args, tensors_in,
 )
-from aoti_eager.kernels.toolchain import cpp_compiler, known_vec_isas
+from aoti_eager.kernels.toolchain import cpp_compiler, known_vec_isas, linker
 from aoti_eager.kernels.wrapper_split import split_wrapper_builds
 
 
 # Inductor's defaults, changed where an op-sized kernel differs from a model.
+# Every device: no line tables (-g1), which the library is stripped of anyway
+# (see _strip): they only cost compile and link time.
 # CPU: a loop is split across threads only above ATen's grain size (as eager
 # does), so that a small op does not pay for an OpenMP fork and join.
 # CUDA: the library carries its kernels' binaries, as it is moved into the cache,
@@ -49,7 +51,11 @@ _INDUCTOR_OPTIONS: dict[str, dict[str, Any]] = {
 
 def compile_options(device_type: str) -> dict[str, Any]:
     """The Inductor options kernels for ``device_type`` are compiled with (part of the cache key)."""
-    return {**_INDUCTOR_OPTIONS.get(device_type, {}), "cpp.cxx": (None, cpp_compiler())}
+    return {
+        **_INDUCTOR_OPTIONS.get(device_type, {}),
+        "aot_inductor.enable_line_tables": False,
+        "cpp.cxx": (None, cpp_compiler()),
+    }
 
 
 class CompileError(Exception):
@@ -307,7 +313,7 @@ def compile_call(
             stage = "AOTInductor"
             start = time.perf_counter()
             grain = parallel_above_grain() if _dynamic_options(signature, dynamic_shapes) else contextlib.nullcontext()
-            with split_wrapper_builds(shared_dir, seconds), known_vec_isas(vec_isas), grain:
+            with split_wrapper_builds(shared_dir, seconds, linker()), known_vec_isas(vec_isas), grain:
                 torch._inductor.aot_compile(
                     exported.module(), example,
                     options={**options, **_dynamic_options(signature, dynamic_shapes), "aot_inductor.output_path": str(library)},

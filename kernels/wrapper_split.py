@@ -139,11 +139,12 @@ def _stage(tokens: list[str]) -> str:
 
 
 @contextlib.contextmanager
-def split_wrapper_builds(shared_dir: Path | None, seconds: dict[str, float]) -> Iterator[None]:
+def split_wrapper_builds(shared_dir: Path | None, seconds: dict[str, float], linker: str | None = None) -> Iterator[None]:
     """Within the block, Inductor's compiler runs are timed into ``seconds`` (by
-    stage) and, with a ``shared_dir``, wrappers are built in two parts. Not
-    thread-safe: a process compiles one call at a time (Inductor is not
-    thread-safe either)."""
+    stage), libraries are linked with ``linker`` (see
+    :func:`aoti_eager.kernels.toolchain.linker`) and, with a ``shared_dir``,
+    wrappers are built in two parts. Not thread-safe: a process compiles one
+    call at a time (Inductor is not thread-safe either)."""
     original = cpp_builder.CppBuilder.build
     pending: list[Callable[[], None]] = []
 
@@ -165,7 +166,10 @@ def split_wrapper_builds(shared_dir: Path | None, seconds: dict[str, float]) -> 
             except Exception as e:  # noqa: BLE001 - any surprise: Inductor's own build
                 log.debug("aoti_eager: building the wrapper whole: %s", e)
         start = time.perf_counter()
-        original(builder)
+        if stage == "link" and linker is not None:
+            _link_with(linker, builder, original)
+        else:
+            original(builder)
         seconds[stage] = seconds.get(stage, 0.0) + time.perf_counter() - start
 
     cpp_builder.CppBuilder.build = build
@@ -176,6 +180,18 @@ def split_wrapper_builds(shared_dir: Path | None, seconds: dict[str, float]) -> 
         # Reached early only by an error: the parts' compilers are not left running.
         with contextlib.suppress(Exception):
             finish_pending()
+
+
+def _link_with(linker: str, builder: cpp_builder.CppBuilder, original: Callable[[cpp_builder.CppBuilder], None]) -> None:
+    """Links with ``-fuse-ld=linker``; where that fails, with Inductor's command as it is."""
+    command = builder.get_command_line()
+    builder.get_command_line = lambda: f"{command} -fuse-ld={linker}"
+    try:
+        original(builder)
+    except Exception as e:  # noqa: BLE001 - the compiler's default linker decides
+        log.debug("aoti_eager: linking with %s failed, linking as Inductor does: %s", linker, e)
+        builder.get_command_line = lambda: command
+        original(builder)
 
 
 # The runner looks up AOTInductor* functions (torch/csrc/inductor/aoti_runner);

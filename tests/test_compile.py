@@ -14,7 +14,7 @@ from torch._inductor.exc import CppCompileError
 
 from aoti_eager import _extension
 from aoti_eager.cache import KernelCache
-from aoti_eager.kernels import load_probe
+from aoti_eager.kernels import compile as compile_module, load_probe
 from aoti_eager.kernels.compile import (
     CompileError,
     _OpCall,
@@ -154,6 +154,20 @@ def compiled_add(shared_cache, tmp_path_factory):
     )
     yield signature, artifact, tmp_path_factory.mktemp("environment")
     artifact.workdir.cleanup()
+
+
+def test_where_the_faster_linker_fails_the_library_is_linked_as_inductor_links_it(shared_cache, monkeypatch):
+    monkeypatch.setattr(compile_module, "linker", lambda: "no-such-linker")
+    signature = CallSignature.of(A.abs.default, "cpu", [torch.randn(37)])
+    options = compile_options("cpu")
+    artifact = compile_call(
+        signature, signature.args[0].abs(), options,
+        shared_dir=KernelCache(shared_cache, environment_name(CPU, options)).shared_directory(), vec_isas=usable_vec_isas(),
+    )
+    try:
+        assert artifact.library.exists() and "link" in artifact.seconds
+    finally:
+        artifact.workdir.cleanup()
 
 
 def test_a_compiled_kernel_does_what_eager_does_for_any_runtime_number(compiled_add):

@@ -100,7 +100,7 @@ def test_there_are_no_import_cycles():
 
 
 def test_what_a_kernel_is_built_with_is_defined_in_one_module():
-    facts = {"cpp_compiler", "compiler_identity", "cpu_isa", "usable_vec_isas", "machine_record",
+    facts = {"cpp_compiler", "compiler_identity", "linker", "cpu_isa", "usable_vec_isas", "machine_record",
              "environment_fields", "environment_name"}
     defined = {
         (node.name, name)

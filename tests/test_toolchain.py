@@ -88,6 +88,9 @@ def test_a_compile_does_not_probe_the_vec_isa_again(shared_cache, monkeypatch):
     probes = []
     original = cpu_vec_isa.valid_vec_isa_list
     monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: probes.append(1) or original())
+    # Nor the chosen ISA's own build-and-load check, which Inductor remembers per process.
+    cpu_vec_isa.VecISA._VecISA__bool__impl.cache_clear()
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", lambda isa, code: probes.append(str(isa)) or True)
     x = torch.randn(43)
     with aoti_eager.enabled(["aten::abs"], devices=["cpu"], cache_dir=shared_cache, record=None):
         result = torch.abs(x)
@@ -110,12 +113,16 @@ def test_an_entry_of_another_torch_or_isa_is_never_found(tmp_path, monkeypatch, 
     assert KernelCache(tmp_path, environment_name(CPU)).lookup("aten::abs", "sig") is None
 
 
-def test_environment_name_names_the_compiler_and_the_inductor_options(tmp_path, monkeypatch):
+def test_environment_name_names_the_compiler_the_linker_and_the_inductor_options(tmp_path, monkeypatch):
     monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx2")
     base = toolchain.environment_name(CPU, {"cpp.min_chunk_size": 32768})
     assert toolchain.environment_name(CPU, {"cpp.min_chunk_size": 1}) != base
     monkeypatch.setattr(toolchain, "compiler_identity", lambda compiler=None: "g++: g++ 99.0")
     assert toolchain.environment_name(CPU, {"cpp.min_chunk_size": 32768}) != base
+    compiler = toolchain.environment_name(CPU, {"cpp.min_chunk_size": 32768})
+    other_linker = None if toolchain.linker() else "gold"
+    monkeypatch.setattr(toolchain, "linker", lambda: other_linker)
+    assert toolchain.environment_name(CPU, {"cpp.min_chunk_size": 32768}) not in (base, compiler)
 
 
 def test_environment_names_are_those_of_cache_layout_v2(monkeypatch):
@@ -128,6 +135,7 @@ def test_environment_names_are_those_of_cache_layout_v2(monkeypatch):
     monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx512 avx512_vnni")
     monkeypatch.setattr(toolchain, "_cpu_identity", lambda: "cpu0123456789abc")
     monkeypatch.setattr(toolchain, "compiler_identity", lambda compiler=None: f"{compiler}: g++ (GCC) 13.2.0")
+    monkeypatch.setattr(toolchain, "linker", lambda: None)
     options = {"cpp.min_chunk_size": 32768, "cpp.cxx": (None, "/usr/bin/g++")}
     assert environment_name(CPU) == "cpu-avx512_avx512_vnni-torch2.13.0+cpu-24a5972abebb"
     assert environment_name(CPU, options) == "cpu-avx512_avx512_vnni-torch2.13.0+cpu-80f91319226b"
