@@ -51,11 +51,13 @@ _INDUCTOR_OPTIONS: dict[str, dict[str, Any]] = {
 
 def compile_options(device_type: str) -> dict[str, Any]:
     """The Inductor options kernels for ``device_type`` are compiled with (part of the cache key)."""
-    return {
-        **_INDUCTOR_OPTIONS.get(device_type, {}),
-        "aot_inductor.enable_line_tables": False,
-        "cpp.cxx": (None, cpp_compiler()),
-    }
+    from torch._inductor import config as inductor_config
+
+    options = {**_INDUCTOR_OPTIONS.get(device_type, {}), "cpp.cxx": (None, cpp_compiler())}
+    # torch 2.11 has no such option: Inductor's patch would refuse every compile.
+    if hasattr(inductor_config.aot_inductor, "enable_line_tables"):
+        options["aot_inductor.enable_line_tables"] = False
+    return options
 
 
 class CompileError(Exception):
