@@ -14,9 +14,12 @@ eager's output strides. A unit ends as one of:
 - ``crash``: the worker process died; ``timeout``: it ran past ``--timeout``;
 - ``ineligible``: the samples reach no overload aoti_eager accepts (not counted).
 
-Each unit runs in its own process, so a crash is contained and reported.
-Results are appended to a JSONL file, and a rerun skips the units already in
-it. ``--report`` writes the Markdown summary.
+Units run in ``--jobs`` worker processes, each running unit after unit, so
+that starting Python, torch, CUDA and Inductor is paid once per worker, not
+per unit. A unit that crashes its worker or runs past ``--timeout`` is
+reported as such, and the next unit gets a new worker, as it does after any
+unit that did not end clean. Results are appended to a JSONL file, and a
+rerun skips the units already in it. ``--report`` writes the Markdown summary.
 
     python scripts/op_coverage.py --jobs 16 --dtypes float32 --devices cpu \\
         --results out/coverage.jsonl --report out/coverage.md
@@ -33,10 +36,12 @@ import json
 import multiprocessing
 import os
 import platform
+import queue
 import shlex
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections import Counter, defaultdict
@@ -215,33 +220,75 @@ def run_unit(unit: Unit, samples: int, layouts: list[str] = ("given",)) -> dict[
     }
 
 
-def _worker(unit: Unit, samples: int, layouts: list[str], cache_dir: str | None, result_path: str, log_path: str) -> None:
-    """A unit's process: its own session (so a timeout kills its compilers too),
-    its output in a log whose tail explains a crash."""
+def _serve(connection: Any, cache_dir: str | None, log_path: str) -> None:
+    """A worker process: runs the units it receives one after another, in its
+    own session (so that killing it kills its compilers too), its output in a
+    log that holds the current unit's alone, whose tail explains a crash."""
     os.setsid()
     if cache_dir is not None:
         os.environ["AOTI_EAGER_CACHE_DIR"] = cache_dir
     # Coverage asks whether a kernel compiles and matches eager, not whether it
     # is faster: timing it beside other units' compiles would be noise anyway.
     os.environ["AOTI_EAGER_KEEP_FASTER"] = "0"
-    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    # Appending, so that the writes after a truncation start again at 0.
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(log, 1)
     os.dup2(log, 2)
-    faulthandler.enable()  # a crash leaves the Python stack in the log
+    faulthandler.enable(log)  # a crash leaves the Python stack in the log
+    import torch._inductor.config
+
+    import aoti_eager
+
+    # The jobs are the parallelism: a pool of Triton compile processes in each
+    # worker would keep jobs x cores processes up on a GPU host.
+    torch._inductor.config.compile_threads = 1
+
+    while True:
+        try:
+            unit, samples, layouts = connection.recv()
+        except EOFError:  # the driver is gone
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.ftruncate(log, 0)
+        try:
+            row = run_unit(unit, samples, layouts)
+        except Exception as e:  # noqa: BLE001 - a harness error is reported, not a crash
+            traceback.print_exc()
+            row = {"outcome": "harness error", "reason": f"{type(e).__name__}: {e}"[:500]}
+        finally:
+            aoti_eager.disable()  # the next unit starts with no op overridden
+        connection.send((row, _usable(unit.device)))
+
+
+def _usable(device: str) -> bool:
+    """Whether this process can run another unit on ``device``: a device-side
+    assert or a bad address leaves every later CUDA call failing, and shows
+    at the latest at the next synchronize."""
+    if device != "cuda":
+        return True
+    import torch
+
     try:
-        row = run_unit(unit, samples, layouts)
-    except Exception as e:  # noqa: BLE001 - a harness error is reported, not a crash
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001
         traceback.print_exc()
-        row = {"outcome": "harness error", "reason": f"{type(e).__name__}: {e}"[:500]}
-    Path(result_path).write_text(json.dumps(row))
+        return False
+    return True
 
 
 # ---------------------------------------------------------------- the driver
 
 
+# The outcomes after which a worker runs the next unit: after any other, it
+# may keep what went wrong (an override half set up, a compiler's state, a
+# CUDA context that a device-side assert broke), and a new worker takes over.
+_CLEAN = ("compiled", "eager", "ineligible")
+
+
 def _context(units: list[Unit]) -> multiprocessing.context.BaseContext:
     """Workers fork from a server that has imported torch and op_db once
-    (seconds per unit saved), not from this multithreaded process. Importing
+    (seconds per worker saved), not from this multithreaded process. Importing
     op_db initializes CUDA, which a forked process cannot use: CUDA units spawn."""
     if any(u.device == "cuda" for u in units):
         return multiprocessing.get_context("spawn")
@@ -262,44 +309,95 @@ def _tail(path: Path, lines: int = 8) -> str:
     return " | ".join(line.strip() for line in text[-lines:])[-1000:]
 
 
-def run_isolated(unit: Unit, samples: int, layouts: list[str], timeout: float, cache_dir: str | None, context: Any) -> dict[str, Any]:
-    start = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="op_coverage-") as tmp:
-        result, log = Path(tmp) / "result.json", Path(tmp) / "log.txt"
-        process = context.Process(target=_worker, args=(unit, samples, layouts, cache_dir, str(result), str(log)))
-        process.start()
-        process.join(timeout)
-        if process.is_alive():
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            process.join()
-            row = {"outcome": "timeout", "reason": f"ran past {timeout:.0f} s; log: {_tail(log)}"}
-        elif result.exists():
-            row = json.loads(result.read_text())
+class Worker:
+    """A process that runs units one after another, so that only its first
+    unit pays for starting Python, torch, CUDA and Inductor (more, on a GPU,
+    than most units' compiles). Started on the first unit, and again after a
+    unit that crashed it, ran past the timeout or did not end clean, and after
+    ``units_per_worker`` units (each kernel loaded stays in the process).
+    One thread drives one worker."""
+
+    def __init__(self, context: Any, cache_dir: str | None = None, units_per_worker: int = 50):
+        self.context, self.cache_dir, self.units_per_worker = context, cache_dir, units_per_worker
+        self.process = None
+
+    def _start(self) -> None:
+        self._directory = tempfile.TemporaryDirectory(prefix="op_coverage-")
+        self._log = Path(self._directory.name) / "log.txt"
+        self._connection, theirs = self.context.Pipe()
+        self.process = self.context.Process(target=_serve, args=(theirs, self.cache_dir, str(self._log)))
+        self.process.start()
+        theirs.close()  # else the worker's death would not end the pipe here
+        self._units = 0
+
+    def run(self, unit: Unit, samples: int, layouts: list[str], timeout: float) -> dict[str, Any]:
+        """``unit``'s JSONL row (without the run's metadata)."""
+        start = time.monotonic()
+        if self.process is not None and not self.process.is_alive():
+            self.close()  # died between units (out of memory?): not this unit's doing
+        if self.process is None:
+            self._start()
+        self._connection.send((unit, samples, layouts))
+        self._units += 1
+        if not self._connection.poll(timeout):
+            row, usable = {"outcome": "timeout", "reason": f"ran past {timeout:.0f} s; log: {_tail(self._log)}"}, False
         else:
-            code = process.exitcode
-            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
-            row = {"outcome": "crash", "reason": f"worker died ({how}); log: {_tail(log)}"}
-    return {"op": unit.op, "dtype": unit.dtype, "device": unit.device, **row, "seconds": round(time.monotonic() - start, 1)}
+            try:
+                row, usable = self._connection.recv()
+            except (EOFError, OSError):  # the worker died
+                self.process.join()
+                code = self.process.exitcode
+                how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                row, usable = {"outcome": "crash", "reason": f"worker died ({how}); log: {_tail(self._log)}"}, False
+        if not (usable and row["outcome"] in _CLEAN and self._units < self.units_per_worker):
+            self.close()
+        return {"op": unit.op, "dtype": unit.dtype, "device": unit.device, **row, "seconds": round(time.monotonic() - start, 1)}
+
+    def close(self) -> None:
+        """Stops the worker and whatever it started."""
+        if self.process is None:
+            return
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.process.join()
+        self._connection.close()
+        self._directory.cleanup()
+        self.process = None
 
 
 def run_units(
     units: list[Unit], *, jobs: int, samples: int, timeout: float, cache_dir: str | None = None, on_result=None,
-    layouts: list[str] = ("given",),
+    layouts: list[str] = ("given",), units_per_worker: int = 50,
 ) -> list[dict[str, Any]]:
-    """Runs ``units`` ``jobs`` at a time, each in its own process, sharing one
-    kernel cache (default ``$AOTI_EAGER_CACHE_DIR``)."""
+    """Runs ``units`` on ``jobs`` worker processes, sharing one kernel cache
+    (default ``$AOTI_EAGER_CACHE_DIR``)."""
     context = _context(units)
-    rows = []
+    todo = queue.SimpleQueue()
+    for unit in units:
+        todo.put(unit)
+    rows, lock = [], threading.Lock()
+
+    def drive() -> None:
+        worker = Worker(context, cache_dir, units_per_worker)
+        try:
+            while True:
+                try:
+                    unit = todo.get_nowait()
+                except queue.Empty:
+                    return
+                row = worker.run(unit, samples, layouts, timeout)
+                with lock:
+                    rows.append(row)
+                    if on_result is not None:
+                        on_result(row)
+        finally:
+            worker.close()
+
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
-        futures = [pool.submit(run_isolated, u, samples, layouts, timeout, cache_dir, context) for u in units]
-        for future in concurrent.futures.as_completed(futures):
-            row = future.result()
-            rows.append(row)
-            if on_result is not None:
-                on_result(row)
+        for future in [pool.submit(drive) for _ in range(min(jobs, len(units)))]:
+            future.result()
     return rows
 
 
@@ -416,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="float32", help="comma-separated, e.g. float32,float64,int64,bool")
     parser.add_argument("--devices", default="cpu,cuda", help="comma-separated; cuda is skipped without a GPU")
     parser.add_argument("--limit", type=int, help="only the first N matching OpInfos")
-    parser.add_argument("--timeout", type=float, default=1800, help="seconds per unit before its process is killed")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per unit before its worker is killed")
+    parser.add_argument("--units-per-worker", type=int, default=50, help="units a worker process runs before a new one starts (bounds its memory)")
     parser.add_argument("--cache-dir", help="the kernel cache all workers share (default $AOTI_EAGER_CACHE_DIR)")
     args = parser.parse_args(argv)
 
@@ -439,7 +538,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{row['outcome']:>10}  {row['op']} {row['dtype']} {row['device']}  {row['seconds']} s  {row.get('reason') or ''}"[:200], flush=True)
 
         run_units(todo, jobs=args.jobs, samples=args.samples, timeout=args.timeout, cache_dir=args.cache_dir, on_result=record,
-                  layouts=args.layouts.split(","))
+                  layouts=args.layouts.split(","), units_per_worker=args.units_per_worker)
 
     if args.report:
         write_report(read_results(args.results).values(), args.report)

@@ -4,10 +4,13 @@ that compiled before still compiles."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,3 +55,51 @@ def test_opinfo_subset(device: str, shared_cache, tmp_path):
     regressed = [f"{r['op']}: {r['outcome']}: {r['reason']}" for r in rows if r["outcome"] != "compiled"]
     regressed += [f"{op}: not run" for op in COMPILED if op not in {r["op"] for r in rows}]
     assert not regressed, "compiled before, not now:\n" + "\n".join(regressed)
+
+
+def _script():
+    """The script as a module (registered, so that its units pickle)."""
+    if "op_coverage" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("op_coverage", SCRIPT)
+        sys.modules["op_coverage"] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules["op_coverage"])
+    return sys.modules["op_coverage"]
+
+
+def _fake_run_unit(unit, samples, layouts):
+    """Stands in for op_coverage.run_unit: the unit's op says how it ends."""
+    os.write(1, f"running {unit.op}\n".encode())  # fd 1: the worker's log, whatever sys.stdout is
+    if unit.op == "abort":
+        os.abort()
+    if unit.op == "hang":
+        time.sleep(60)
+    return {"outcome": unit.op, "reason": None, "pid": os.getpid()}
+
+
+def test_worker_runs_units_in_turn_and_starts_anew_after_a_crash_a_timeout_or_a_wrong_result(monkeypatch):
+    coverage = _script()
+    monkeypatch.setattr(coverage, "run_unit", _fake_run_unit)  # a forked worker sees it
+    worker = coverage.Worker(multiprocessing.get_context("fork"), units_per_worker=3)
+
+    def run(op, timeout=30):
+        return worker.run(coverage.Unit(op, "float32", "cpu"), 1, ["given"], timeout)
+
+    try:
+        first, second = run("compiled"), run("eager")
+        assert second["pid"] == first["pid"], "a worker runs unit after unit"
+        third, fourth = run("ineligible"), run("compiled")
+        assert third["pid"] == first["pid"] and fourth["pid"] != first["pid"], "a new worker after units_per_worker"
+
+        crash = run("abort")
+        assert crash["outcome"] == "crash" and "SIGABRT" in crash["reason"], crash
+        assert "Fatal Python error: Aborted" in crash["reason"] and "_fake_run_unit" in crash["reason"], crash
+        assert run("compiled")["outcome"] == "compiled"
+
+        timeout = run("hang", timeout=2)
+        assert timeout["outcome"] == "timeout", timeout
+        assert "running hang" in timeout["reason"] and "running compiled" not in timeout["reason"], "the log holds one unit's output"
+
+        wrong, after = run("wrong"), run("compiled")
+        assert after["pid"] != wrong["pid"], "a new worker after a unit that did not end clean"
+    finally:
+        worker.close()
