@@ -120,7 +120,8 @@ def prewarm(
             ``$AOTI_EAGER_RECORD``.
         jobs: worker processes compiling at once, each one entry at a time;
             default :func:`aoti_eager._worker.default_jobs`.
-            Entries of one op compile one at a time (they share the op's lock).
+            Entries of one op compile side by side; only a signature's own
+            compiles wait for each other (on its lock).
         devices: only entries for these device types; default cpu, and cuda
             when available.
         cache_dir: the cache to fill; default :func:`aoti_eager.cache_dir`.
