@@ -30,6 +30,11 @@ _threads: set[threading.Thread] = set()
 _threads_lock = threading.Lock()
 # An idle worker holds torch and Inductor in memory: it is stopped after this long.
 IDLE_SECONDS = 60.0
+# Workers and their compilers yield the CPU to the process whose calls run
+# eagerly meanwhile (and that process's other work): on 2 cores at the same
+# priority, a GPT-2 forward took 3.4 times eager's time while its kernels
+# compiled (BENCHMARKS.md, "A model's first forward").
+NICENESS = 10
 
 
 def submit(entry: ManifestEntry, root: Path, remote: str | None = None) -> Future:
@@ -56,7 +61,7 @@ def _serve() -> None:
         while (item := _next()) is not None:
             entry, root, remote, future = item
             try:
-                outcome = workers.setdefault((root, remote), _worker.Worker(root, remote)).compile(entry)
+                outcome = workers.setdefault((root, remote), _worker.Worker(root, remote, NICENESS)).compile(entry)
             except Exception as e:  # noqa: BLE001 - e.g. no process could be started
                 outcome = _worker.Outcome("failed", f"{type(e).__name__}: {e}")
             if outcome.status == "failed" and not _worker.stopped:

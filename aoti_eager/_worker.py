@@ -125,11 +125,13 @@ class Worker:
 
     ``remote``: the fleet cache's URL that the child's misses ask and its
     compiles publish to, as the parent's would (``enable(remote=...)``);
-    None: ``$AOTI_EAGER_REMOTE``, which the child inherits, if set."""
+    None: ``$AOTI_EAGER_REMOTE``, which the child inherits, if set.
+    ``niceness``: added to the child's (and so its compilers') nice value."""
 
-    def __init__(self, root: Path, remote: str | None = None):
+    def __init__(self, root: Path, remote: str | None = None, niceness: int = 0):
         self.root = root
         self.remote = remote
+        self.niceness = niceness
         self._process: subprocess.Popen | None = None
         self._stderr = None
 
@@ -148,6 +150,9 @@ class Worker:
                 text=True, env=env,
             )
             _running.add(self._process)
+        if self.niceness:
+            with contextlib.suppress(OSError):  # a priority is a preference, not a need
+                os.setpriority(os.PRIO_PROCESS, self._process.pid, os.getpriority(os.PRIO_PROCESS, 0) + self.niceness)
         return self._process
 
     def compile(self, entry: ManifestEntry, timeout: float | None = None) -> Outcome:

@@ -281,6 +281,23 @@ def test_a_worker_that_does_not_answer_in_time_is_stopped(tmp_path, monkeypatch)
     assert time.monotonic() - start < 30 and worker._process is None
 
 
+def test_background_workers_yield_the_cpu_and_prewarms_do_not(tmp_path, monkeypatch):
+    """A background worker runs beside the calls it compiles for, at a lower
+    priority; prewarm's are the job itself."""
+    answer = 'import json, os; input(); print(json.dumps({"status": "compiled", "reason": str(os.nice(0))}), flush=True)'
+    monkeypatch.setattr(_worker, "COMMAND", [sys.executable, "-c", answer])
+    entry = ManifestEntry("aten::abs.default", "cpu", "key", [])
+    ours = os.nice(0)
+    background = _background.submit(entry, tmp_path).result(timeout=60)
+    prewarm_worker = _worker.Worker(tmp_path)
+    try:
+        prewarm = prewarm_worker.compile(entry, timeout=60)
+    finally:
+        prewarm_worker.close()
+    assert int(background.reason) == min(19, ours + _background.NICENESS), background
+    assert int(prewarm.reason) == ours, prewarm
+
+
 def ship(source: Path, tmp_path: Path, capsys) -> Path:
     """The cache at ``source`` exported as a signed bundle and imported into an
     empty cache, every entry imported and verified; that cache's root."""
