@@ -314,11 +314,12 @@ def compile_call(
             seconds["export"] = time.perf_counter() - start
             stage = "AOTInductor"
             start = time.perf_counter()
-            grain = parallel_above_grain() if _dynamic_options(signature, dynamic_shapes) else contextlib.nullcontext()
+            dynamic = _dynamic_options(signature, dynamic_shapes)
+            grain = parallel_above_grain() if dynamic else contextlib.nullcontext()
             with split_wrapper_builds(shared_dir, seconds, linker()), known_vec_isas(vec_isas), grain:
                 torch._inductor.aot_compile(
                     exported.module(), example,
-                    options={**options, **_dynamic_options(signature, dynamic_shapes), "aot_inductor.output_path": str(library)},
+                    options={**options, **dynamic, "aot_inductor.output_path": str(library)},
                 )
             seconds["lowering"] = time.perf_counter() - start - sum(t for s, t in seconds.items() if s != "export")
             _strip(library)
