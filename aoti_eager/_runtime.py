@@ -285,7 +285,10 @@ class Override:
 
     def _published_runtime_ints(self, signature: CallSignature) -> frozenset[Position]:
         """The ints that a kernel in the cache takes at run time for calls like
-        ``signature`` (the most of them, where several are), or none."""
+        ``signature`` (the most of them, where several are), or none. The
+        kernel is one of its shape, or a dynamic-shape one of its family: a
+        runtime-int signature is a family new to an op that compiled the first
+        value already, whose first kernel is general (:meth:`_kernel_to_compile`)."""
         ints = [p for p in signature.int_arguments if signature.can_take_runtime_ints([p])]
         if not ints or len(ints) > self.RUNTIME_INT_LOOKUPS:
             return frozenset()
@@ -294,8 +297,10 @@ class Override:
             published = {key for _, key in cache.entries(self.name)}
             for n in range(len(ints), 0, -1):
                 for taken in itertools.combinations(ints, n):
-                    key = signature.with_runtime_ints(taken).key
-                    if key in published and (entry := cache.lookup(self.name, key)) is not None and entry.library is not None:
+                    with_ints = signature.with_runtime_ints(taken)
+                    family = family_key(with_ints) + "-"
+                    kernels = [key for key in published if key == with_ints.key or key.startswith(family)]
+                    if any((entry := cache.lookup(self.name, key)) is not None and entry.library is not None for key in kernels):
                         return frozenset(taken)
         except (DamagedEntry, UntrustedEntry, OSError):
             pass  # the miss finds it out again, and says so

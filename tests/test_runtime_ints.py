@@ -179,6 +179,25 @@ def test_cuda_a_moving_item_of_an_int_list_compiles_one_kernel_for_every_positiv
     assert row["compiles"] == 3 and row["fallbacks"] == 0, row
 
 
+def test_a_recorded_runtime_list_int_prewarms_into_the_kernel_the_run_compiled(pad_run):
+    root, manifest, mask, _, _, _ = pad_run
+    entries = read_manifest(manifest)
+    pads = [e.signature[1] for e in entries]
+    assert [[item.get("runtime", False) for item in pad["items"]] for pad in pads] == [[False, False], [False, True], [False, False]]
+    assert pads[1]["items"] == [{"kind": "int", "value": 0}, {"kind": "int", "value": PADS[1], "runtime": True}]
+    prewarmed = root / "prewarmed"
+    report = aoti_eager.prewarm(manifest, jobs=1, devices=["cpu"], cache_dir=prewarmed)
+    assert report.count("compiled") == len(entries) and not report.failed, [r.outcome for r in report.results]
+    # Same keys as the run's: a process on the prewarmed cache compiles nothing.
+    cache = KernelCache(prewarmed, environment_name(torch.device("cpu"), compile_options("cpu")))
+    assert all(cache.lookup(e.op, e.key) is not None for e in entries)
+    pads = [4, 40, 17]
+    results, stats, _ = run(["aten::constant_pad_nd"], pad_calls(mask, pads), prewarmed)
+    assert_pads_as_eager(mask, pads, results)
+    # The cache's runtime-int kernel serves the first n too, though it is none the run had.
+    assert (stats["aten::constant_pad_nd"]["compiles"], stats["aten::constant_pad_nd"]["cache_loads"]) == (0, 1), stats
+
+
 def test_a_list_int_that_export_cannot_take_at_run_time_stays_compiled_in(shared_cache):
     x = torch.randn(4, 6, 5)
     dims = [1, 2, 1, 2]
