@@ -35,7 +35,7 @@ from aoti_eager.kernels.compile import compile_options, flat_tensor_inputs
 from aoti_eager.kernels.load_probe import UnsafeToLoad, check_loads, runtime_crashes
 from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily, changed_dims, family_key, kinds_key, tensor_args
 from aoti_eager.kernels.pipeline import NotCompiled, Outcome, compile_signature
-from aoti_eager.kernels.signature import qualified_name
+from aoti_eager.kernels.signature import Position, qualified_name
 from aoti_eager.kernels.toolchain import environment_name
 from aoti_eager.manifest import ManifestEntry, Recorder
 
@@ -149,23 +149,24 @@ class _Family:
 @dataclass
 class _Ints:
     """What this process knows of the ints given to one op's calls of one
-    signature shape (:attr:`CallSignature.shape_key`), by argument index
+    signature shape (:attr:`CallSignature.shape_key`), by position: an
+    argument's index, or an int list's and its item's
     (:attr:`CallSignature.int_arguments`).
 
     The first call compiles its ints in, unless the cache holds a kernel that
     takes them at run time (another process saw them move). Once an int
     moves, kernels take it as a runtime int: one kernel for every later
     positive value, instead of one per value (``arange``'s end, a batch
-    size, a sequence length). An int
-    whose kernel fails (export cannot trace an int used as a dim index, the
-    kernel disagrees with eager) is compiled in from then on.
+    size, a sequence length, the ``n`` of a pad ``[0, n]``; the 0 stays
+    compiled in). An int whose kernel fails (export cannot trace an int used
+    as a dim index, the kernel disagrees with eager) is compiled in from then on.
     """
 
-    first: dict[int, int]  # the values of the first call that missed
-    runtime: frozenset[int] = frozenset()  # taken as runtime ints
-    constant: frozenset[int] = frozenset()  # compiled in: their runtime kernel failed
+    first: dict[Position, int]  # the values of the first call that missed
+    runtime: frozenset[Position] = frozenset()  # taken as runtime ints
+    constant: frozenset[Position] = frozenset()  # compiled in: their runtime kernel failed
 
-    def to_take(self, signature: CallSignature) -> frozenset[int]:
+    def to_take(self, signature: CallSignature) -> frozenset[Position]:
         """The ints a kernel for ``signature`` takes at run time: those that
         moved and have not failed; none where one of them cannot be an input
         in this call (a value of 0 or below, a device that reads no runtime
@@ -175,7 +176,7 @@ class _Ints:
         wanted = (self.runtime | moved) - self.constant
         return frozenset(wanted) if wanted and signature.can_take_runtime_ints(wanted) else frozenset()
 
-    def failed(self, tried: frozenset[int]) -> None:
+    def failed(self, tried: frozenset[Position]) -> None:
         """A kernel taking ``tried`` at run time failed: the ints it added to
         those already taken (all of them, if it added none) are compiled in."""
         self.constant |= (tried - self.runtime) or tried
@@ -274,7 +275,7 @@ class Override:
             with self._lock:
                 ints.failed(runtime_ints)
             log.info("aoti_eager: %s on %s compiles the values of %s in: %s", self.name, self.device,
-                     ", ".join(self.op._schema.arguments[i].name for i in sorted(runtime_ints)), decision.reason)
+                     ", ".join(signature.name_of(p) for p in signature.int_arguments if p in runtime_ints), decision.reason)
         decision = self._decide(signature)
         if self._falls_back(decision, signature):
             # No kernel takes these numbers as inputs: compile their values in.
@@ -282,10 +283,13 @@ class Override:
             decision = self._decide(signature.with_constant_numbers())
         return decision
 
-    def _published_runtime_ints(self, signature: CallSignature) -> frozenset[int]:
+    def _published_runtime_ints(self, signature: CallSignature) -> frozenset[Position]:
         """The ints that a kernel in the cache takes at run time for calls like
-        ``signature`` (the most of them, where several are), or none."""
-        ints = [i for i in signature.int_arguments if signature.can_take_runtime_ints([i])]
+        ``signature`` (the most of them, where several are), or none. The
+        kernel is one of its shape, or a dynamic-shape one of its family: a
+        runtime-int signature is a family new to an op that compiled the first
+        value already, whose first kernel is general (:meth:`_kernel_to_compile`)."""
+        ints = [p for p in signature.int_arguments if signature.can_take_runtime_ints([p])]
         if not ints or len(ints) > self.RUNTIME_INT_LOOKUPS:
             return frozenset()
         try:
@@ -293,8 +297,10 @@ class Override:
             published = {key for _, key in cache.entries(self.name)}
             for n in range(len(ints), 0, -1):
                 for taken in itertools.combinations(ints, n):
-                    key = signature.with_runtime_ints(taken).key
-                    if key in published and (entry := cache.lookup(self.name, key)) is not None and entry.library is not None:
+                    with_ints = signature.with_runtime_ints(taken)
+                    family = family_key(with_ints) + "-"
+                    kernels = [key for key in published if key == with_ints.key or key.startswith(family)]
+                    if any((entry := cache.lookup(self.name, key)) is not None and entry.library is not None for key in kernels):
                         return frozenset(taken)
         except (DamagedEntry, UntrustedEntry, OSError):
             pass  # the miss finds it out again, and says so

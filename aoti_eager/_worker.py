@@ -75,7 +75,7 @@ def warm(entry: ManifestEntry, root: Path) -> Outcome:
     from aoti_eager.cache import KernelCache
     from aoti_eager.kernels.compile import call_op, compile_options
     from aoti_eager.kernels.dynamic import ShapeFamily
-    from aoti_eager.kernels.examples import example_arguments
+    from aoti_eager.kernels.examples import example_arguments, with_runtime_ints_moved
     from aoti_eager.kernels.signature import CallSignature
     from aoti_eager.kernels.toolchain import environment_name
 
@@ -84,17 +84,16 @@ def warm(entry: ManifestEntry, root: Path) -> Outcome:
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     args = example_arguments(entry.signature, device)
-    runtime_ints = [i for i, d in enumerate(entry.signature) if d["kind"] == "int" and d.get("runtime")]
+    moved = with_runtime_ints_moved(entry.signature, args)
     try:
-        if entry.dynamic is not None or runtime_ints:
+        if entry.dynamic is not None or moved is not None:
             aoti_eager.enable([op], devices=[entry.device], cache_dir=root, record=None, compile="never")
         if entry.dynamic is not None:
             family = ShapeFamily(tuple(tuple(dims) for dims in entry.dynamic["dims"]), general=entry.dynamic.get("general", False))
             aoti_eager._runtime.plan(entry.key, family)  # the runtime enable() installs
             for seen in family.span_ends(CallSignature.of(op, entry.device, args), entry.dynamic["seen"]):
                 call_op(op, list(seen.args))
-        if runtime_ints:
-            moved = [a + 1 if i in runtime_ints else a for i, a in enumerate(args)]
+        if moved is not None:
             with contextlib.suppress(Exception):  # eager may refuse the value: the override has seen it
                 call_op(op, moved)
         aoti_eager.enable([op], devices=[entry.device], cache_dir=root, record=None)

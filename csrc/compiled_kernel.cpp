@@ -109,10 +109,10 @@ CompiledKernel::CompiledKernel(
     const std::string& library_path,
     const std::string& device,
     std::vector<int64_t> output_counts,
-    std::vector<int64_t> runtime_arguments)
+    std::vector<RuntimeNumber> runtime_numbers)
     : device_(device),
       output_counts_(std::move(output_counts)),
-      runtime_arguments_(std::move(runtime_arguments)) {
+      runtime_numbers_(std::move(runtime_numbers)) {
   // Runners are created through AOTInductor's registry so that CUDA support
   // comes from libtorch_cuda at run time and this extension needs no CUDA
   // toolkit to build.

@@ -15,21 +15,29 @@
 
 namespace aoti_eager {
 
+// A number that a kernel takes at run time instead of a compiled-in value:
+// the op's argument `argument`, or with `item` >= 0, that item of the int list
+// given for it.
+struct RuntimeNumber {
+  int64_t argument;
+  int64_t item = -1;
+};
+
 class CompiledKernel {
  public:
   // `device` is where the kernel runs ("cpu", "cuda:1"). `output_counts` has
   // one entry per return of the op's schema: -1 for a Tensor, N for a
   // Tensor[] of N tensors, 0 for a return that aliases a mutated argument
   // (the kernel writes into that argument in place).
-  // `runtime_arguments`: indices of the op's arguments that the kernel takes
-  // as runtime numbers (0-d CPU tensors: int64 for an int, float64 for a
-  // float) instead of compiled-in values.
+  // `runtime_numbers`: the numbers that the kernel takes as 0-d CPU tensors
+  // (int64 for an int, float64 for a float) instead of compiled-in values,
+  // in argument order, and in item order within a list.
   // Throws unless `output_counts` describes as many outputs as the library has.
   CompiledKernel(
       const std::string& library_path,
       const std::string& device,
       std::vector<int64_t> output_counts,
-      std::vector<int64_t> runtime_arguments = {});
+      std::vector<RuntimeNumber> runtime_numbers = {});
 
   using Outputs = c10::SmallVector<at::Tensor, 4>;
 
@@ -41,8 +49,8 @@ class CompiledKernel {
     return output_counts_;
   }
 
-  const std::vector<int64_t>& runtime_arguments() const {
-    return runtime_arguments_;
+  const std::vector<RuntimeNumber>& runtime_numbers() const {
+    return runtime_numbers_;
   }
 
   // What the library itself says it takes and returns.
@@ -66,7 +74,7 @@ class CompiledKernel {
   bool borrows_inputs_ = false; // kernels/wrapper_split.py: _borrow_inputs
   mutable std::mutex run_mutex_;
   std::vector<int64_t> output_counts_;
-  std::vector<int64_t> runtime_arguments_;
+  std::vector<RuntimeNumber> runtime_numbers_;
 };
 
 } // namespace aoti_eager

@@ -25,6 +25,22 @@ struct Installed {
   std::unique_ptr<c10::RegistrationHandleRAII> registration;
 };
 
+// The numbers a kernel takes at run time, where Python's
+// CallSignature.runtime_arguments puts them: an argument's index, or an
+// (argument, item) pair for an item of an int list.
+std::vector<RuntimeNumber> runtime_numbers(const py::iterable& positions) {
+  std::vector<RuntimeNumber> numbers;
+  for (py::handle position : positions) {
+    if (py::isinstance<py::tuple>(position)) {
+      auto [argument, item] = position.cast<std::pair<int64_t, int64_t>>();
+      numbers.push_back({argument, item});
+    } else {
+      numbers.push_back({position.cast<int64_t>()});
+    }
+  }
+  return numbers;
+}
+
 // Nanoseconds per call of `fn`, over `calls` calls.
 template <typename F>
 double ns_per_call(int64_t calls, F&& fn) {
@@ -41,11 +57,17 @@ double ns_per_call(int64_t calls, F&& fn) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<CompiledKernel, std::shared_ptr<CompiledKernel>>(m, "CompiledKernel")
       .def(
-          py::init<const std::string&, const std::string&, std::vector<int64_t>, std::vector<int64_t>>(),
+          py::init([](const std::string& library_path,
+                      const std::string& device,
+                      std::vector<int64_t> output_counts,
+                      const py::iterable& runtime_arguments) {
+            return std::make_shared<CompiledKernel>(
+                library_path, device, std::move(output_counts), runtime_numbers(runtime_arguments));
+          }),
           py::arg("library_path"),
           py::arg("device"),
           py::arg("output_counts"),
-          py::arg("runtime_arguments") = std::vector<int64_t>{})
+          py::arg("runtime_arguments") = py::tuple())
       .def(
           "run",
           [](const CompiledKernel& kernel, std::vector<at::Tensor> inputs) {
@@ -56,7 +78,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           },
           py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("output_counts", &CompiledKernel::output_counts)
-      .def_property_readonly("runtime_arguments", &CompiledKernel::runtime_arguments)
       .def_property_readonly("num_inputs", &CompiledKernel::num_inputs)
       .def_property_readonly("num_outputs", &CompiledKernel::num_outputs);
 

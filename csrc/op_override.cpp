@@ -76,8 +76,8 @@ py::object to_python(const c10::IValue& value, const c10::TypePtr& declared) {
 // a Tensor argument received for a float. An int goes into a 0-d int64 tensor,
 // anything else into a float64 one: the call key tells ints from doubles, so
 // a kernel only ever sees the kind it was traced with. The tensor is kept per
-// thread and argument position, reused while no one else holds it, instead of
-// a new tensor per call.
+// thread and position among the call's runtime numbers, reused while no one
+// else holds it, instead of a new tensor per call.
 at::Tensor runtime_number(const c10::IValue& arg, size_t position) {
   if (arg.isTensor()) {
     const at::Tensor& t = arg.toTensor();
@@ -186,7 +186,7 @@ void OpOverride::call(
     counters_.hits.fetch_add(1, std::memory_order_relaxed);
   }
   if (entry && entry->kernel) {
-    if (entry->kernel->runtime_arguments().empty()) {
+    if (entry->kernel->runtime_numbers().empty()) {
       run_kernel(*entry->kernel, stack);
       return;
     }
@@ -336,24 +336,36 @@ void OpOverride::run_kernel(
   auto args = torch::jit::last(*stack, num_arguments_);
   KernelInputs inputs;
   auto add_input = [&](const at::Tensor& t) { add_kernel_input(t, inputs); };
-  auto runtime = kernel.runtime_arguments().begin();
-  const auto runtime_end = kernel.runtime_arguments().end();
+  // The kernel's runtime numbers are in argument order, and item order in a
+  // list: one pass over the arguments meets them in turn.
+  auto runtime = kernel.runtime_numbers().begin();
+  const auto runtime_end = kernel.runtime_numbers().end();
   size_t numbers = 0;
+  auto add_runtime_number = [&](const c10::IValue& value, size_t argument, int64_t item) {
+    if (runtime == runtime_end || runtime->argument != static_cast<int64_t>(argument) || runtime->item != item) {
+      return false;
+    }
+    ++runtime;
+    inputs.push_back(runtime_number(value, numbers++));
+    return true;
+  };
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::IValue& arg = args[i];
-    if (runtime != runtime_end && *runtime == static_cast<int64_t>(i)) {
-      ++runtime;
-      inputs.push_back(runtime_number(arg, numbers++));
-    } else if (arg.isTensor()) {
+    if (add_runtime_number(arg, i, -1)) {
+      continue;
+    }
+    if (arg.isTensor()) {
       add_input(arg.toTensor());
     } else if (arg.isTensorList()) {
       for (const at::Tensor& t : arg.toTensorList()) {
         add_input(t);
       }
     } else if (arg.isList()) {
-      for (const c10::IValue& item : arg.toListRef()) {
-        if (item.isTensor()) {
-          add_input(item.toTensor());
+      // Every list, int lists included: the call key gave it the kernel's length.
+      const auto items = arg.toListRef();
+      for (size_t j = 0; j < items.size(); ++j) {
+        if (!add_runtime_number(items[j], i, static_cast<int64_t>(j)) && items[j].isTensor()) {
+          add_input(items[j].toTensor());
         }
       }
     }
@@ -495,7 +507,7 @@ class UnboxedOverride<Return(Args...)> final : public c10::OperatorKernel {
       return boxed(original_, keys, args...);
     }
     o.counters_.hits.fetch_add(1, std::memory_order_relaxed);
-    if (entry->kernel->runtime_arguments().empty()) {
+    if (entry->kernel->runtime_numbers().empty()) {
       return run(*entry->kernel, args...);
     }
     try {
@@ -512,16 +524,18 @@ class UnboxedOverride<Return(Args...)> final : public c10::OperatorKernel {
         kernel, override_->op_, keys, std::forward<Args>(args)...);
   }
 
-  // OpOverride::run_kernel, from the C++ arguments.
+  // OpOverride::run_kernel, from the C++ arguments. The signatures overridden
+  // unboxed (register_override) take no lists: every runtime number is a
+  // whole argument.
   Return run(const CompiledKernel& kernel, Args... args) {
     ReentryGuard guard;
     KernelInputs inputs;
-    auto runtime = kernel.runtime_arguments().begin();
-    const auto runtime_end = kernel.runtime_arguments().end();
+    auto runtime = kernel.runtime_numbers().begin();
+    const auto runtime_end = kernel.runtime_numbers().end();
     int64_t position = 0;
     size_t numbers = 0;
     auto add_input = [&](const auto& arg) {
-      if (runtime != runtime_end && *runtime == position++) {
+      if (runtime != runtime_end && runtime->argument == position++) {
         ++runtime;
         inputs.push_back(runtime_number(c10::IValue(arg), numbers++));
       } else if constexpr (std::is_same_v<std::decay_t<decltype(arg)>, at::Tensor>) {

@@ -30,7 +30,7 @@ from aoti_eager.cache.store import LIBRARY_FILE
 from aoti_eager.kernels import scratch
 from aoti_eager.kernels.parallel_grain import parallel_above_grain
 from aoti_eager.kernels.signature import (
-    Arg, CallSignature, ListArg, NumberArg, RuntimeNumberArg, TensorArg, clone_args, tensors_in,
+    Arg, CallSignature, ListArg, NumberArg, RuntimeNumberArg, TensorArg, clone_args, kernel_inputs,
 )
 from aoti_eager.kernels.toolchain import cpp_compiler, known_vec_isas, linker
 from aoti_eager.kernels.wrapper_split import split_wrapper_builds
@@ -142,14 +142,11 @@ def call_op(op: torch._ops.OpOverload, args: list[Any] | tuple[Any, ...]) -> Any
 
 
 def flat_tensor_inputs(signature: CallSignature, args: tuple[Any, ...] | list[Any] | None = None) -> list[torch.Tensor]:
-    """The tensors of ``args`` (default: the call's) in schema order: the kernel's inputs."""
-    flat: list[torch.Tensor] = []
-    for value, described in zip(signature.args if args is None else args, signature.described):
-        if isinstance(described, RuntimeNumberArg):
-            flat.append(runtime_number_input(value))
-        else:
-            flat.extend(tensors_in(value, described))
-    return flat
+    """The kernel's inputs from ``args`` (default: the call's): their tensors
+    and runtime numbers, in the order the arguments flatten (see
+    :func:`~aoti_eager.kernels.signature.kernel_inputs`)."""
+    inputs = kernel_inputs(signature.args if args is None else args, signature.described)
+    return [runtime_number_input(v) if isinstance(d, RuntimeNumberArg) else v for v, d in inputs]
 
 
 def runtime_number_input(value: int | float | torch.Tensor) -> torch.Tensor:

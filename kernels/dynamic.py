@@ -46,7 +46,7 @@ import torch
 from aoti_eager.kernels.compile import call_op
 from aoti_eager.kernels.examples import example_tensor
 from aoti_eager.kernels.signature import (
-    CallSignature, ListArg, RuntimeNumberArg, TensorArg, argument_from_json, clone_exact, _digest, _key_form,
+    CallSignature, ListArg, TensorArg, argument_from_json, clone_exact, kernel_inputs, _digest, _key_form,
 )
 
 # Kernels index their tensors with 32-bit math up to this many elements
@@ -549,8 +549,13 @@ def _rebuilt(signature: CallSignature, args: list[Any]) -> CallSignature:
     """``signature`` with ``args``: its tensors described as they are now, every
     other argument as the kernel takes it (a runtime number stays one)."""
     fresh = CallSignature.of(signature.op, signature.device.type, args)
-    described = tuple(f if isinstance(f, (TensorArg, ListArg)) else d for f, d in zip(fresh.described, signature.described))
-    return replace(signature, args=tuple(args), described=described)
+
+    def merged(now: Any, kept: Any) -> Any:
+        if isinstance(now, ListArg):
+            return ListArg(tuple(map(merged, now.items, kept.items)))
+        return now if isinstance(now, TensorArg) else kept
+
+    return replace(signature, args=tuple(args), described=tuple(map(merged, fresh.described, signature.described)))
 
 
 def _bound(value: Any) -> int:
@@ -563,10 +568,4 @@ def _bound(value: Any) -> int:
 
 def _flat_kinds(signature: CallSignature) -> list[bool]:
     """For each kernel input (flat_tensor_inputs order): a tensor argument (True) or a runtime number."""
-    kinds: list[bool] = []
-    for described in signature.described:
-        if isinstance(described, RuntimeNumberArg):
-            kinds.append(False)
-        else:
-            kinds.extend(True for _ in _tensors_in(described))
-    return kinds
+    return [isinstance(d, TensorArg) for _, d in kernel_inputs(signature.args, signature.described)]

@@ -36,9 +36,9 @@ a Tensor argument   passes a wrapped number             Python receives for a wr
                                                         wrapped tensor: its dtype and value's repr
 runtime number      as a constant: a new value misses   ``RuntimeNumberArg``: as a number, without
                     once, and Python hands over the     its value. A float on CPU; a positive
-                    kernel it already holds. The value  int on CPU once its value moved (see
-                    is read into a 0-d CPU tensor:      ``with_runtime_ints``). Its ``"kind"``
-                    int64 for an int, float64 for a     gives the kernel input's dtype
+                    kernel it already holds. The value  int, or int list item, once its value
+                    is read into a 0-d CPU tensor:      moved (see ``with_runtime_ints``). Its
+                    int64 for an int, float64 for a     ``"kind"`` gives the kernel input's dtype
                     double
 bool                tag, value                          ``ConstantArg``: value
 str                 tag, length, ``std::hash``          ``ConstantArg``: the string
@@ -66,7 +66,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterable, Iterator, Union
+from typing import Any, Callable, Iterable, Iterator, Sequence, Union
 
 import torch
 
@@ -327,13 +327,55 @@ def _describe(value: Any, device: torch.device) -> Arg:
     raise Unsupported(f"arguments of type {type(value).__name__}")
 
 
-def tensors_in(value: Any, described: Arg) -> Iterator[torch.Tensor]:
-    """The tensors the kernel takes from one argument, ``value``, in order."""
-    if isinstance(described, TensorArg):
-        yield value
-    elif isinstance(described, ListArg):
-        for item, d in zip(value, described.items):
-            yield from tensors_in(item, d)
+def kernel_inputs(args: Sequence[Any], described: Sequence[Arg]) -> Iterator[tuple[Any, TensorArg | RuntimeNumberArg]]:
+    """The values of ``args`` that the kernel takes as inputs, each with its
+    description: tensors and runtime numbers, in the order the arguments
+    flatten (schema order; in a list, item order)."""
+    for value, d in zip(args, described):
+        if isinstance(d, (TensorArg, RuntimeNumberArg)):
+            yield value, d
+        elif isinstance(d, ListArg):
+            yield from kernel_inputs(value, d.items)
+
+
+# Where an int is in a call: an argument's index, or (an int list argument's
+# index, the item's index).
+Position = Union[int, tuple[int, int]]
+
+
+def _items(described: Sequence[Arg]) -> Iterator[tuple[Position, Arg]]:
+    """Each argument, and each item of a list argument, with its position."""
+    for i, d in enumerate(described):
+        yield i, d
+        if isinstance(d, ListArg):
+            for j, item in enumerate(d.items):
+                yield (i, j), item
+
+
+def _split(position: Position) -> tuple[int, int | None]:
+    """The argument's index, and the item's in it (None for the whole argument)."""
+    return position if isinstance(position, tuple) else (position, None)
+
+
+def _at(values: Sequence[Any], position: Position) -> Any:
+    """What ``values`` (arguments, or their descriptions) hold at ``position``."""
+    i, j = _split(position)
+    if j is None:
+        return values[i]
+    return (values[i].items if isinstance(values[i], ListArg) else values[i])[j]
+
+
+def _with(values: tuple[Any, ...], position: Position, new: Any) -> tuple[Any, ...]:
+    """``values`` (arguments, or their descriptions) with ``new`` at ``position``.
+
+        >>> _with((1, [2, 3]), (1, 0), 7), _with((1, [2, 3]), 0, 7)
+        ((1, [7, 3]), (7, [2, 3]))
+    """
+    i, j = _split(position)
+    if j is not None:
+        outer = values[i]
+        new = ListArg(_with(outer.items, j, new)) if isinstance(outer, ListArg) else type(outer)(_with(tuple(outer), j, new))
+    return (*values[:i], new, *values[i + 1:])
 
 
 # A kernel's wrapper reads a runtime number from its 0-d CPU tensor when the
@@ -358,14 +400,18 @@ def _takes_runtime_number(argument: torch._C.Argument) -> bool:
     return isinstance(declared, (torch._C.FloatType, torch._C.NumberType, torch._C.TensorType))
 
 
-def _takes_runtime_int(argument: torch._C.Argument) -> bool:
-    """Whether an int given for ``argument`` can be a kernel input once it
-    moves: an ``int``, ``SymInt`` or ``Scalar`` (a size, a count, a bound, a
-    Scalar operand). Whether the kernel can trace it as a number read at run
-    time is export's to say: an int used as a dim index cannot be."""
-    declared = argument.type
+def _takes_runtime_int(op: torch._ops.OpOverload, position: Position) -> bool:
+    """Whether an int at ``position`` in a call of ``op`` can be a kernel input
+    once it moves: one given for an ``int``, ``SymInt`` or ``Scalar`` (a size,
+    a count, a bound, a Scalar operand), or an item of an ``int[]`` or
+    ``SymInt[]`` (a pad, a size). Whether the kernel can trace it as a number
+    read at run time is export's to say: an int used as a dim index cannot be."""
+    i, item = _split(position)
+    declared = op._schema.arguments[i].type
     if isinstance(declared, torch._C.OptionalType):
         declared = declared.getElementType()
+    if item is not None:
+        return isinstance(declared, torch._C.ListType) and isinstance(declared.getElementType(), torch._C.IntType)
     return isinstance(declared, (torch._C.IntType, torch._C.NumberType))
 
 
@@ -390,7 +436,7 @@ def _call_device(device_type: str, args: list[Any]) -> torch.device:
 
 
 def _share_memory(args: list[Any], described: tuple[Arg, ...]) -> bool:
-    storages = [t.untyped_storage()._cdata for value, d in zip(args, described) for t in tensors_in(value, d)]
+    storages = [t.untyped_storage()._cdata for t, d in kernel_inputs(args, described) if isinstance(d, TensorArg)]
     return len(storages) != len(set(storages))
 
 
@@ -430,47 +476,60 @@ class CallSignature:
         return cls(op, device, tuple(args), described)
 
     @property
-    def runtime_arguments(self) -> list[int]:
-        """Indices of the arguments that the kernel takes as runtime numbers."""
-        return [i for i, d in enumerate(self.described) if isinstance(d, RuntimeNumberArg)]
+    def runtime_arguments(self) -> list[Position]:
+        """Where the numbers are that the kernel takes at run time, in the
+        order it takes them: argument indices, and (argument, item) indices
+        of items of int lists."""
+        return [p for p, d in _items(self.described) if isinstance(d, RuntimeNumberArg)]
 
     @property
-    def int_arguments(self) -> dict[int, int]:
-        """The ints given for arguments that may take them at run time
-        (:func:`_takes_runtime_int`), compiled in here, by argument index."""
+    def int_arguments(self) -> dict[Position, int]:
+        """The ints given for arguments, or as items of int lists, that may
+        take them at run time (:func:`_takes_runtime_int`), compiled in here,
+        by position.
+
+            >>> CallSignature.of(torch.ops.aten.constant_pad_nd.default, "cpu", [torch.zeros(2, 3), [0, 5], 0]).int_arguments
+            {(1, 0): 0, (1, 1): 5, 2: 0}
+        """
         return {
-            i: d.value for i, (arg, d) in enumerate(zip(self.op._schema.arguments, self.described))
-            if isinstance(d, NumberArg) and type(d.value) is int and d.wrapped_dtype is None and _takes_runtime_int(arg)
+            p: d.value for p, d in _items(self.described)
+            if isinstance(d, NumberArg) and type(d.value) is int and d.wrapped_dtype is None and _takes_runtime_int(self.op, p)
         }
 
-    def can_take_runtime_ints(self, indices: Iterable[int]) -> bool:
-        """Whether the ints at ``indices`` may be kernel inputs in this call:
+    def can_take_runtime_ints(self, positions: Iterable[Position]) -> bool:
+        """Whether the ints at ``positions`` may be kernel inputs in this call:
         positive ints (see :attr:`NumberArg.can_be_runtime_int`), on a device
         whose kernels read runtime numbers as they are called."""
         ints = self.int_arguments
         return self.device.type in _RUNTIME_INT_DEVICES and all(
-            i in ints and self.described[i].can_be_runtime_int for i in indices
+            p in ints and _at(self.described, p).can_be_runtime_int for p in positions
         )
 
-    def with_runtime_ints(self, indices: Iterable[int]) -> "CallSignature":
-        """The same call with the ints at ``indices`` as kernel inputs, so that
+    def with_runtime_ints(self, positions: Iterable[Position]) -> "CallSignature":
+        """The same call with the ints at ``positions`` as kernel inputs, so that
         one kernel serves every positive value of them (their values leave the key).
 
             >>> call = CallSignature.of(torch.ops.aten.arange.default, "cpu", [7, None, None, torch.device("cpu"), None])
             >>> call.with_runtime_ints([0]).runtime_arguments, call.with_runtime_ints([0]).short()
             ([0], 'end=7, dtype=None, layout=None, device=cpu, pin_memory=None')
+            >>> pad = CallSignature.of(torch.ops.aten.constant_pad_nd.default, "cpu", [torch.zeros(2, 3), [0, 5], 0])
+            >>> pad.with_runtime_ints([(1, 1)]).runtime_arguments
+            [(1, 1)]
         """
-        indices = sorted(set(indices))
-        if not self.can_take_runtime_ints(indices):
-            raise ValueError(f"{qualified_name(self.op)}: arguments {indices} of ({self.short()}) cannot be runtime ints")
-        described = list(self.described)
-        for i in indices:
-            described[i] = RuntimeNumberArg(described[i])
-        return replace(self, described=tuple(described))
+        positions = list(dict.fromkeys(positions))
+        if not self.can_take_runtime_ints(positions):
+            raise ValueError(f"{qualified_name(self.op)}: arguments {positions} of ({self.short()}) cannot be runtime ints")
+        described = self.described
+        for p in positions:
+            described = _with(described, p, RuntimeNumberArg(_at(described, p)))
+        return replace(self, described=described)
 
     def with_constant_numbers(self) -> "CallSignature":
         """The same call with every number compiled into the kernel."""
-        return replace(self, described=tuple(d.number if isinstance(d, RuntimeNumberArg) else d for d in self.described))
+        described = self.described
+        for p in self.runtime_arguments:
+            described = _with(described, p, _at(described, p).number)
+        return replace(self, described=described)
 
     def with_other_numbers(self, lower: bool = False) -> "CallSignature":
         """The same call with other values for its runtime numbers: a kernel that
@@ -483,17 +542,23 @@ class CallSignature:
             >>> call.with_other_numbers().args[0], call.with_other_numbers(lower=True).args[0]
             (8, 6)
         """
-        args, described = list(self.args), list(self.described)
-        for i in self.runtime_arguments:
-            number = described[i].number
+        args, described = self.args, self.described
+        for p in self.runtime_arguments:
+            number = _at(described, p).number
             if type(number.value) is int:
                 other = number.value - 1 if lower and number.value > 1 else number.value + 1
             else:
                 other = number.value * 0.75 if number.value else 0.5
             # A Python number: where the op takes a Tensor, it wraps it as a number again.
-            args[i] = other
-            described[i] = RuntimeNumberArg(replace(number, value=other))
-        return replace(self, args=tuple(args), described=tuple(described))
+            args = _with(args, p, other)
+            described = _with(described, p, RuntimeNumberArg(replace(number, value=other)))
+        return replace(self, args=args, described=described)
+
+    def name_of(self, position: Position) -> str:
+        """The argument at ``position`` as logs name it: ``end``, ``pad[1]``."""
+        i, item = _split(position)
+        name = self.op._schema.arguments[i].name
+        return name if item is None else f"{name}[{item}]"
 
     def to_json(self) -> list[dict[str, Any]]:
         return [{"name": a.name, **d.to_json()} for a, d in zip(self.op._schema.arguments, self.described)]
@@ -526,7 +591,10 @@ def _digest(value: Any) -> str:
 
 
 def _key_form(described: Arg) -> dict[str, Any]:
-    """One argument as :attr:`CallSignature.key` hashes it: a runtime number without its value."""
+    """One argument as :attr:`CallSignature.key` hashes it: a runtime number
+    without its value, in a list too (any other list as its ``to_json()``)."""
+    if isinstance(described, ListArg):
+        return {"kind": "list", "items": [_key_form(item) for item in described.items]}
     form = described.to_json()
     if isinstance(described, RuntimeNumberArg):
         del form["value"]

@@ -59,6 +59,10 @@ def test_the_kernels_inputs_are_the_calls_tensors_in_schema_order():
     # An int as an int64: the kernel traced it as an integer.
     (end,) = flat_tensor_inputs(CallSignature.of(A.arange.default, "cpu", [7, None, None, CPU, None]).with_runtime_ints([0]))
     assert (end.dtype, end.device, end.dim(), end.item()) == (torch.int64, CPU, 0, 7)
+    # An item of an int list in its place: after what comes before the list, before what comes after it.
+    pad = CallSignature.of(A.constant_pad_nd.default, "cpu", [a, [0, 5], 0.5]).with_runtime_ints([(1, 1)])
+    x, n, value = flat_tensor_inputs(pad)
+    assert x is a and (n.dtype, n.item(), value.dtype, value.item()) == (torch.int64, 5, torch.float64, 0.5)
     copies = clone_args(add.args)
     assert flat_tensor_inputs(add, copies)[0] is copies[0]
 

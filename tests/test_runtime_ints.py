@@ -1,7 +1,8 @@
-"""Ints that move become kernel inputs: the first value of an int compiles
-in, a second compiles one kernel that reads the int at run time, and every
-later positive value runs it. Ints that export cannot trace as numbers (a dim
-index) stay compiled in; zero and negative values always do."""
+"""Ints that move become kernel inputs: the first value of an int, or of an
+item of an int list, compiles in, a second compiles one kernel that reads the
+int at run time, and every later positive value runs it. Ints that export
+cannot trace as numbers (a dim index) stay compiled in; zero and negative
+values always do."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from helpers import assert_same_as_eager, xfail_if_kernels_cannot_load
 
 A = torch.ops.aten
 ENDS = [5, 8, 3, 12, 2, 30]  # a batch size, a sequence length: arange(end) in a BERT forward
+# The n of constant_pad_nd(mask, [0, n]), as a BERT forward pads its attention mask to a multiple of 8.
+PADS = [3, 5, 1, 7, 2, 6, 0, 4, 3, 5]
 
 
 def run(op_names: list[str], calls, cache_dir, device="cpu", **options):
@@ -136,3 +139,87 @@ def test_a_runtime_int_signature_is_keyed_without_its_value():
     runtime = [c.with_runtime_ints([0]) for c in calls]
     assert calls[0].key != calls[1].key and runtime[0].key == runtime[1].key
     assert runtime[0].shape_key == calls[0].shape_key  # one count of compiles for every value
+
+
+def pad_calls(mask: torch.Tensor, pads: list[int]):
+    return lambda: [torch.constant_pad_nd(mask, [0, n]) for n in pads]
+
+
+def assert_pads_as_eager(mask: torch.Tensor, pads: list[int], results: list[torch.Tensor]) -> None:
+    for n, result in zip(pads, results, strict=True):
+        assert_same_as_eager(result, torch.constant_pad_nd(mask, [0, n]), atol=0, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def pad_run(tmp_path_factory):
+    """constant_pad_nd at each of PADS in a cache of its own, recorded into a manifest."""
+    root = tmp_path_factory.mktemp("pad")
+    manifest = root / "misses.jsonl"
+    mask = torch.randn(2, 1, 1, 9)
+    results, stats, ints = run(["aten::constant_pad_nd"], pad_calls(mask, PADS), root / "cache", record=manifest)
+    return root, manifest, mask, results, stats["aten::constant_pad_nd"], ints["aten::constant_pad_nd"]
+
+
+def test_a_moving_item_of_an_int_list_compiles_one_kernel_for_every_positive_value(pad_run):
+    _, _, mask, results, stats, ints = pad_run
+    assert_pads_as_eager(mask, PADS, results)
+    # [0, 3] compiled in, then one kernel that reads n at run time; [0, 0] compiled in (0 is never an input).
+    assert stats["compiles"] == 3 and stats["fallbacks"] == 0, stats
+    assert stats["misses"] == len(set(PADS)) and stats["hits"] == len(PADS) - len(set(PADS)), stats
+    (known,) = ints.values()
+    assert known.runtime == {(1, 1)} and not known.constant  # the 0 that does not move stays compiled in
+
+
+@needs_cuda
+def test_cuda_a_moving_item_of_an_int_list_compiles_one_kernel_for_every_positive_value(tmp_path):
+    mask = torch.randn(2, 1, 1, 9, device="cuda")
+    results, stats, _ = run(["aten::constant_pad_nd"], pad_calls(mask, PADS), tmp_path, device="cuda")
+    assert_pads_as_eager(mask, PADS, results)
+    row = stats["aten::constant_pad_nd"]
+    assert row["compiles"] == 3 and row["fallbacks"] == 0, row
+
+
+def test_a_recorded_runtime_list_int_prewarms_into_the_kernel_the_run_compiled(pad_run):
+    root, manifest, mask, _, _, _ = pad_run
+    entries = read_manifest(manifest)
+    pads = [e.signature[1] for e in entries]
+    assert [[item.get("runtime", False) for item in pad["items"]] for pad in pads] == [[False, False], [False, True], [False, False]]
+    assert pads[1]["items"] == [{"kind": "int", "value": 0}, {"kind": "int", "value": PADS[1], "runtime": True}]
+    prewarmed = root / "prewarmed"
+    report = aoti_eager.prewarm(manifest, jobs=1, devices=["cpu"], cache_dir=prewarmed)
+    assert report.count("compiled") == len(entries) and not report.failed, [r.outcome for r in report.results]
+    # Same keys as the run's: a process on the prewarmed cache compiles nothing.
+    cache = KernelCache(prewarmed, environment_name(torch.device("cpu"), compile_options("cpu")))
+    assert all(cache.lookup(e.op, e.key) is not None for e in entries)
+    pads = [4, 40, 17]
+    results, stats, _ = run(["aten::constant_pad_nd"], pad_calls(mask, pads), prewarmed)
+    assert_pads_as_eager(mask, pads, results)
+    # The cache's runtime-int kernel serves the first n too, though it is none the run had.
+    assert (stats["aten::constant_pad_nd"]["compiles"], stats["aten::constant_pad_nd"]["cache_loads"]) == (0, 1), stats
+
+
+def test_a_list_int_that_export_cannot_take_at_run_time_stays_compiled_in(shared_cache):
+    x = torch.randn(4, 6, 5)
+    dims = [1, 2, 1, 2]
+    results, stats, ints = run(["aten::sum.dim_IntList"], lambda: [torch.sum(x, [d]) for d in dims], shared_cache)
+    for d, result in zip(dims, results):
+        assert_same_as_eager(result, torch.sum(x, [d]))
+    row = stats["aten::sum.dim_IntList"]
+    # An int[] (not SymInt[]) refuses the number export reads at run time: each dim compiles in, once.
+    assert row["compiles"] + row["cache_loads"] == 2 and row["fallbacks"] == 0 and row["hits"] == 2, row
+    (known,) = ints["aten::sum.dim_IntList"].values()
+    assert known.constant == {(1, 0)} and not known.runtime
+
+
+def test_a_runtime_list_item_is_keyed_without_its_value():
+    def pad(first: int, n: int) -> CallSignature:
+        return CallSignature.of(A.constant_pad_nd.default, "cpu", [torch.zeros(2, 3), [first, n], 0])
+
+    calls = [pad(0, n) for n in (5, 9)]
+    runtime = [c.with_runtime_ints([(1, 1)]) for c in calls]
+    assert calls[0].key != calls[1].key and runtime[0].key == runtime[1].key
+    assert runtime[0].shape_key == calls[0].shape_key  # one count of compiles for every value
+    assert pad(1, 5).with_runtime_ints([(1, 1)]).key != runtime[0].key  # the item that does not move is in it
+    assert runtime[0].to_json()[1]["items"][1] == {"kind": "int", "value": 5, "runtime": True}
+    # Without runtime items, a list is keyed as before there were any: cache entries keep their names.
+    assert calls[0].key == "f7b99a5a77f0dd4ae073ae75"
