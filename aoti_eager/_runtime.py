@@ -33,7 +33,7 @@ from aoti_eager.cache.store import TEMPORARY_PREFIX
 from aoti_eager.kernels import CallSignature, Unsupported
 from aoti_eager.kernels.compile import compile_options, flat_tensor_inputs
 from aoti_eager.kernels.load_probe import UnsafeToLoad, check_loads, runtime_crashes
-from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily, changed_dims, family_key, kinds_key, tensor_args
+from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily, changed_dims, family_key, ints_key, kinds_key, tensor_args
 from aoti_eager.kernels.pipeline import NotCompiled, Outcome, compile_signature
 from aoti_eager.kernels.signature import Position, qualified_name
 from aoti_eager.kernels.toolchain import environment_name
@@ -149,7 +149,7 @@ class _Family:
 @dataclass
 class _Ints:
     """What this process knows of the ints given to one op's calls of one
-    signature shape (:attr:`CallSignature.shape_key`), by position: an
+    shape family, whatever their numbers (:func:`ints_key`), by position: an
     argument's index, or an int list's and its item's
     (:attr:`CallSignature.int_arguments`).
 
@@ -226,7 +226,7 @@ class Override:
     _families: dict[tuple[str, str], _Family] = field(default_factory=dict)
     # (device, kinds_key) of the calls that compiled a kernel.
     _compiled_kinds: set[tuple[str, str]] = field(default_factory=set)
-    # CallSignature.shape_key -> what this process knows of its ints.
+    # ints_key -> what this process knows of the family's ints.
     _ints: dict[str, _Ints] = field(default_factory=dict)
 
     # A call's first miss looks for kernels taking its ints at run time only
@@ -254,10 +254,10 @@ class Override:
         except Unsupported as e:
             return self._eager(f"unsupported input: {e}")
         with self._lock:
-            ints = self._ints.get(signature.shape_key)
+            ints = self._ints.get(ints_key(signature))
             first = ints is None
             if first:
-                ints = self._ints[signature.shape_key] = _Ints(signature.int_arguments)
+                ints = self._ints[ints_key(signature)] = _Ints(signature.int_arguments)
             runtime_ints = ints.to_take(signature)
         if first and (published := self._published_runtime_ints(signature)):
             # Another process saw these ints move: its kernel serves this value too.

@@ -47,6 +47,7 @@ from aoti_eager.kernels.compile import call_op
 from aoti_eager.kernels.examples import example_tensor
 from aoti_eager.kernels.signature import (
     CallSignature, ListArg, TensorArg, argument_from_json, clone_exact, kernel_inputs, _digest, _key_form,
+    _without_number_value,
 )
 
 # Kernels index their tensors with 32-bit math up to this many elements
@@ -92,10 +93,11 @@ def layout_order(sizes: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int,
     return tuple(order + stepping)
 
 
-def _form(described: Any, dims: Iterator[tuple[int, ...]] | None) -> Any:
+def _form(described: Any, dims: Iterator[tuple[int, ...]] | None, numbers: bool = True) -> Any:
     """One argument as a family key hashes it: a tensor by its dtype, device,
     rank, layout order and alignment, and its sizes and strides where ``dims``
-    does not make them dynamic; None for all sizes."""
+    does not make them dynamic; None for all sizes. Without ``numbers``, a
+    number without its value."""
     if isinstance(described, TensorArg):
         dynamic = set(next(dims, ())) if dims is not None else None
         form = {"kind": "tensor", "dtype": described.dtype, "device": described.device, "rank": len(described.sizes),
@@ -106,14 +108,27 @@ def _form(described: Any, dims: Iterator[tuple[int, ...]] | None) -> Any:
                 form["strides"] = list(described.strides)
         return form
     if isinstance(described, ListArg):
-        return {"kind": "list", "items": [_form(item, dims) for item in described.items]}
-    return _key_form(described)
+        return {"kind": "list", "items": [_form(item, dims, numbers) for item in described.items]}
+    return _key_form(described) if numbers else _without_number_value(described)
 
 
 def family_key(signature: CallSignature) -> str:
     """What calls of one shape family share: everything but tensor sizes and
     strides (of these, only the order of dims in memory)."""
     return _digest([str(signature.op._schema), [_form(d, None) for d in signature.described]])
+
+
+def ints_key(signature: CallSignature) -> str:
+    """:func:`family_key` without the values of numbers: calls whose ints
+    move together with their sizes share it (the ``n`` of the pad ``[0, n]``
+    that aligns an attention mask of any length), so that a process sees
+    them move.
+
+        >>> pad = lambda length, n: CallSignature.of(torch.ops.aten.constant_pad_nd.default, "cpu", [torch.ones(2, length), [0, n], 0])
+        >>> ints_key(pad(13, 3)) == ints_key(pad(9, 7)), family_key(pad(13, 3)) == family_key(pad(9, 7))
+        (True, False)
+    """
+    return _digest([str(signature.op._schema), [_form(d, None, numbers=False) for d in signature.described]])
 
 
 def kinds_key(signature: CallSignature) -> str:

@@ -16,7 +16,7 @@ from aoti_eager.kernels.compile import compile_options
 from aoti_eager.kernels.signature import CallSignature
 from aoti_eager.kernels.toolchain import environment_name
 from aoti_eager.manifest import read_manifest
-from conftest import needs_cuda
+from conftest import DEVICES, needs_cuda
 from helpers import assert_same_as_eager, xfail_if_kernels_cannot_load
 
 A = torch.ops.aten
@@ -168,6 +168,27 @@ def test_a_moving_item_of_an_int_list_compiles_one_kernel_for_every_positive_val
     assert stats["misses"] == len(set(PADS)) and stats["hits"] == len(PADS) - len(set(PADS)), stats
     (known,) = ints.values()
     assert known.runtime == {(1, 1)} and not known.constant  # the 0 that does not move stays compiled in
+
+
+# (batch, length) of attention masks that scaled_dot_product_attention pads
+# to a multiple of 8 along the keys, as in a BERT forward over variable batches.
+MASKS = [(25, 105), (27, 13), (17, 73), (32, 59), (20, 69), (23, 82), (14, 72), (9, 44), (7, 87), (5, 123)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_int_list_item_that_moves_with_the_sizes_is_read_at_run_time(device, tmp_path):
+    masks = [torch.randn(b, 1, n, n, device=device) for b, n in MASKS]
+    pads = [8 - n % 8 for _, n in MASKS]
+    calls = lambda: [torch.constant_pad_nd(mask, [0, pad]) for mask, pad in zip(masks, pads)]
+    results, stats, ints = run(["aten::constant_pad_nd"], calls, tmp_path, device=device)
+    for mask, pad, result in zip(masks, pads, results, strict=True):
+        assert_same_as_eager(result, torch.constant_pad_nd(mask, [0, pad]), atol=0, rtol=0)
+    # Every call is a new shape and, mostly, a new pad: the first compiles its
+    # pad in, the second one kernel for every size and pad (not one per pad).
+    row = stats["aten::constant_pad_nd"]
+    assert row["compiles"] <= 3 and row["fallbacks"] == 0, row
+    (known,) = ints["aten::constant_pad_nd"].values()
+    assert known.runtime == {(1, 1)}, known
 
 
 @needs_cuda
