@@ -194,14 +194,17 @@ def stats() -> dict[str, dict[str, Any]]:
     Keys: ``calls``, ``hits`` (compiled kernel ran), ``misses`` (new signature),
     ``compiles``, ``cache_loads`` (kernels found on disk), ``fallbacks`` (calls
     that ran the original kernel), ``fallback_reason`` (the last one),
-    ``compile_seconds``, ``queued`` (compiles started in the background).
+    ``compile_seconds``, ``queued`` (compiles started in the background),
+    ``compiling`` (signatures whose background compile the process has not
+    taken up yet: their calls run the original kernel meanwhile).
     """
     result: dict[str, dict[str, Any]] = {}
     for override in _runtime.installed():
         counters = override.handle.counters()
         row = result.setdefault(
             override.name,
-            dict(calls=0, hits=0, misses=0, compiles=0, cache_loads=0, fallbacks=0, fallback_reason=None, compile_seconds=0.0, queued=0),
+            dict(calls=0, hits=0, misses=0, compiles=0, cache_loads=0, fallbacks=0, fallback_reason=None, compile_seconds=0.0, queued=0,
+                 compiling=0),
         )
         row["calls"] += counters["calls"]
         row["hits"] += counters["hits"]
@@ -210,6 +213,7 @@ def stats() -> dict[str, dict[str, Any]]:
         row["compiles"] += override.stats.compiles
         row["cache_loads"] += override.stats.cache_loads
         row["queued"] += override.stats.queued
+        row["compiling"] += len(override._queued)
         row["compile_seconds"] = round(row["compile_seconds"] + override.stats.compile_seconds, 3)
         row["fallback_reason"] = override.stats.last_fallback_reason or row["fallback_reason"]
     return result

@@ -216,6 +216,10 @@ std::optional<OpOverride::Entry> OpOverride::lookup(const CallKey& key) const {
   if (it == entries_.end()) {
     return std::nullopt;
   }
+  const auto retry_at = it->second.retry_at;
+  if (retry_at != std::chrono::steady_clock::time_point{} && std::chrono::steady_clock::now() >= retry_at) {
+    return std::nullopt;
+  }
   return it->second;
 }
 
@@ -426,8 +430,16 @@ std::optional<OpOverride::Entry> OpOverride::on_miss(
     // The decision (see set_miss_handler): keep it for the key, or run this
     // call eagerly and ask again on the next; a kernel, or the original.
     py::object decision = (*miss_handler)(token_, py_args, remember);
-    if (!remember || !decision.attr("remember").cast<bool>()) {
+    if (!remember) {
       return std::nullopt;
+    }
+    if (!decision.attr("remember").cast<bool>()) {
+      const double retry_after = decision.attr("retry_after").cast<double>();
+      if (retry_after <= 0) {
+        return std::nullopt;
+      }
+      entry.retry_at = std::chrono::steady_clock::now() +
+          std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(retry_after));
     }
     py::object kernel = decision.attr("kernel");
     py::object dynamic = decision.attr("dynamic");
@@ -457,7 +469,8 @@ std::optional<OpOverride::Entry> OpOverride::on_miss(
     // are answered without compiling.
     entries_.clear();
   }
-  return entries_.emplace(key, std::move(entry)).first->second;
+  // Over a retry that ran out, or one that another thread decided meanwhile.
+  return entries_.insert_or_assign(key, std::move(entry)).first->second;
 }
 
 void OpOverride::clear() {

@@ -19,6 +19,7 @@
 #include <pybind11/pybind11.h>
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <optional>
 #include <shared_mutex>
@@ -69,6 +70,9 @@ class OpOverride : public std::enable_shared_from_this<OpOverride> {
 
   struct Entry {
     std::shared_ptr<const CompiledKernel> kernel; // null: run eagerly
+    // Set: run eagerly until then, then miss again (a compile elsewhere has
+    // not ended); a call that went to Python instead cost 70 times eager's.
+    std::chrono::steady_clock::time_point retry_at{};
   };
 
   // Dynamic kernels whose dynamic dims are the same: keyed by the family key
@@ -140,7 +144,9 @@ std::unique_ptr<c10::RegistrationHandleRAII> register_override(
 // handler(token, args: list, decide: bool) -> decision, an object with three
 // attributes (aoti_eager/_runtime.py: UseKernel, RunEagerly, RetryLater):
 //   remember: bool  keep the decision for the call's key; false: run this
-//                   call eagerly and ask again on the next
+//                   call eagerly and ask again on the next, or, where the
+//                   decision's retry_after (seconds) is above 0, on the
+//                   first call after that time
 //   kernel:         the CompiledKernel to run, or None for the original kernel
 //   dynamic:        None, or the kernel's dynamic dims and guards
 //                   (kernels/dynamic.py: ShapeFamily): the kernel (or eager,

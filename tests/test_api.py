@@ -135,7 +135,7 @@ def test_stats_keys(tmp_path):
     aoti_eager.enable(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path)
     assert aoti_eager.stats()["aten::abs"] == dict(
         calls=0, hits=0, misses=0, compiles=0, cache_loads=0, fallbacks=0, fallback_reason=None, compile_seconds=0.0,
-        queued=0,
+        queued=0, compiling=0,
     )
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import aoti_eager
-from aoti_eager import _background, _worker
+from aoti_eager import _background, _runtime, _worker
 from aoti_eager._ops import overload_named, qualified_name
 from aoti_eager.cache import KernelCache, inventory, signing
 from aoti_eager.cache.store import LIBRARY_FILE
@@ -210,6 +210,26 @@ def test_background_compile_answers_eagerly_at_once_then_hits(shared_cache):
     later = _calls_until(hits, lambda: torch.abs(x))
     assert_same_as_eager(later, x.abs())
     assert aoti_eager.stats()["aten::abs"]["cache_loads"] == 1
+
+
+def test_calls_while_their_kernel_compiles_ask_for_it_once_a_retry_interval(tmp_path, monkeypatch):
+    """Calls of a signature compiling in the background run the original
+    kernel straight from C++; one call a retry interval asks Python again."""
+    monkeypatch.setattr(_worker, "COMMAND", [sys.executable, "-c", _SLOW_WORKER])  # answers after a second
+    x = torch.randn(5, 3)
+    aoti_eager.enable(["aten::abs"], devices=["cpu"], cache_dir=tmp_path / "cache", compile="background")
+    start = time.monotonic()
+    results = [torch.abs(x) for _ in range(1000)]
+    elapsed = time.monotonic() - start
+    stats = aoti_eager.stats()["aten::abs"]
+    assert (stats["calls"], stats["fallbacks"], stats["queued"], stats["compiling"]) == (1000, 1000, 1, 1), stats
+    assert stats["misses"] <= 1 + elapsed / _runtime.BACKGROUND_RETRY_SECONDS, (stats, elapsed)
+    for result in results[:: len(results) // 10]:
+        assert_same_as_eager(result, x.abs(), atol=0, rtol=0)
+    time.sleep(_runtime.BACKGROUND_RETRY_SECONDS)
+    asked = stats["misses"]
+    assert_same_as_eager(torch.abs(x), x.abs(), atol=0, rtol=0)
+    assert aoti_eager.stats()["aten::abs"]["misses"] == asked + 1  # the compile is still running: asks again later
 
 
 def test_a_crashing_background_compile_falls_back_to_eager(tmp_path, monkeypatch, caplog):
