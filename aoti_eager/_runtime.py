@@ -120,9 +120,10 @@ Decision = Union[UseKernel, RunEagerly, RetryLater]
 
 # How long the calls of a signature that compiles in the background run the
 # original kernel before one asks whether its kernel is ready. Asking on every
-# call made each one cost 70 times eager's (abs of 128 floats on CPU: 138 us
-# against 2 us) and a GPT-2 forward on the H100 8 times eager's while the
-# kernels compiled; a kernel now takes over at most this much later.
+# call made each one cost 87 times eager's (abs of 128 floats on CPU: 242 us
+# against 2.8 us, scripts/bench_background.py) and a GPT-2 forward on the H100
+# 8 times eager's while the kernels compiled; a kernel now takes over at most
+# this much later.
 BACKGROUND_RETRY_SECONDS = 0.1
 
 
@@ -264,11 +265,12 @@ class Override:
             signature = CallSignature.of(self.op, self.device, args)
         except Unsupported as e:
             return self._eager(f"unsupported input: {e}")
+        key = ints_key(signature)
         with self._lock:
-            ints = self._ints.get(ints_key(signature))
+            ints = self._ints.get(key)
             first = ints is None
             if first:
-                ints = self._ints[ints_key(signature)] = _Ints(signature.int_arguments)
+                ints = self._ints[key] = _Ints(signature.int_arguments)
             runtime_ints = ints.to_take(signature)
         if first and (published := self._published_runtime_ints(signature)):
             # Another process saw these ints move: its kernel serves this value too.

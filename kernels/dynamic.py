@@ -61,17 +61,9 @@ class NotDynamic(Exception):
     """The exported program does not give the dims as plain symbols."""
 
 
-def _tensors_in(described: Any) -> Iterator[TensorArg]:
-    if isinstance(described, TensorArg):
-        yield described
-    elif isinstance(described, ListArg):
-        for item in described.items:
-            yield from _tensors_in(item)
-
-
 def tensor_args(signature: CallSignature) -> list[TensorArg]:
     """The call's tensor arguments in the order the C++ key meets them (lists included)."""
-    return [t for d in signature.described for t in _tensors_in(d)]
+    return [d for _, d in kernel_inputs(signature.args, signature.described) if isinstance(d, TensorArg)]
 
 
 def layout_order(sizes: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, ...]:
