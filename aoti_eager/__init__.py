@@ -195,8 +195,8 @@ def stats() -> dict[str, dict[str, Any]]:
     ``compiles``, ``cache_loads`` (kernels found on disk), ``fallbacks`` (calls
     that ran the original kernel), ``fallback_reason`` (the last one),
     ``compile_seconds``, ``queued`` (compiles started in the background),
-    ``compiling`` (signatures whose background compile the process has not
-    taken up yet: their calls run the original kernel meanwhile).
+    ``compiling`` (background compiles still running: the calls waiting for
+    them run the original kernel meanwhile).
     """
     result: dict[str, dict[str, Any]] = {}
     for override in _runtime.installed():
@@ -213,7 +213,7 @@ def stats() -> dict[str, dict[str, Any]]:
         row["compiles"] += override.stats.compiles
         row["cache_loads"] += override.stats.cache_loads
         row["queued"] += override.stats.queued
-        row["compiling"] += len(override._queued)
+        row["compiling"] += override.compiles_running()
         row["compile_seconds"] = round(row["compile_seconds"] + override.stats.compile_seconds, 3)
         row["fallback_reason"] = override.stats.last_fallback_reason or row["fallback_reason"]
     return result

@@ -17,6 +17,7 @@ import atexit
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -60,10 +61,16 @@ def _serve() -> None:
     try:
         while (item := _next()) is not None:
             entry, root, remote, future = item
+            started = time.perf_counter()
+            worker = workers.setdefault((root, remote), _worker.Worker(root, remote, NICENESS, jobs=_jobs()))
+            new_worker = not worker.running
             try:
-                outcome = workers.setdefault((root, remote), _worker.Worker(root, remote, NICENESS)).compile(entry)
+                outcome = worker.compile(entry)
             except Exception as e:  # noqa: BLE001 - e.g. no process could be started
                 outcome = _worker.Outcome("failed", f"{type(e).__name__}: {e}")
+            log.debug("aoti_eager: background compile of %s on %s: %s after %.2f s (%.2f s compiling%s)%s", entry.op,
+                      entry.device, outcome.status, time.perf_counter() - started, outcome.seconds,
+                      ", in a new worker" if new_worker else "", f": {outcome.reason}" if outcome.reason else "")
             if outcome.status == "failed" and not _worker.stopped:
                 log.warning("aoti_eager: background compile of %s on %s failed: %s", entry.op, entry.device, outcome.reason)
             future.set_result(outcome)

@@ -159,18 +159,19 @@ def prewarm(
 
     workers: list[_worker.Worker] = []
     per_thread = threading.local()
+    jobs = jobs or _worker.default_jobs()
 
     def compile_entry(entry: ManifestEntry) -> _worker.Outcome:
         if interrupted.is_set():
             return _worker.Outcome("failed", "interrupted")
         if not hasattr(per_thread, "worker"):
-            per_thread.worker = _worker.Worker(root)
+            per_thread.worker = _worker.Worker(root, jobs=jobs)
             workers.append(per_thread.worker)
         return per_thread.worker.compile(entry)
 
     if pending:
         try:
-            with ThreadPoolExecutor(max_workers=jobs or _worker.default_jobs()) as pool:
+            with ThreadPoolExecutor(max_workers=jobs) as pool:
                 futures = {pool.submit(compile_entry, entry): entry for entry in pending}
                 try:
                     for future in as_completed(futures):

@@ -259,6 +259,11 @@ class Override:
             self._caches[str(device)] = cache
         return self._caches[str(device)]
 
+    def compiles_running(self) -> int:
+        """Background compiles of this op not finished yet."""
+        queued = list(self._queued.values())  # a copy under the GIL: _lock may be held by a compile
+        return len({id(future) for _, future in queued if not future.done()})
+
     def decide(self, args: list[Any]) -> Decision:
         """The miss path: what calls of the signature of ``args`` run."""
         try:
@@ -346,7 +351,10 @@ class Override:
                     entry, compiling = queued
                     if not compiling.done():
                         return RetryLater("compiling in the background", retry_after=BACKGROUND_RETRY_SECONDS)
-                    del self._queued[signature.decision_key]
+                    # Every shape that waited for it: the others may never ask again
+                    # (a dynamic kernel found in C++ serves them), and must not stay queued.
+                    for waiting in [key for key, (_, future) in self._queued.items() if future is compiling]:
+                        del self._queued[waiting]
                     outcome = compiling.result()
                     if outcome.status == "failed":
                         if entry.dynamic is None:

@@ -1,7 +1,7 @@
 """Compiles manifest entries in worker processes.
 
 Prewarming and background compiles run their entries in child processes
-(``python -m aoti_eager._worker CACHE_DIR``): a compiler that crashes or runs
+(:data:`COMMAND` with the cache directory): a compiler that crashes or runs
 out of memory then takes down only the child. A child rebuilds each call from
 its signature and makes it with the op enabled, so the entry is compiled,
 validated and published exactly as the miss of a real call would be. A
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import select
 import signal
@@ -37,13 +38,19 @@ from pathlib import Path
 from aoti_eager import settings
 from aoti_eager.manifest import ManifestEntry
 
+log = logging.getLogger("aoti_eager")
+
 # Memory one compile may take, to size the default number of jobs.
 _BYTES_PER_JOB = 2 << 30
 
 
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def default_jobs() -> int:
     """One job per core, as many as memory allows at about 2 GiB a compile."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = _cores()
     try:
         with open("/proc/meminfo") as f:
             available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
@@ -52,8 +59,18 @@ def default_jobs() -> int:
     return max(1, min(cores, available // _BYTES_PER_JOB))
 
 
+def compile_threads(jobs: int) -> int:
+    """Inductor's compile threads for each of ``jobs`` workers: their share of
+    the cores. Inductor's default is a pool of one process per core (up to
+    32), each importing torch, in every worker: on the 16-core H100 host, 16
+    workers started 256 of them, and a worker's first CUDA compile took 26 s
+    instead of 9.5 s (BENCHMARKS.md, "A model's first forward")."""
+    return max(1, _cores() // max(1, jobs))
+
+
 # The command that runs a worker (tests replace it to make workers fail).
-COMMAND = [sys.executable, "-m", "aoti_eager._worker"]
+# Not ``-m aoti_eager._worker``: the package imports this module first, and runpy warns.
+COMMAND = [sys.executable, "-c", "import sys; from aoti_eager._worker import main; sys.exit(main())"]
 
 
 @dataclass
@@ -75,7 +92,7 @@ def warm(entry: ManifestEntry, root: Path) -> Outcome:
     from aoti_eager.cache import KernelCache
     from aoti_eager.kernels.compile import call_op, compile_options
     from aoti_eager.kernels.dynamic import ShapeFamily
-    from aoti_eager.kernels.examples import example_arguments, with_runtime_ints_moved
+    from aoti_eager.kernels.examples import eager_accepted, example_arguments, with_runtime_ints_moved
     from aoti_eager.kernels.signature import CallSignature
     from aoti_eager.kernels.toolchain import environment_name
 
@@ -83,7 +100,7 @@ def warm(entry: ManifestEntry, root: Path) -> Outcome:
     device = torch.device(entry.device)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    args = example_arguments(entry.signature, device)
+    args = eager_accepted(op, example_arguments(entry.signature, device))
     moved = with_runtime_ints_moved(entry.signature, args)
     try:
         if entry.dynamic is not None or moved is not None:
@@ -92,7 +109,7 @@ def warm(entry: ManifestEntry, root: Path) -> Outcome:
             family = ShapeFamily(tuple(tuple(dims) for dims in entry.dynamic["dims"]), general=entry.dynamic.get("general", False))
             aoti_eager._runtime.plan(entry.key, family)  # the runtime enable() installs
             for seen in family.span_ends(CallSignature.of(op, entry.device, args), entry.dynamic["seen"]):
-                call_op(op, list(seen.args))
+                call_op(op, eager_accepted(op, list(seen.args)))
         if moved is not None:
             with contextlib.suppress(Exception):  # eager may refuse the value: the override has seen it
                 call_op(op, moved)
@@ -125,28 +142,40 @@ class Worker:
     ``remote``: the fleet cache's URL that the child's misses ask and its
     compiles publish to, as the parent's would (``enable(remote=...)``);
     None: ``$AOTI_EAGER_REMOTE``, which the child inherits, if set.
-    ``niceness``: added to the child's (and so its compilers') nice value."""
+    ``niceness``: added to the child's (and so its compilers') nice value.
+    ``jobs``: workers compiling at once, which share the cores
+    (:func:`compile_threads`); ``TORCHINDUCTOR_COMPILE_THREADS``, where set,
+    is the user's choice instead."""
 
-    def __init__(self, root: Path, remote: str | None = None, niceness: int = 0):
+    def __init__(self, root: Path, remote: str | None = None, niceness: int = 0, jobs: int = 1):
         self.root = root
         self.remote = remote
         self.niceness = niceness
+        self.jobs = jobs
         self._process: subprocess.Popen | None = None
         self._stderr = None
+
+    @property
+    def running(self) -> bool:
+        """Whether the child is up (the next entry pays no start-up)."""
+        return self._process is not None
 
     def _start(self) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if k != settings.record.name}
         if self.remote is not None:
             env[settings.remote.name] = self.remote
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(compile_threads(self.jobs)))
         # A file, not a pipe: a compiler's chatter must not fill a pipe that no
-        # one reads while the child waits for its next entry.
-        self._stderr = tempfile.TemporaryFile(prefix="aoti_eager-worker-")
+        # one reads while the child waits for its next entry. Where the parent
+        # logs at DEBUG, the child logs too, to the parent's stderr.
+        verbose = log.isEnabledFor(logging.DEBUG)
+        self._stderr = None if verbose else tempfile.TemporaryFile(prefix="aoti_eager-worker-")
         with _running_lock:
             if stopped:
                 raise ProcessLookupError("the process is exiting")
             self._process = subprocess.Popen(
-                [*COMMAND, str(self.root)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-                text=True, env=env,
+                [*COMMAND, str(self.root), *(["--log"] if verbose else [])], stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env,
             )
             _running.add(self._process)
         if self.niceness:
@@ -182,8 +211,10 @@ class Worker:
     def _died(self) -> Outcome:
         process = self._process
         returncode = process.wait()
-        self._stderr.seek(0)
-        last = (self._stderr.read().decode(errors="replace").strip().splitlines() or ["no output"])[-1]
+        last = "its output went to this process's stderr"
+        if self._stderr is not None:
+            self._stderr.seek(0)
+            last = (self._stderr.read().decode(errors="replace").strip().splitlines() or ["no output"])[-1]
         self.close()
         if returncode < 0:
             name = signal.Signals(-returncode).name
@@ -201,6 +232,8 @@ class Worker:
         process.kill()
         process.wait()
         for stream in (process.stdin, process.stdout, self._stderr):
+            if stream is None:
+                continue
             try:
                 stream.close()
             except (OSError, BrokenPipeError):
@@ -224,6 +257,9 @@ def shutdown() -> None:
 
 def main() -> int:
     root = Path(sys.argv[1])
+    if "--log" in sys.argv[2:]:
+        logging.basicConfig(format=f"%(relativeCreated)8.0f ms worker {os.getpid()}: %(message)s")
+        log.setLevel(logging.INFO)
     # Outcomes go to the parent on a stream of their own; whatever else
     # writes to stdout (a compiler, a print in torch) lands on stderr.
     outcomes = os.fdopen(os.dup(sys.stdout.fileno()), "w")
@@ -234,6 +270,7 @@ def main() -> int:
             outcome = warm(entry, root)
         except Exception as e:  # noqa: BLE001 - reported to the parent as the reason
             outcome = Outcome("failed", f"{type(e).__name__}: {e}")
+        log.info("aoti_eager: %s on %s: %s", entry.op, entry.device, outcome.status)
         outcomes.write(json.dumps(asdict(outcome)) + "\n")
         outcomes.flush()
     return 0

@@ -20,7 +20,11 @@ them and is not reported):
 Then each process times its warm forward against eager's, in alternating
 rounds, and checks its output against eager's.
 
-    python scripts/bench_first_forward.py [--device cpu|cuda] [--models gpt2,bert] [--layers 2] [--json]
+    python scripts/bench_first_forward.py [--device cpu|cuda] [--models gpt2,bert] [--layers 2] [--verbose] [--json]
+
+``--verbose`` passes each process's stderr on, with aoti_eager's log in it
+(milliseconds since the process started): every compile, and each background compile's
+seconds in its worker (in a new worker: with the worker's start-up).
 
 Targets (issue "Cold start", on the H100): with ``background``, every
 signature in use within 10 s of the first forward (GPT-2) and 5 s (BERT), the
@@ -40,6 +44,8 @@ import time
 
 TARGET_BACKGROUND_S = {"gpt2": 10.0, "bert": 5.0}
 TARGET_NOW_S = {"gpt2": 40.0}
+# A background row that has not got every kernel in use by then reports none.
+GIVE_UP_S = 300.0
 MODES = ("eager", "now", "background", "torch.compile")
 
 
@@ -60,11 +66,16 @@ def build(model_name: str, layers: int, device: str):
     return model.eval().to(device), dict(input_ids=ids, attention_mask=torch.ones_like(ids))
 
 
-def child(model_name: str, mode: str, layers: int, device: str, rounds: int) -> dict:
+def child(model_name: str, mode: str, layers: int, device: str, rounds: int, verbose: bool) -> dict:
+    import logging
+
     import torch
 
     import aoti_eager
 
+    if verbose:
+        logging.basicConfig(format="%(relativeCreated)8.0f ms %(message)s")
+        logging.getLogger("aoti_eager").setLevel(logging.DEBUG)
     model, inputs = build(model_name, layers, device)
 
     def forward(fn=model):
@@ -95,8 +106,8 @@ def child(model_name: str, mode: str, layers: int, device: str, rounds: int) -> 
         row["enabled_ops"] = len(ops)
         on = lambda: aoti_eager.enable(ops, devices=[device], compile=mode)  # noqa: E731
         off = aoti_eager.disable
-        misses = lambda: sum(s["misses"] for s in aoti_eager.stats().values())  # noqa: E731
-        compiling = lambda: sum(s["compiling"] for s in aoti_eager.stats().values())  # noqa: E731
+        misses = lambda: {op: s["misses"] for op, s in aoti_eager.stats().items() if s["misses"]}  # noqa: E731
+        compiling = lambda: {op: s["compiling"] for op, s in aoti_eager.stats().items() if s["compiling"]}  # noqa: E731
         on()
         start = time.perf_counter()
         row["first_forward_s"], output = timed()
@@ -106,14 +117,20 @@ def child(model_name: str, mode: str, layers: int, device: str, rounds: int) -> 
             # compiles some of the CPU, until one of them misses nothing and
             # no compile is left to take up (calls of a signature that is
             # compiling run eagerly without a miss).
-            while time.perf_counter() - start < 600:
+            said = time.perf_counter()
+            while time.perf_counter() - start < GIVE_UP_S:
                 time.sleep(0.05)
                 seconds, output = timed()
-                if misses() == missed and not compiling():
+                now_missed, now_compiling = misses(), compiling()
+                if now_missed == missed and not now_compiling:
                     row["all_in_use_s"] = time.perf_counter() - seconds - start
                     break
                 meanwhile.append(seconds)
-                missed = misses()
+                if verbose and time.perf_counter() - said > 10:
+                    said = time.perf_counter()
+                    missing = {op: n - missed.get(op, 0) for op, n in now_missed.items() if n != missed.get(op, 0)}
+                    print(f"{(said - start):.0f} s: missed {missing}, compiling {now_compiling}", file=sys.stderr, flush=True)
+                missed = now_missed
             row["forwards_meanwhile"] = len(meanwhile)
             if meanwhile:
                 row["meanwhile_median_ms"] = statistics.median(meanwhile) * 1e3
@@ -139,10 +156,13 @@ def run_child(model_name: str, mode: str, args: argparse.Namespace) -> dict:
             TORCHINDUCTOR_CACHE_DIR=os.path.join(scratch, "inductor"), TRITON_CACHE_DIR=os.path.join(scratch, "triton"),
         )
         command = [sys.executable, __file__, "--child", model_name, mode, "--device", args.device,
-                   "--layers", str(args.layers), "--rounds", str(args.rounds)]
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
+                   "--layers", str(args.layers), "--rounds", str(args.rounds)] + ["--verbose"] * args.verbose
+        if args.verbose:
+            print(f"{model_name} {mode}:", file=sys.stderr, flush=True)
+        # Verbose, the child's stderr is ours as it comes: a run that never ends still says why.
+        done = subprocess.run(command, env=env, stdout=subprocess.PIPE, stderr=None if args.verbose else subprocess.PIPE, text=True)
     if done.returncode:
-        raise SystemExit(f"{model_name} {mode} failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"{model_name} {mode} failed:\n{(done.stderr or '')[-3000:]}")
     return json.loads(done.stdout.splitlines()[-1])
 
 
@@ -154,11 +174,12 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5, help="warm rounds of each, alternating")
     parser.add_argument("--no-warm-up", action="store_true", help="skip the unreported first run of each mode")
+    parser.add_argument("--verbose", action="store_true", help="each process's aoti_eager log on stderr")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--child", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(*args.child, args.layers, args.device, args.rounds)))
+        print(json.dumps(child(*args.child, args.layers, args.device, args.rounds, args.verbose)))
         return
 
     from timing import machine

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from aoti_eager.kernels.examples import example_arguments, example_tensor, example_value
+from aoti_eager.kernels.examples import eager_accepted, example_arguments, example_tensor, example_value
 from aoti_eager.kernels.signature import ALIGNMENT, CallSignature, TensorArg, Unsupported, argument_from_json
 
 A = torch.ops.aten
@@ -56,6 +56,32 @@ def test_example_integers_are_small_and_floats_random():
     assert 0 <= ints.min() and ints.max() < 8  # valid indices, shifts and divisors for most ops
     floats = [example_tensor(TensorArg("float32", "cpu", (1000,), (1,), True), CPU) for _ in range(2)]
     assert floats[0].isfinite().all() and not torch.equal(*floats)
+
+
+@pytest.mark.parametrize("rows", [2, 1])
+def test_indices_into_a_short_table_are_rebuilt_in_range(rows):
+    # BERT's token-type embedding has 2 rows: random indices up to 8 made every
+    # prewarm and background compile of it fail with eager's IndexError.
+    table, indices = zeros(rows, 4), torch.zeros(2, 32, dtype=torch.int64)
+    recorded = CallSignature.of(A.embedding.default, "cpu", [table, indices, -1, False, False])
+    args = eager_accepted(A.embedding.default, example_arguments(recorded.to_json(), CPU))
+    assert CallSignature.of(A.embedding.default, "cpu", args).key == recorded.key
+    torch.testing.assert_close(A.embedding.default(*args), args[0][args[1]])
+
+
+def test_zeroed_indices_keep_their_layout():
+    table, indices = zeros(2, 4), torch.tensor([[7], [1], [5]]).expand(3, 5)
+    args = eager_accepted(A.embedding.default, [table, indices])
+    assert args[1].stride() == (1, 0) and args[1].shape == (3, 5) and not args[1].any()
+    assert args[0] is table
+
+
+def test_arguments_eager_refuses_whatever_the_values_are_kept_for_eager_to_refuse():
+    recorded = CallSignature.of(A.embedding.default, "cpu", [zeros(0, 4), torch.zeros(3, dtype=torch.int64), -1, False, False])
+    args = eager_accepted(A.embedding.default, example_arguments(recorded.to_json(), CPU))
+    assert CallSignature.of(A.embedding.default, "cpu", args).key == recorded.key
+    with pytest.raises(RuntimeError, match="index_select"):
+        A.embedding.default(*args)
 
 
 def test_a_misaligned_tensor_of_sixteen_byte_elements_cannot_be_rebuilt():

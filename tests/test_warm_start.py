@@ -318,6 +318,27 @@ def test_background_workers_yield_the_cpu_and_prewarms_do_not(tmp_path, monkeypa
     assert int(prewarm.reason) == ours, prewarm
 
 
+def test_workers_share_the_cores_as_inductors_compile_threads(tmp_path, monkeypatch):
+    """Inductor's own default, a compile pool of one process per core in
+    every worker, oversubscribed the cores many times over."""
+    answer = 'import json, os; input(); print(json.dumps({"status": "compiled", "reason": os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")}), flush=True)'
+    monkeypatch.setattr(_worker, "COMMAND", [sys.executable, "-c", answer])
+    monkeypatch.setattr(_worker, "_cores", lambda: 16)
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    entry = ManifestEntry("aten::abs.default", "cpu", "key", [])
+
+    def threads(jobs: int) -> str:
+        worker = _worker.Worker(tmp_path, jobs=jobs)
+        try:
+            return worker.compile(entry, timeout=60).reason
+        finally:
+            worker.close()
+
+    assert [threads(jobs) for jobs in (1, 4, 16, 32)] == ["16", "4", "1", "1"]
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")  # the user's choice
+    assert threads(16) == "3"
+
+
 def ship(source: Path, tmp_path: Path, capsys) -> Path:
     """The cache at ``source`` exported as a signed bundle and imported into an
     empty cache, every entry imported and verified; that cache's root."""
@@ -434,6 +455,9 @@ def test_a_background_compile_of_a_second_shape_compiles_the_dynamic_kernel(tmp_
     stats = aoti_eager.stats()["aten::add.Tensor"]
     assert (stats["queued"], stats["compiles"], stats["hits"]) == (2, 0, 2), stats
     assert [dynamic["dims"] for _, dynamic in dynamic_entries(tmp_path)] == [[[0], []]]
+    # 17 waited for 9's compile and never asks again (C++ finds the dynamic
+    # kernel): once 5 has asked, nothing is left compiling.
+    _calls_until(lambda: aoti_eager.stats()["aten::add.Tensor"]["compiling"] == 0, lambda: torch.add(*calls[5]))
     aoti_eager.disable()
     for n, result in results.items():
         assert_same_as_eager(result, torch.add(*calls[n]), atol=0, rtol=0)
