@@ -72,7 +72,9 @@ def _serve() -> None:
                       entry.device, outcome.status, time.perf_counter() - started, outcome.seconds,
                       ", in a new worker" if new_worker else "", f": {outcome.reason}" if outcome.reason else "")
             if outcome.status == "failed" and not _worker.stopped:
-                log.warning("aoti_eager: background compile of %s on %s failed: %s", entry.op, entry.device, outcome.reason)
+                # A dynamic-shape kernel that fails leaves the family's shapes to compile alone: no call is worse off.
+                (log.info if entry.dynamic else log.warning)(
+                    "aoti_eager: background compile of %s on %s failed: %s", entry.op, entry.device, outcome.reason)
             future.set_result(outcome)
     finally:
         for worker in workers.values():
