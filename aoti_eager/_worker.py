@@ -101,6 +101,7 @@ def warm(entry: ManifestEntry, root: Path) -> Outcome:
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
     args = eager_accepted(op, example_arguments(entry.signature, device))
+    signature = CallSignature.of(op, entry.device, args)
     moved = with_runtime_ints_moved(entry.signature, args)
     try:
         if entry.dynamic is not None or moved is not None:
@@ -108,7 +109,7 @@ def warm(entry: ManifestEntry, root: Path) -> Outcome:
         if entry.dynamic is not None:
             family = ShapeFamily(tuple(tuple(dims) for dims in entry.dynamic["dims"]), general=entry.dynamic.get("general", False))
             aoti_eager._runtime.plan(entry.key, family)  # the runtime enable() installs
-            for seen in family.span_ends(CallSignature.of(op, entry.device, args), entry.dynamic["seen"]):
+            for seen in family.span_ends(signature, entry.dynamic["seen"]):
                 call_op(op, eager_accepted(op, list(seen.args)))
         if moved is not None:
             with contextlib.suppress(Exception):  # eager may refuse the value: the override has seen it
@@ -122,7 +123,7 @@ def warm(entry: ManifestEntry, root: Path) -> Outcome:
     published = cache.lookup(entry.op, entry.key)
     if published is None:
         reason = stats["fallback_reason"] or "the rebuilt call did not produce the recorded cache entry"
-        if entry.dynamic is not None and stats["compiles"] and cache.lookup(entry.op, CallSignature.of(op, entry.device, args).key):
+        if entry.dynamic is not None and stats["compiles"] and cache.lookup(entry.op, signature.key):
             # Export fixed a size the family moves (a 1 among its sizes, say): the parent's
             # shapes of this family compile alone from now on, and this one is in the cache.
             reason = "no dynamic-shape kernel for the family: this shape was compiled alone"

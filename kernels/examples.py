@@ -25,9 +25,8 @@ from aoti_eager.kernels.signature import (
 )
 
 
-def example_tensor(described: TensorArg, device: torch.device, int_bound: int = 8) -> torch.Tensor:
-    """A tensor with ``described``'s dtype, sizes, strides and alignment;
-    integers from 0 to ``int_bound`` (excluded).
+def example_tensor(described: TensorArg, device: torch.device) -> torch.Tensor:
+    """A tensor with ``described``'s dtype, sizes, strides and alignment.
 
     Example::
 
@@ -49,17 +48,17 @@ def example_tensor(described: TensorArg, device: torch.device, int_bound: int = 
     elif dtype == torch.bool:
         storage.random_(0, 2)
     else:
-        storage.random_(0, int_bound)  # small values: valid indices, shifts and divisors for most ops
+        storage.random_(0, 8)  # small values: valid indices, shifts and divisors for most ops
     return storage.as_strided(sizes, strides, offset)
 
 
-def example_value(described: Arg, device: torch.device, int_bound: int = 8) -> Any:
+def example_value(described: Arg, device: torch.device) -> Any:
     """One argument as the user passes it: a Python number where the dispatcher
     received a wrapped number, so that the call is keyed like the recorded one."""
     if isinstance(described, TensorArg):
-        return example_tensor(described, device, int_bound)
+        return example_tensor(described, device)
     if isinstance(described, ListArg):
-        return [example_value(item, device, int_bound) for item in described.items]
+        return [example_value(item, device) for item in described.items]
     if isinstance(described, NoneArg):
         return None
     if isinstance(described, RuntimeNumberArg):
@@ -67,18 +66,18 @@ def example_value(described: Arg, device: torch.device, int_bound: int = 8) -> A
     return described.value  # a number or another constant
 
 
-def example_arguments(signature: list[dict[str, Any]], device: torch.device, int_bound: int = 8) -> list[Any]:
+def example_arguments(signature: list[dict[str, Any]], device: torch.device) -> list[Any]:
     """The arguments, in schema order, of a call with the recorded ``signature``.
 
     Raises Unsupported for an argument that cannot be rebuilt.
     """
-    return [example_value(argument_from_json(described), device, int_bound) for described in signature]
+    return [example_value(argument_from_json(described), device) for described in signature]
 
 
 def eager_accepted(op: torch._ops.OpOverload, args: list[Any]) -> list[Any]:
     """``args`` (example tensors, which own their storage), with every integer
-    tensor zeroed where eager ``op`` refuses their values and accepts zeros:
-    zeros index any non-empty dimension, where the small random integers of
+    tensor zeroed in place where eager ``op`` refuses their values: zeros
+    index any non-empty dimension, where the small random integers of
     :func:`example_tensor` can be an index past a short table (BERT's
     token-type embedding has 2 rows). Eager is asked only where there are
     integer tensors, and on CPU copies: on CUDA an index out of range is a
@@ -88,10 +87,10 @@ def eager_accepted(op: torch._ops.OpOverload, args: list[Any]) -> list[Any]:
         >>> eager_accepted(torch.ops.aten.embedding.default, [table, indices])[1]
         tensor([0, 0, 0])
     """
-    if not any(_integer_tensors(a) for a in args) or _eager_accepts(op, args):
-        return args
-    zeroed = [_zero_integers(a) for a in args]
-    return zeroed if _eager_accepts(op, zeroed) else args  # eager's own error comes from the call
+    if any(_integer_tensors(a) for a in args) and not _eager_accepts(op, args):
+        for a in args:
+            _zero_integers(a)  # where eager refuses zeros too, its own error comes from the call
+    return args
 
 
 def _integer_tensors(value: Any) -> bool:
@@ -100,14 +99,13 @@ def _integer_tensors(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
 
 
-def _zero_integers(value: Any) -> Any:
+def _zero_integers(value: Any) -> None:
     if isinstance(value, list):
-        return [_zero_integers(v) for v in value]
-    if not _integer_tensors(value):
-        return value
-    storage = torch.empty(0, dtype=value.dtype, device=value.device).set_(value.untyped_storage())
-    storage.zero_()  # all of it, so that the layout (even an expanded one) stays as it is
-    return value
+        for v in value:
+            _zero_integers(v)
+    elif _integer_tensors(value):
+        storage = torch.empty(0, dtype=value.dtype, device=value.device).set_(value.untyped_storage())
+        storage.zero_()  # all of it, so that the layout (even an expanded one) stays as it is
 
 
 def _eager_accepts(op: torch._ops.OpOverload, args: list[Any]) -> bool:

@@ -13,8 +13,8 @@ them and is not reported):
 - ``now``: ``compile="now"``, seconds of the first forward (every compile in it);
 - ``background``: ``compile="background"``, then the forward again and again:
   seconds from the first forward's start to the first forward in which no
-  call missed and no compile was left to take up (every signature compiled
-  and in use), and how long the forwards meanwhile took against eager's;
+  call missed and no background compile was still running (every signature
+  compiled and in use), and how long the forwards meanwhile took against eager's;
 - ``torch.compile``: seconds of the compiled model's first forward.
 
 Then each process times its warm forward against eager's, in alternating
@@ -115,7 +115,7 @@ def child(model_name: str, mode: str, layers: int, device: str, rounds: int, ver
             meanwhile, missed = [], misses()
             # Forwards with pauses between them, as a workload leaves the
             # compiles some of the CPU, until one of them misses nothing and
-            # no compile is left to take up (calls of a signature that is
+            # no compile is still running (calls of a signature that is
             # compiling run eagerly without a miss).
             said = time.perf_counter()
             while time.perf_counter() - start < GIVE_UP_S:
