@@ -35,7 +35,7 @@ a number given for  tag, dtype, value: the dispatcher   ``NumberArg``: as an int
 a Tensor argument   passes a wrapped number             Python receives for a wrapped number; a
                                                         wrapped tensor: its dtype and value's repr
 runtime number      as a constant: a new value misses   ``RuntimeNumberArg``: as a number, without
-                    once, and Python hands over the     its value. A float on CPU; a positive
+                    once, and Python hands over the     its value. A float; a positive      
                     kernel it already holds. The value  int, or int list item, once its value
                     is read into a 0-d CPU tensor:      moved (see ``with_runtime_ints``). Its
                     int64 for an int, float64 for a     ``"kind"`` gives the kernel input's dtype
@@ -379,14 +379,12 @@ def _with(values: tuple[Any, ...], position: Position, new: Any) -> tuple[Any, .
 
 
 # A kernel's wrapper reads a runtime number from its 0-d CPU tensor when the
-# kernel is called and hands it to the device code by value. Ints arrive
-# right on CPU and CUDA (torch 2.11, H100: arange at 20 ends, all equal to
-# eager's). Floats do on CPU only: on CUDA, with torch 2.11, add and mul
-# kernels that read a float disagreed with eager for 20 of 20 values from a
-# float64 tensor and 4 of 5 from a float32 one, with the Triton kernel's
-# parameter typed fp64 or fp32 alike, so CUDA kernels compile floats in.
-_RUNTIME_FLOAT_DEVICES = ("cpu",)
-_RUNTIME_INT_DEVICES = ("cpu", "cuda")
+# kernel is called and hands it to the device code by value: ints and floats
+# arrive right on CPU and CUDA (torch 2.11, H100: arange at 20 ends, add and
+# mul at 20 floats, all equal to eager's). On CUDA a float does so only since
+# kernels.wrapper_split types its launch parameter double: Inductor's int64_t
+# made 3.7 a 3.
+_RUNTIME_NUMBER_DEVICES = ("cpu", "cuda")
 
 
 def _takes_runtime_number(argument: torch._C.Argument) -> bool:
@@ -466,7 +464,7 @@ class CallSignature:
         """
         device = _call_device(device_type, args)
         described = tuple(_describe(a, device) for a in args)
-        if runtime_numbers and device.type in _RUNTIME_FLOAT_DEVICES:
+        if runtime_numbers and device.type in _RUNTIME_NUMBER_DEVICES:
             described = tuple(
                 RuntimeNumberArg(d) if isinstance(d, NumberArg) and d.can_be_runtime and _takes_runtime_number(arg) else d
                 for arg, d in zip(op._schema.arguments, described)
@@ -501,7 +499,7 @@ class CallSignature:
         positive ints (see :attr:`NumberArg.can_be_runtime_int`), on a device
         whose kernels read runtime numbers as they are called."""
         ints = self.int_arguments
-        return self.device.type in _RUNTIME_INT_DEVICES and all(
+        return self.device.type in _RUNTIME_NUMBER_DEVICES and all(
             p in ints and _at(self.described, p).can_be_runtime_int for p in positions
         )
 

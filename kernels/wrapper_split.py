@@ -31,6 +31,14 @@ them alive for the call, instead of handing over a new ``at::Tensor`` per input
 for the library to delete, and the library says so with
 ``aoti_eager_borrows_inputs``.
 
+On CUDA, a float that the kernel reads at run time (``.item()`` of a 0-d CPU
+tensor, :mod:`aoti_eager.kernels.signature`'s runtime numbers) reaches each
+Triton launch through a generated ``call_triton_*`` helper whose parameter
+Inductor types ``int64_t`` (as for every symbol), so 3.7 arrived as 3
+(torch 2.11 on the H100; 2.13's code types it alike). :func:`_float_parameters_as_double` retypes the
+parameters that a helper converts to a floating-point kernel argument, in the
+whole wrapper as in the split one.
+
 Both parts are compiled with Inductor's own command line. A wrapper that does
 not have the expected shape, or a part that fails to compile, gets Inductor's
 own build instead: the split can change how long a compile takes, not what it
@@ -124,6 +132,35 @@ def _borrow_inputs(own_text: str) -> str:
     return own_text.replace(_STEAL, _BORROW) + _BORROWS
 
 
+# A launch helper's head (AOTInductor writes one per Triton kernel, its
+# parameters on one line or one a line), and a floating-point kernel argument
+# made from a name (Triton signature fp32 or fp64).
+_HELPER = re.compile(r"\bvoid call_triton_\w+\(([^()]*)\)\s*\{")
+_FLOAT_ARGUMENT = re.compile(r"\b(?:double|float) var_\d+ = (\w+);")
+
+
+def _float_parameters_as_double(text: str) -> str:
+    """``text`` with each launch helper's ``int64_t`` parameter that the helper
+    hands to its kernel as a float typed ``double`` instead. Only runtime
+    floats are such parameters: an int goes to its kernel as i32 or i64.
+
+        >>> helper = "static void call_triton_k(\\n    int64_t zuf0,\\n    int64_t xnumel\\n){\\n    double var_1 = zuf0;\\n    int64_t var_2 = xnumel;\\n}\\n"
+        >>> print(_float_parameters_as_double(helper).splitlines()[1:3])
+        ['    double zuf0,', '    int64_t xnumel']
+    """
+    pieces, done = [], 0
+    for head in _HELPER.finditer(text):
+        # Helpers are top-level functions: the body ends at the first brace in
+        # column 0 (the kernel's Triton source, in a comment in it, is indented).
+        body_end = text.find("\n}", head.end())
+        floats = set(_FLOAT_ARGUMENT.findall(text, head.end(), body_end if body_end >= 0 else len(text)))
+        if floats:
+            parameters = re.sub(r"\bint64_t (\w+)\b", lambda p: f"double {p.group(1)}" if p.group(1) in floats else p.group(0), head.group(1))
+            pieces += [text[done:head.start(1)], parameters]
+            done = head.end(1)
+    return "".join(pieces) + text[done:]
+
+
 class _Unsplittable(Exception):
     pass
 
@@ -155,6 +192,8 @@ def split_wrapper_builds(shared_dir: Path | None, seconds: dict[str, float], lin
     def build(builder: cpp_builder.CppBuilder) -> None:
         tokens = shlex.split(builder.get_command_line())
         stage = _stage(tokens)
+        if stage == "wrapper":
+            _retype_float_parameters(builder, tokens)
         if stage == "link":
             finish_pending()
             if shared_dir is not None:
@@ -180,6 +219,19 @@ def split_wrapper_builds(shared_dir: Path | None, seconds: dict[str, float], lin
         # Reached early only by an error: the parts' compilers are not left running.
         with contextlib.suppress(Exception):
             finish_pending()
+
+
+def _retype_float_parameters(builder: cpp_builder.CppBuilder, tokens: list[str]) -> None:
+    """Applies :func:`_float_parameters_as_double` to the wrapper's source file."""
+    source = _build_directory(builder) / next(t for t in tokens if t.endswith(".wrapper.cpp"))
+    text = source.read_text()
+    if "call_triton_" in text and (fixed := _float_parameters_as_double(text)) != text:
+        source.write_text(fixed)
+
+
+def _build_directory(builder: cpp_builder.CppBuilder) -> Path:
+    """Where Inductor runs the builder's command: its paths may be relative to it."""
+    return Path(builder._output_dir) / f"{builder._name}_{cpp_builder._BUILD_TEMP_DIR}"
 
 
 def _link_with(linker: str, builder: cpp_builder.CppBuilder, original: Callable[[cpp_builder.CppBuilder], None]) -> None:
@@ -219,8 +271,7 @@ def _start_split(
     source_index = next(i for i, t in enumerate(tokens) if t.endswith(".wrapper.cpp"))
     if "-c" not in tokens or "-o" not in tokens:
         raise _Unsplittable("not the compile of one wrapper")
-    # The command's paths may be relative to where Inductor would run it.
-    cwd = Path(builder._output_dir) / f"{builder._name}_{cpp_builder._BUILD_TEMP_DIR}"
+    cwd = _build_directory(builder)
     cwd.mkdir(parents=True, exist_ok=True)
     source, output = cwd / tokens[source_index], cwd / tokens[tokens.index("-o") + 1]
     text = source.read_text()

@@ -13,6 +13,7 @@ from aoti_eager import _runtime
 from aoti_eager.cache import KernelCache, UntrustedEntry
 from aoti_eager.kernels import CompileError, load_probe, pipeline
 from aoti_eager.kernels.signature import CallSignature
+from conftest import DEVICES
 from helpers import assert_same_as_eager
 
 A = torch.ops.aten
@@ -172,12 +173,14 @@ def test_new_scalar_values_stop_compiling_past_the_limit(tmp_path, monkeypatch, 
     assert sum("AOTI_EAGER_MAX_VALUE_VARIANTS" in r.message for r in caplog.records) == 1
 
 
-def test_float_arguments_are_kernel_inputs_not_recompiles(shared_cache):
-    x, g = torch.randn(32, 32), torch.randn(32, 32)
-    scales = [0.5, -1.25, 3.0, 1e-3, 7.5]
-    rates = [0.1, 0.05, 0.025, 0.0125]
+@pytest.mark.parametrize("device", DEVICES)
+def test_float_arguments_are_kernel_inputs_not_recompiles(shared_cache, device):
+    x, g = torch.randn(32, 32, device=device), torch.randn(32, 32, device=device)
+    # Fractions on purpose: on CUDA a launch parameter typed as an int once made 3.7 a 3.
+    scales = [(-1) ** i * (i + 0.37) / 3 for i in range(17)] + [1e6, -2.5e-7, 0.5]
+    rates = [0.1 * 0.9**i for i in range(20)]
     p = x.clone()
-    with aoti_eager.enabled(["aten::mul.Tensor", "aten::add_.Tensor"], devices=["cpu"], cache_dir=shared_cache):
+    with aoti_eager.enabled(["aten::mul.Tensor", "aten::add_.Tensor"], devices=[device], cache_dir=shared_cache):
         products = [torch.mul(x, s) for s in scales]
         for lr in rates:
             p.add_(g, alpha=-lr)  # an optimizer step with a decaying learning rate

@@ -175,3 +175,33 @@ def test_a_kernel_that_borrows_its_inputs_neither_keeps_nor_frees_them(shared_ca
     assert any("aoti_eager_borrows_inputs" in s for s in symbols)
     for r in results:
         assert_same_as_eager(r, a + b)
+
+
+# A launch helper as AOTInductor writes it (torch 2.11, CUDA), its kernel's
+# Triton source in a comment: ``ks0`` is a float read at run time, ``ks1`` an int.
+_LAUNCH_HELPER = """template <typename in_ptr0_type_, typename kernels_type_>
+static inline void call_triton_poi_fused_mul_0(
+    const in_ptr0_type_& in_ptr0,
+    int64_t ks0,
+    int64_t ks1,
+    int32_t device_idx_,
+    kernels_type_& kernels_,
+    const std::optional<std::string>& cubin_dir_ = std::nullopt
+){
+    /*
+    triton_meta={'signature': {'in_ptr0': '*fp32', 'ks0': 'fp64', 'ks1': 'i32'}}
+    */
+    CUdeviceptr var_0 = reinterpret_cast<CUdeviceptr>(in_ptr0.data_ptr());
+    double var_1 = ks0;
+    int32_t var_2 = ks1;
+    void* kernel_args_[] = {&var_0, &var_1, &var_2};
+}
+"""
+
+
+def test_a_launch_helper_takes_a_float_it_hands_its_kernel_as_a_double():
+    fixed = wrapper_split._float_parameters_as_double(_LAUNCH_HELPER + _LAUNCH_HELPER.replace("mul_0", "mul_1").replace("double var_1", "int64_t var_1"))
+    first, second = fixed.split("template", 2)[1:]
+    assert "    double ks0,\n    int64_t ks1," in first
+    assert "    int64_t ks0,\n    int64_t ks1," in second  # each helper by itself
+    assert wrapper_split._float_parameters_as_double(fixed) == fixed
