@@ -35,7 +35,7 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from aoti_eager import settings
+from aoti_eager import _zygote, settings
 from aoti_eager.manifest import ManifestEntry
 
 log = logging.getLogger("aoti_eager")
@@ -70,7 +70,8 @@ def compile_threads(jobs: int) -> int:
 
 # The command that runs a worker (tests replace it to make workers fail).
 # Not ``-m aoti_eager._worker``: the package imports this module first, and runpy warns.
-COMMAND = [sys.executable, "-c", "import sys; from aoti_eager._worker import main; sys.exit(main())"]
+_MAIN = [sys.executable, "-c", "import sys; from aoti_eager._worker import main; sys.exit(main())"]
+COMMAND = _MAIN
 
 
 @dataclass
@@ -134,10 +135,12 @@ def warm(entry: ManifestEntry, root: Path) -> Outcome:
 
 
 # Workers running now, so that an interrupted parent can stop them.
-_running: set[subprocess.Popen] = set()
+_running: set[subprocess.Popen | _zygote.ForkedWorker] = set()
 _running_lock = threading.Lock()
 # Set at exit (see shutdown()): no worker starts any more.
 stopped = False
+# Forks workers while any runs (see _fork); under _running_lock.
+_forking: _zygote.Zygote | None = None
 
 
 class Worker:
@@ -176,12 +179,12 @@ class Worker:
         # logs at DEBUG, the child logs too, to the parent's stderr.
         verbose = log.isEnabledFor(logging.DEBUG)
         self._stderr = None if verbose else tempfile.TemporaryFile(prefix="aoti_eager-worker-")
+        argv = [str(self.root), *(["--log"] if verbose else [])]
         with _running_lock:
             if stopped:
                 raise ProcessLookupError("the process is exiting")
-            self._process = subprocess.Popen(
-                [*COMMAND, str(self.root), *(["--log"] if verbose else [])], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env,
+            self._process = _fork(argv, env, self._stderr, self.niceness) or subprocess.Popen(
+                [*COMMAND, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True, env=env,
             )
             _running.add(self._process)
         if self.niceness:
@@ -237,6 +240,7 @@ class Worker:
             _running.discard(process)
         process.kill()
         process.wait()
+        _stop_forking_if_idle()
         for stream in (process.stdin, process.stdout, self._stderr):
             if stream is None:
                 continue
@@ -244,6 +248,33 @@ class Worker:
                 stream.close()
             except (OSError, BrokenPipeError):
                 pass
+
+
+def _fork(argv: list[str], env: dict[str, str], stderr, niceness: int) -> _zygote.ForkedWorker | None:
+    """A worker forked from the zygote (started at the first worker, see
+    :mod:`aoti_eager._zygote`); None where workers start anew: the setting is
+    off, a test replaced :data:`COMMAND`, or the zygote fails. Under
+    _running_lock."""
+    global _forking
+    if COMMAND is not _MAIN or not settings.fork_workers.get():
+        return None
+    try:
+        if _forking is None or not _forking.alive:
+            _forking = _zygote.Zygote(env, niceness)
+        return _forking.fork(argv, env, stderr.fileno() if stderr is not None else sys.stderr.fileno())
+    except OSError as e:
+        log.debug("aoti_eager: starting a worker anew: %s", e)
+        _forking = None
+        return None
+
+
+def _stop_forking_if_idle() -> None:
+    """Ends the zygote once no worker runs: it holds torch and Inductor in memory."""
+    global _forking
+    with _running_lock:
+        idle, _forking = (_forking, None) if not _running else (None, _forking)
+    if idle is not None:
+        idle.close()
 
 
 def stop_all() -> None:
@@ -255,10 +286,13 @@ def stop_all() -> None:
 
 def shutdown() -> None:
     """Kills every running worker and starts no more (at exit)."""
-    global stopped
+    global stopped, _forking
     with _running_lock:
         stopped = True
+        forking, _forking = _forking, None
     stop_all()
+    if forking is not None:
+        forking.close()
 
 
 def main() -> int:

@@ -164,6 +164,9 @@ dynamic_shapes = Setting("AOTI_EAGER_DYNAMIC_SHAPES", BOOLEAN, "1",
 background_jobs = Setting("AOTI_EAGER_BACKGROUND_JOBS", COUNT, "0",
                           "worker processes compiling `compile=\"background\"` misses at once; 0: one per core, "
                           "as memory allows (as `prewarm`)")
+fork_workers = Setting("AOTI_EAGER_FORK_WORKERS", BOOLEAN, "1",
+                       "fork compile workers from one process that has imported torch and Inductor, instead of "
+                       "starting each anew")
 keep_faster = Setting("AOTI_EAGER_KEEP_FASTER", BOOLEAN, "1",
                       "time each new kernel against eager, and keep the signature eager where eager is faster")
 split_wrapper = Setting("AOTI_EAGER_SPLIT_WRAPPER", BOOLEAN, "1",

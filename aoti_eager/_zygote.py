@@ -1,0 +1,212 @@
+"""One process that imports torch and Inductor once, and forks compile workers.
+
+A worker of :mod:`aoti_eager._worker` started anew imports torch, Inductor and
+Triton, then initializes much of Inductor within its first compile. On the
+16-core H100 host, 16 workers started at once reached their first compile
+after 9-10 s and spent 15-17 s in it; forked from this process, which had
+imported once (8.7 s), they initialized CUDA in 2 s and spent 4-6 s in their
+first compile: 23 signatures compiled by 19.6 s instead of 28.9 s
+(BENCHMARKS.md, "Workers forked from one process").
+
+The process never initializes CUDA, which a forked child could not use: it
+asks NVML whether a GPU is there (``PYTORCH_NVML_BASED_CUDA_CHECK``), and stops
+if an import initialized CUDA all the same. It runs no thread of its own.
+It serves one request at a time, on a Unix socket pair (one message each):
+
+- ``{"fork": argv, "env": {...}}`` with three file descriptors, the worker's
+  stdin, stdout and stderr: a child runs :func:`aoti_eager._worker.main` with
+  ``argv`` and ``env``; the answer is ``{"pid": pid}``;
+- ``{"wait": pid}``: the answer is ``{"returncode": code}``, as
+  ``subprocess.Popen.wait`` gives it, once that child has ended (asked once
+  it was killed or closed its stdout).
+
+It ends when the socket closes: when the process that started it stops it or
+exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import traceback
+import warnings
+
+_SERVE = "import sys; from aoti_eager._zygote import serve; sys.exit(serve())"
+# The longest a request waits: the first waits for the imports, which took 8.7 s
+# on the H100 host and up to a minute on a machine whose disk cache is cold.
+ANSWER_SECONDS = 300.0
+
+
+class ForkedWorker:
+    """A worker forked by a :class:`Zygote`: what :class:`aoti_eager._worker.Worker`
+    uses of a ``subprocess.Popen``."""
+
+    def __init__(self, zygote: Zygote, pid: int, stdin, stdout):
+        self._zygote = zygote
+        self.pid = pid
+        self.stdin = stdin
+        self.stdout = stdout
+        self.returncode: int | None = None
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            try:
+                self.returncode = self._zygote.wait(self.pid)
+            except OSError:  # the zygote is gone, and the child's status with it
+                self.returncode = -signal.SIGKILL
+        return self.returncode
+
+
+class Zygote:
+    """The forking process, started with ``env`` and ``niceness`` added to
+    this process's nice value. Thread-safe: requests take turns."""
+
+    def __init__(self, env: dict[str, str], niceness: int = 0):
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours.settimeout(ANSWER_SECONDS)
+        self._socket = ours
+        self._lock = threading.Lock()
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-c", _SERVE, str(theirs.fileno())], pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                env={**env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"},
+            )
+        finally:
+            theirs.close()
+        if niceness:
+            with contextlib.suppress(OSError):  # a priority is a preference, not a need
+                os.setpriority(os.PRIO_PROCESS, self._process.pid, os.getpriority(os.PRIO_PROCESS, 0) + niceness)
+
+    @property
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def fork(self, argv: list[str], env: dict[str, str], stderr: int) -> ForkedWorker:
+        """A new worker running ``aoti_eager._worker.main`` with ``argv``, its
+        stderr on the descriptor ``stderr``. Waits for the zygote's imports on
+        first use. Raises OSError where the zygote cannot fork one."""
+        stdin_read, stdin_write = os.pipe()
+        stdout_read, stdout_write = os.pipe()
+        try:
+            answer = self._ask({"fork": argv, "env": env}, [stdin_read, stdout_write, stderr])
+        except BaseException:
+            os.close(stdin_write)
+            os.close(stdout_read)
+            raise
+        finally:
+            os.close(stdin_read)
+            os.close(stdout_write)
+        return ForkedWorker(self, answer["pid"], os.fdopen(stdin_write, "w"), os.fdopen(stdout_read, "r"))
+
+    def wait(self, pid: int) -> int:
+        return self._ask({"wait": pid})["returncode"]
+
+    def _ask(self, request: dict, fds: list[int] = ()) -> dict:
+        with self._lock:
+            try:
+                socket.send_fds(self._socket, [json.dumps(request).encode()], list(fds))
+                answer = self._socket.recv(1 << 16)
+            except OSError:  # a late answer would answer the next request: this zygote is done
+                self.close()
+                raise
+        if not answer:
+            raise ConnectionError(f"the forking process ended (exit code {self._process.wait()})")
+        answer = json.loads(answer)
+        if "error" in answer:
+            raise OSError(answer["error"])
+        return answer
+
+    def close(self) -> None:
+        """Ends the zygote; the workers it forked go on until they are stopped."""
+        self._socket.close()
+        self._process.kill()
+        self._process.wait()
+
+
+def _preload() -> None:
+    """Imports what a compile uses; a module that is not installed (Triton on a
+    CPU-only machine) is left to the worker."""
+    import torch
+
+    for name in (
+        "torch._dynamo", "torch.export", "torch._inductor.compile_fx", "torch._inductor.lowering",
+        "torch._inductor.codegen.cpp_wrapper_cpu", "torch._inductor.codegen.cpp_wrapper_gpu",
+        "torch._inductor.codegen.triton", "triton.compiler.compiler", "aoti_eager._worker",
+        "aoti_eager.kernels.pipeline", "aoti_eager.kernels.dynamic", "aoti_eager.kernels.examples",
+    ):
+        with contextlib.suppress(ImportError):
+            __import__(name)
+    if torch.cuda.is_initialized():
+        raise RuntimeError("importing torch and Inductor initialized CUDA: forked workers could not use it")
+
+
+def serve() -> int:
+    """The zygote's loop; runs in the process :class:`Zygote` starts."""
+    requests = socket.socket(fileno=int(sys.argv[1]))
+    try:
+        _preload()
+    except Exception as e:  # noqa: BLE001 - every request is told why
+        failure = f"the forking process could not import what a compile uses: {type(e).__name__}: {e}"
+    else:
+        failure = None
+    # The child inherits only the forking thread: the threads CUDA's libraries
+    # start are idle here, and the child initializes CUDA for itself.
+    warnings.filterwarnings("ignore", message=".*use of fork\\(\\) may lead to deadlocks", category=DeprecationWarning)
+    while True:
+        try:
+            message, fds, _, _ = socket.recv_fds(requests, 1 << 16, 3)
+        except OSError:
+            return 0
+        if not message:
+            return 0  # the parent closed its end, or exited
+        request = json.loads(message)
+        if failure is not None:
+            answer = {"error": failure}
+        elif "wait" in request:
+            answer = {"returncode": os.waitstatus_to_exitcode(os.waitpid(request["wait"], 0)[1])}
+        else:
+            answer = {"pid": _fork(requests, request, fds)}
+        for fd in fds:
+            os.close(fd)
+        requests.send(json.dumps(answer).encode())
+
+
+def _fork(requests: socket.socket, request: dict, fds: list[int]) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        requests.close()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        threads = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
+        if threads:  # Inductor read it when this process imported it
+            import torch._inductor.config
+
+            torch._inductor.config.compile_threads = int(threads)
+        sys.argv = ["aoti_eager worker", *request["fork"]]
+        from aoti_eager._worker import main
+
+        code = main()
+    except BaseException:  # noqa: BLE001 - the parent reads the last line of stderr
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code)

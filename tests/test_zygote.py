@@ -1,0 +1,60 @@
+"""Workers forked from one process that imported torch and Inductor once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import pytest
+
+from aoti_eager import _worker, _zygote
+from aoti_eager.manifest import ManifestEntry
+
+# An entry a worker refuses at once: it shows that the worker ran, without a compile.
+UNKNOWN_OP = ManifestEntry("aten::no_such_op.default", "cpu", "key", [])
+
+
+@pytest.fixture
+def workers(monkeypatch):
+    """The workers of this test alone, and their zygote."""
+    monkeypatch.setattr(_worker, "_running", set())
+    monkeypatch.setattr(_worker, "_forking", None)
+    started: list[_worker.Worker] = []
+    yield lambda **kwargs: started.append(_worker.Worker(**kwargs)) or started[-1]
+    for worker in started:
+        worker.close()
+
+
+def test_workers_are_forked_from_one_process_that_ends_with_the_last_worker(workers, tmp_path):
+    first, second = workers(root=tmp_path), workers(root=tmp_path, niceness=3)
+    outcomes = [first.compile(UNKNOWN_OP, timeout=120), second.compile(UNKNOWN_OP, timeout=120)]
+    assert all(o.status == "failed" and "no_such_op" in o.reason for o in outcomes), outcomes
+    assert all(isinstance(w._process, _zygote.ForkedWorker) for w in (first, second))
+    assert os.getpriority(os.PRIO_PROCESS, second._process.pid) == os.getpriority(os.PRIO_PROCESS, 0) + 3
+    forking = _worker._forking
+    first.close()
+    assert _worker._forking is forking and forking.alive
+    second.close()
+    assert _worker._forking is None and not forking.alive
+
+
+def test_a_forked_worker_that_dies_is_reported_as_a_new_one_would_be(workers, tmp_path):
+    worker = workers(root=tmp_path)
+    assert worker.compile(UNKNOWN_OP, timeout=120).status == "failed"
+    os.kill(worker._process.pid, signal.SIGKILL)
+    outcome = worker.compile(UNKNOWN_OP, timeout=120)
+    assert outcome.status == "failed" and "died of SIGKILL" in outcome.reason, outcome
+    assert worker.compile(UNKNOWN_OP, timeout=120).reason != outcome.reason  # the next entry: a new worker
+
+
+@pytest.mark.parametrize("how", ["a zygote that fails", "the setting off"])
+def test_without_a_zygote_workers_start_anew(workers, tmp_path, monkeypatch, how):
+    if how == "the setting off":
+        monkeypatch.setenv("AOTI_EAGER_FORK_WORKERS", "0")
+    else:
+        monkeypatch.setattr(_zygote, "_SERVE", "raise SystemExit(3)")
+    worker = workers(root=tmp_path)
+    outcome = worker.compile(UNKNOWN_OP, timeout=120)
+    assert outcome.status == "failed" and "no_such_op" in outcome.reason, outcome
+    assert isinstance(worker._process, subprocess.Popen) and _worker._forking is None
