@@ -139,8 +139,10 @@ _running: set[subprocess.Popen | _zygote.ForkedWorker] = set()
 _running_lock = threading.Lock()
 # Set at exit (see shutdown()): no worker starts any more.
 stopped = False
-# Forks workers while any runs (see _fork); under _running_lock.
+# Forks workers while any runs (see _fork); under _running_lock. Once a
+# zygote fails, this process starts its workers anew: the next would fail too.
 _forking: _zygote.Zygote | None = None
+_forking_failed = False
 
 
 class Worker:
@@ -255,16 +257,18 @@ def _fork(argv: list[str], env: dict[str, str], stderr, niceness: int) -> _zygot
     :mod:`aoti_eager._zygote`); None where workers start anew: the setting is
     off, a test replaced :data:`COMMAND`, or the zygote fails. Under
     _running_lock."""
-    global _forking
-    if COMMAND is not _MAIN or not settings.fork_workers.get():
+    global _forking, _forking_failed
+    if COMMAND is not _MAIN or _forking_failed or not settings.fork_workers.get():
         return None
     try:
         if _forking is None or not _forking.alive:
             _forking = _zygote.Zygote(env, niceness)
         return _forking.fork(argv, env, stderr.fileno() if stderr is not None else sys.stderr.fileno())
     except OSError as e:
-        log.debug("aoti_eager: starting a worker anew: %s", e)
-        _forking = None
+        log.info("aoti_eager: compile workers start anew, each importing torch: %s", e)
+        if _forking is not None:
+            _forking.close()
+        _forking, _forking_failed = None, True
         return None
 
 

@@ -130,8 +130,9 @@ class Zygote:
     def close(self) -> None:
         """Ends the zygote; the workers it forked go on until they are stopped."""
         self._socket.close()
-        self._process.kill()
-        self._process.wait()
+        if self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
 
 
 def _preload() -> None:

@@ -20,6 +20,7 @@ def workers(monkeypatch):
     """The workers of this test alone, and their zygote."""
     monkeypatch.setattr(_worker, "_running", set())
     monkeypatch.setattr(_worker, "_forking", None)
+    monkeypatch.setattr(_worker, "_forking_failed", False)
     started: list[_worker.Worker] = []
     yield lambda **kwargs: started.append(_worker.Worker(**kwargs)) or started[-1]
     for worker in started:
@@ -54,7 +55,9 @@ def test_without_a_zygote_workers_start_anew(workers, tmp_path, monkeypatch, how
         monkeypatch.setenv("AOTI_EAGER_FORK_WORKERS", "0")
     else:
         monkeypatch.setattr(_zygote, "_SERVE", "raise SystemExit(3)")
-    worker = workers(root=tmp_path)
-    outcome = worker.compile(UNKNOWN_OP, timeout=120)
-    assert outcome.status == "failed" and "no_such_op" in outcome.reason, outcome
-    assert isinstance(worker._process, subprocess.Popen) and _worker._forking is None
+    for _ in range(2):  # a zygote that failed is not tried again
+        worker = workers(root=tmp_path)
+        outcome = worker.compile(UNKNOWN_OP, timeout=120)
+        assert outcome.status == "failed" and "no_such_op" in outcome.reason, outcome
+        assert isinstance(worker._process, subprocess.Popen) and _worker._forking is None
+    assert _worker._forking_failed == (how == "a zygote that fails")
