@@ -63,34 +63,47 @@ bool CallKeyBuilder::add(const at::Tensor& t) {
     }
     return true;
   }
-  if (t.has_storage()) {
-    // Borrowed: Tensor::storage() would copy the handle (two atomic updates).
-    storages_.push_back(t.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl());
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  // Borrowed: Tensor::storage() would copy the handle (two atomic updates);
+  // and read in place, as has_storage() and data_ptr() are calls into libc10.
+  const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
+  if (storage != nullptr) {
+    storages_.push_back(storage);
   }
-  const auto sizes = t.sizes();
-  // One word for all but sizes and strides: the key of a 64x64 add is 12
-  // words instead of 22, hashed and compared on every call.
-  words.push_back(
-      kTensor | static_cast<int64_t>(t.scalar_type()) << 8 |
-      static_cast<int64_t>(static_cast<uint8_t>(t.device().type())) << 16 |
-      static_cast<int64_t>(static_cast<uint8_t>(t.device().index())) << 24 |
-      static_cast<int64_t>(sizes.size()) << 32 | static_cast<int64_t>(is_aligned(t)) << 48);
+  const auto sizes = impl->sizes();
+  const size_t ndim = sizes.size();
+  // data_ptr(), as is_aligned reads it: null for an empty tensor.
+  const bool aligned = storage != nullptr && impl->dtype_initialized() && !impl->has_symbolic_sizes_strides()
+      ? impl->numel() == 0 ||
+          (reinterpret_cast<uintptr_t>(storage->data()) + impl->itemsize() * impl->storage_offset()) % 16 == 0
+      : is_aligned(t);
   const size_t index = tensor_index_++;
   const uint64_t dynamic =
       dynamic_ != nullptr && index < dynamic_->size() ? (*dynamic_)[index] : 0;
   if (tensors_ != nullptr) {
     tensors_->push_back(&t);
   }
-  for (size_t d = 0; d < sizes.size(); ++d) {
-    words.push_back(d < 64 && (dynamic >> d) & 1 ? kAnySize : sizes[d]);
+  // Written in place: one size check for the tensor's words, not one per word.
+  const size_t start = words.size();
+  words.resize_for_overwrite(start + 1 + (dynamic == 0 ? 2 : 1) * ndim);
+  int64_t* word = words.data() + start;
+  // One word for all but sizes and strides: the key of a 64x64 add is 12
+  // words instead of 22, hashed and compared on every call.
+  const c10::Device device = impl->device();
+  *word++ = kTensor | static_cast<int64_t>(t.scalar_type()) << 8 |
+      static_cast<int64_t>(static_cast<uint8_t>(device.type())) << 16 |
+      static_cast<int64_t>(static_cast<uint8_t>(device.index())) << 24 |
+      static_cast<int64_t>(ndim) << 32 | static_cast<int64_t>(aligned) << 48;
+  for (size_t d = 0; d < ndim; ++d) {
+    *word++ = d < 64 && (dynamic >> d) & 1 ? kAnySize : sizes[d];
   }
   if (dynamic == 0) {
     // A size-1 dim's stride never moves through memory, and views give it
     // any value: kernels are keyed on the strides that step (as
     // kernels/signature.py's TensorArg is).
-    const auto strides = t.strides();
-    for (size_t d = 0; d < strides.size(); ++d) {
-      words.push_back(sizes[d] == 1 ? kAnySize : strides[d]);
+    const auto strides = impl->strides();
+    for (size_t d = 0; d < ndim; ++d) {
+      *word++ = sizes[d] == 1 ? kAnySize : strides[d];
     }
   }
   return true;
@@ -199,12 +212,15 @@ bool CallKeyBuilder::finish(bool mutates) {
       }
     }
   }
-  size_t h = key_.words.size();
-  for (int64_t w : key_.words) {
+  return true;
+}
+
+size_t CallKeyHash::operator()(const CallKey& key) const {
+  size_t h = key.words.size();
+  for (int64_t w : key.words) {
     h = c10::hash_combine(h, static_cast<size_t>(w));
   }
-  key_.hash = h;
-  return true;
+  return h;
 }
 
 bool ShapeGuards::admit(const KeyedTensors& tensors) const {

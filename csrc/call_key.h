@@ -13,17 +13,16 @@ namespace aoti_eager {
 
 struct CallKey {
   c10::SmallVector<int64_t, 48> words;
-  size_t hash = 0;
 
   bool operator==(const CallKey& other) const {
-    return hash == other.hash && words == other.words;
+    return words == other.words;
   }
 };
 
+// Hashed where a table looks a key up, not on every call: a hit of the
+// override's hot entries (csrc/op_override.h) compares the words alone.
 struct CallKeyHash {
-  size_t operator()(const CallKey& key) const {
-    return key.hash;
-  }
+  size_t operator()(const CallKey& key) const;
 };
 
 // The dims a dynamic kernel takes at any size: for each tensor argument, in
@@ -60,8 +59,8 @@ class CallKeyBuilder {
   // As the dispatcher boxes a Scalar: an int, a double or a bool.
   bool add(const c10::Scalar& arg);
 
-  // Hashes the key. Returns false when an op that `mutates` its arguments got
-  // two tensors sharing memory (the call then runs the original kernel).
+  // Returns false when an op that `mutates` its arguments got two tensors
+  // sharing memory (the call then runs the original kernel).
   bool finish(bool mutates);
 
  private:

@@ -157,16 +157,15 @@ CompiledKernel::CompiledKernel(
   borrows_inputs_ = install_allocation_hook(library_path);
 }
 
-void CompiledKernel::run(c10::ArrayRef<at::Tensor> inputs, Outputs& outputs) const {
+void CompiledKernel::run(c10::ArrayRef<const at::Tensor*> inputs, Outputs& outputs) const {
   // AOTInductor's library takes ownership of one new at::Tensor per input
   // (and a vector of owners of them); one built to borrow them reads the
-  // caller's, which `inputs` keeps alive for the call. Either hands back a
-  // new at::Tensor per output.
+  // caller's. Either hands back a new at::Tensor per output.
   c10::SmallVector<AtenTensorHandle, 8> input_handles;
   input_handles.reserve(inputs.size());
-  for (const at::Tensor& t : inputs) {
+  for (const at::Tensor* t : inputs) {
     input_handles.push_back(reinterpret_cast<AtenTensorHandle>(
-        borrows_inputs_ ? const_cast<at::Tensor*>(&t) : new at::Tensor(t)));
+        borrows_inputs_ ? const_cast<at::Tensor*>(t) : new at::Tensor(*t)));
   }
   c10::SmallVector<AtenTensorHandle, 4> output_handles(num_outputs_, nullptr);
   void* stream = nullptr;

@@ -41,9 +41,9 @@ class CompiledKernel {
 
   using Outputs = c10::SmallVector<at::Tensor, 4>;
 
-  // Runs on `inputs`, the kernel's flat tensor inputs, and appends its
-  // outputs to `outputs`.
-  void run(c10::ArrayRef<at::Tensor> inputs, Outputs& outputs) const;
+  // Runs on `inputs`, the kernel's flat tensor inputs, which the caller keeps
+  // alive for the call, and appends its outputs to `outputs`.
+  void run(c10::ArrayRef<const at::Tensor*> inputs, Outputs& outputs) const;
 
   const std::vector<int64_t>& output_counts() const {
     return output_counts_;

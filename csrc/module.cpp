@@ -41,6 +41,15 @@ std::vector<RuntimeNumber> runtime_numbers(const py::iterable& positions) {
   return numbers;
 }
 
+// CompiledKernel::run's inputs: `tensors`, which the caller keeps alive.
+std::vector<const at::Tensor*> pointers(const std::vector<at::Tensor>& tensors) {
+  std::vector<const at::Tensor*> result;
+  for (const at::Tensor& t : tensors) {
+    result.push_back(&t);
+  }
+  return result;
+}
+
 // Nanoseconds per call of `fn`, over `calls` calls.
 template <typename F>
 double ns_per_call(int64_t calls, F&& fn) {
@@ -73,7 +82,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](const CompiledKernel& kernel, std::vector<at::Tensor> inputs) {
             ReentryGuard guard;
             CompiledKernel::Outputs outputs;
-            kernel.run(inputs, outputs);
+            kernel.run(pointers(inputs), outputs);
             return std::vector<at::Tensor>(outputs.begin(), outputs.end());
           },
           py::call_guard<py::gil_scoped_release>())
@@ -115,7 +124,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           [](const Installed& self) {
             const Counters& c = self.override->counters();
             py::dict d;
-            d["calls"] = c.calls.load();
+            d["calls"] = c.calls();
             d["hits"] = c.hits.load();
             d["misses"] = c.misses.load();
             d["eager_calls"] = c.eager_calls.load();
@@ -149,10 +158,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         std::map<std::string, double> ns;
         CallKey key;
         ns["key"] = ns_per_call(calls, [&] { compute_call_key(args, schema.is_mutable(), key); });
+        const auto input_pointers = pointers(inputs);
         ns["kernel"] = ns_per_call(calls, [&] {
           ReentryGuard guard;
           CompiledKernel::Outputs outputs;
-          kernel.run(inputs, outputs);
+          kernel.run(input_pointers, outputs);
         });
         ns["call"] = ns_per_call(calls, [&] {
           torch::jit::Stack stack(args.begin(), args.end());

@@ -78,16 +78,17 @@ py::object to_python(const c10::IValue& value, const c10::TypePtr& declared) {
 // a kernel only ever sees the kind it was traced with. The tensor is kept per
 // thread and position among the call's runtime numbers, reused while no one
 // else holds it, instead of a new tensor per call.
-at::Tensor runtime_number(const c10::IValue& arg, size_t position) {
-  if (arg.isTensor()) {
-    const at::Tensor& t = arg.toTensor();
-    return t.scalar_type() == at::kDouble ? t : t.to(at::kDouble);
-  }
+const at::Tensor& runtime_number(const c10::IValue& arg, size_t position) {
   thread_local c10::SmallVector<at::Tensor, 4> numbers;
   if (numbers.size() <= position) {
     numbers.resize(position + 1);
   }
   at::Tensor& number = numbers[position];
+  if (arg.isTensor()) {
+    const at::Tensor& t = arg.toTensor();
+    number = t.scalar_type() == at::kDouble ? t : t.to(at::kDouble);
+    return number;
+  }
   const bool is_int = arg.isInt();
   const at::ScalarType dtype = is_int ? at::kLong : at::kDouble;
   if (!number.defined() || number.use_count() != 1 || number.scalar_type() != dtype) {
@@ -101,22 +102,26 @@ at::Tensor runtime_number(const c10::IValue& arg, size_t position) {
   return number;
 }
 
-using KernelInputs = c10::SmallVector<at::Tensor, 8>;
+// The caller's own tensors: no reference count changes (two atomic updates
+// per input) for a kernel that borrows them.
+using KernelInputs = c10::SmallVector<const at::Tensor*, 8>;
 
 void add_kernel_input(const at::Tensor& t, KernelInputs& inputs) {
   // Wrapped numbers are compiled into the kernel (they are in its key).
   if (t.defined() && !t.unsafeGetTensorImpl()->is_wrapped_number()) {
-    inputs.push_back(t);
+    inputs.push_back(&t);
   }
 }
 
 } // namespace
 
-ReentryGuard::ReentryGuard() {
-  ++reentry_depth;
+// The depth's address is looked up once (a call into the dynamic loader for
+// a thread_local of a library loaded at run time).
+ReentryGuard::ReentryGuard() : depth_(reentry_depth) {
+  ++depth_;
 }
 ReentryGuard::~ReentryGuard() {
-  --reentry_depth;
+  --depth_;
 }
 bool ReentryGuard::active() {
   return reentry_depth > 0;
@@ -163,13 +168,13 @@ void OpOverride::call(
     original_.callBoxed(op, keys, stack);
     return;
   }
-  counters_.calls.fetch_add(1, std::memory_order_relaxed);
   CallKey key;
   auto args = torch::jit::last(*stack, num_arguments_);
   auto add_arguments = [&](CallKeyBuilder& builder) {
     return std::all_of(args.begin(), args.end(), [&](const c10::IValue& arg) { return builder.add(arg); });
   };
   if (!compute_key(add_arguments, key)) {
+    counters_.other_calls.fetch_add(1, std::memory_order_relaxed);
     if (!reported_unkeyable_.exchange(true)) {
       // Once per override, so that Python can log and count the reason.
       on_miss(key, stack, /*remember=*/false);
@@ -178,20 +183,23 @@ void OpOverride::call(
     return;
   }
 
-  std::optional<Entry> entry = find(key, add_arguments);
-  if (!entry) {
+  std::optional<Decision> decision = find(key, add_arguments);
+  const bool hit = decision && decision->kernel;
+  (hit ? counters_.hits : counters_.other_calls).fetch_add(1, std::memory_order_relaxed);
+  if (!decision) {
     counters_.misses.fetch_add(1, std::memory_order_relaxed);
-    entry = on_miss(key, stack);
-  } else if (entry->kernel) {
-    counters_.hits.fetch_add(1, std::memory_order_relaxed);
+    if (auto entry = on_miss(key, stack)) {
+      decision = Decision{entry->kernel.get(), std::move(entry->kernel)};
+    }
   }
-  if (entry && entry->kernel) {
-    if (entry->kernel->runtime_numbers().empty()) {
-      run_kernel(*entry->kernel, stack);
+  if (decision && decision->kernel) {
+    const CompiledKernel& kernel = *decision->kernel;
+    if (kernel.runtime_numbers().empty()) {
+      run_kernel(kernel, stack);
       return;
     }
     try {
-      run_kernel(*entry->kernel, stack);
+      run_kernel(kernel, stack);
     } catch (const std::exception&) {
       // A kernel with runtime numbers checks what export assumed of them
       // before it computes (topk's k at most the dim's size): a value it
@@ -223,13 +231,31 @@ std::optional<OpOverride::Entry> OpOverride::lookup(const CallKey& key) const {
   return it->second;
 }
 
+size_t OpOverride::hot_slot(const CallKey& key) {
+  // The words that tell one op's keys apart most often: the first size of
+  // its first tensor (or its first number), and the last stride or number.
+  const auto& w = key.words;
+  const uint64_t mix = w.empty() ? 0 : static_cast<uint64_t>(w[std::min<size_t>(1, w.size() - 1)]) * 31 + w.back();
+  return (mix ^ mix >> 7) % kHotSlots;
+}
+
 template <class AddArguments>
-std::optional<OpOverride::Entry> OpOverride::find(
+std::optional<OpOverride::Decision> OpOverride::find(
     const CallKey& key,
     const AddArguments& add_arguments) const {
-  std::optional<Entry> entry = lookup(key);
-  if (entry || !has_families_.load(std::memory_order_acquire)) {
-    return entry;
+  auto& slot = hot_[hot_slot(key)];
+  if (const HotEntry* hot = slot.load(std::memory_order_acquire); hot != nullptr && hot->key == key) {
+    return Decision{hot->kernel};
+  }
+  if (std::optional<Entry> entry = lookup(key)) {
+    if (entry->hot != nullptr) {
+      // The slot's other key was looked up last: this one is now.
+      slot.store(entry->hot, std::memory_order_release);
+    }
+    return Decision{entry->kernel.get(), std::move(entry->kernel)};
+  }
+  if (!has_families_.load(std::memory_order_acquire)) {
+    return std::nullopt;
   }
   std::shared_lock<std::shared_mutex> lock(mutex_);
   CallKey family_key;
@@ -246,11 +272,27 @@ std::optional<OpOverride::Entry> OpOverride::find(
     }
     for (const DynamicEntry& dynamic : it->second) {
       if (dynamic.guards.admit(tensors)) {
-        return Entry{dynamic.kernel};
+        return Decision{dynamic.kernel.get(), dynamic.kernel};
       }
     }
   }
   return std::nullopt;
+}
+
+void OpOverride::make_hot(const CallKey& key, Entry& entry) {
+  auto& slot = hot_[hot_slot(key)];
+  if (entry.retry_at != std::chrono::steady_clock::time_point{} || hot_entries_.size() >= kMaxHotEntries) {
+    // The slot may hold this key's earlier decision (entries_ was cleared
+    // since): not hot, it cannot be served any longer.
+    slot.store(nullptr, std::memory_order_release);
+    return;
+  }
+  if (entry.kernel != nullptr &&
+      std::find(hot_kernels_.begin(), hot_kernels_.end(), entry.kernel) == hot_kernels_.end()) {
+    hot_kernels_.push_back(entry.kernel);
+  }
+  entry.hot = hot_entries_.emplace_back(new HotEntry{key, entry.kernel.get()}).get();
+  slot.store(entry.hot, std::memory_order_release);
 }
 
 void OpOverride::add_dynamic(
@@ -350,7 +392,7 @@ void OpOverride::run_kernel(
       return false;
     }
     ++runtime;
-    inputs.push_back(runtime_number(value, numbers++));
+    inputs.push_back(&runtime_number(value, numbers++));
     return true;
   };
   for (size_t i = 0; i < args.size(); ++i) {
@@ -360,12 +402,9 @@ void OpOverride::run_kernel(
     }
     if (arg.isTensor()) {
       add_input(arg.toTensor());
-    } else if (arg.isTensorList()) {
-      for (const at::Tensor& t : arg.toTensorList()) {
-        add_input(t);
-      }
     } else if (arg.isList()) {
-      // Every list, int lists included: the call key gave it the kernel's length.
+      // Every list, tensor and int lists included (the call key gave it the
+      // kernel's length), read in place: the stack keeps its items alive.
       const auto items = arg.toListRef();
       for (size_t j = 0; j < items.size(); ++j) {
         if (!add_runtime_number(items[j], i, static_cast<int64_t>(j)) && items[j].isTensor()) {
@@ -377,7 +416,6 @@ void OpOverride::run_kernel(
 
   CompiledKernel::Outputs outputs;
   kernel.run(inputs, outputs);
-  inputs.clear(); // a reused runtime number is free again
 
   const auto& counts = kernel.output_counts();
   c10::SmallVector<c10::IValue, 4> results;
@@ -469,6 +507,7 @@ std::optional<OpOverride::Entry> OpOverride::on_miss(
     // are answered without compiling.
     entries_.clear();
   }
+  make_hot(key, entry);
   // Over a retry that ran out, or one that another thread decided meanwhile.
   return entries_.insert_or_assign(key, std::move(entry)).first->second;
 }
@@ -477,6 +516,9 @@ void OpOverride::clear() {
   std::unique_lock<std::shared_mutex> lock(mutex_);
   entries_.clear();
   families_.clear();
+  for (auto& slot : hot_) {
+    slot.store(nullptr, std::memory_order_release);
+  }
   has_families_.store(false, std::memory_order_release);
 }
 
@@ -508,23 +550,22 @@ class UnboxedOverride<Return(Args...)> final : public c10::OperatorKernel {
     OpOverride& o = *override_;
     auto add_arguments = [&](CallKeyBuilder& builder) { return (builder.add(args) && ...); };
     CallKey key;
-    std::optional<OpOverride::Entry> entry;
-    if (!ReentryGuard::active() && o.compute_key(add_arguments, key)) {
-      entry = o.find(key, add_arguments);
-    }
-    if (!entry) {
+    const bool keyed = !ReentryGuard::active() && o.compute_key(add_arguments, key);
+    std::optional<OpOverride::Decision> decision = keyed ? o.find(key, add_arguments) : std::nullopt;
+    if (!decision) {
       return boxed(boxed_, keys, args...);
     }
-    o.counters_.calls.fetch_add(1, std::memory_order_relaxed);
-    if (!entry->kernel) {
+    if (!decision->kernel) {
+      o.counters_.other_calls.fetch_add(1, std::memory_order_relaxed);
       return boxed(original_, keys, args...);
     }
     o.counters_.hits.fetch_add(1, std::memory_order_relaxed);
-    if (entry->kernel->runtime_numbers().empty()) {
-      return run(*entry->kernel, args...);
+    const CompiledKernel& kernel = *decision->kernel;
+    if (kernel.runtime_numbers().empty()) {
+      return run(kernel, args...);
     }
     try {
-      return run(*entry->kernel, args...);
+      return run(kernel, args...);
     } catch (const std::exception&) {
       // A runtime number the kernel refuses (see OpOverride::call).
       return boxed(original_, keys, args...);
@@ -550,7 +591,7 @@ class UnboxedOverride<Return(Args...)> final : public c10::OperatorKernel {
     auto add_input = [&](const auto& arg) {
       if (runtime != runtime_end && runtime->argument == position++) {
         ++runtime;
-        inputs.push_back(runtime_number(c10::IValue(arg), numbers++));
+        inputs.push_back(&runtime_number(c10::IValue(arg), numbers++));
       } else if constexpr (std::is_same_v<std::decay_t<decltype(arg)>, at::Tensor>) {
         add_kernel_input(arg, inputs);
       }

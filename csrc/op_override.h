@@ -18,6 +18,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <pybind11/pybind11.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <memory>
@@ -34,11 +35,17 @@ using OriginalKernel = std::decay_t<decltype(std::declval<c10::OperatorHandle>()
                                                  .getComputedKernelForDispatchKey(
                                                      c10::DispatchKey::CPU))>;
 
+// Each counted call adds to one of `hits` and `other_calls`: a hit pays for
+// one atomic update, not two.
 struct Counters {
-  std::atomic<uint64_t> calls{0};
   std::atomic<uint64_t> hits{0};
+  std::atomic<uint64_t> other_calls{0};
   std::atomic<uint64_t> misses{0};
   std::atomic<uint64_t> eager_calls{0};
+
+  uint64_t calls() const {
+    return hits.load() + other_calls.load();
+  }
 };
 
 class OpOverride : public std::enable_shared_from_this<OpOverride> {
@@ -68,11 +75,26 @@ class OpOverride : public std::enable_shared_from_this<OpOverride> {
   template <class FuncType>
   friend class UnboxedOverride;
 
+  // A decision as the hit path reads it from hot_ without the lock: its key
+  // and kernel stay until the override goes, so that no call copies a
+  // shared_ptr (two atomic updates) nor takes mutex_ (two more).
+  struct HotEntry {
+    CallKey key;
+    const CompiledKernel* kernel; // null: run eagerly
+  };
+
   struct Entry {
     std::shared_ptr<const CompiledKernel> kernel; // null: run eagerly
     // Set: run eagerly until then, then miss again (a compile elsewhere has
     // not ended); a call that went to Python instead cost 87 times eager's.
     std::chrono::steady_clock::time_point retry_at{};
+    const HotEntry* hot = nullptr; // the entry in hot_ form, if it has one
+  };
+
+  // What a call runs: `kernel`, or eagerly where it is null.
+  struct Decision {
+    const CompiledKernel* kernel = nullptr;
+    std::shared_ptr<const CompiledKernel> owner; // keeps `kernel` where hot_ does not
   };
 
   // Dynamic kernels whose dynamic dims are the same: keyed by the family key
@@ -100,8 +122,12 @@ class OpOverride : public std::enable_shared_from_this<OpOverride> {
   // and guards it matches (a dynamic kernel, or eager for a family that
   // compiles no more); nullopt for a miss.
   template <class AddArguments>
-  std::optional<Entry> find(const CallKey& key, const AddArguments& add_arguments) const;
+  std::optional<Decision> find(const CallKey& key, const AddArguments& add_arguments) const;
   std::optional<Entry> lookup(const CallKey& key) const;
+  // The slot of hot_ for `key`: a few of its words mixed, cheaper than its hash.
+  static size_t hot_slot(const CallKey& key);
+  // Makes `entry` (of `key`, under the unique lock) readable from hot_.
+  void make_hot(const CallKey& key, Entry& entry);
   // Keeps `kernel` (null: eager) for the call's family, where its guards admit the call.
   void add_dynamic(
       c10::ArrayRef<c10::IValue> args,
@@ -124,6 +150,15 @@ class OpOverride : public std::enable_shared_from_this<OpOverride> {
   std::vector<int64_t> return_aliases_;
 
   static constexpr size_t kMaxEntries = 4096;
+  // hot_[hot_slot(key)]: the entry of that slot's last key decided or
+  // looked up, or null. Entries whose retry time has not come are not hot.
+  static constexpr size_t kHotSlots = 16;
+  // Hot entries are never freed before the override: bounded, for keys that
+  // carry a runtime number's value (a new key per value).
+  static constexpr size_t kMaxHotEntries = 256;
+  mutable std::array<std::atomic<const HotEntry*>, kHotSlots> hot_{};
+  std::vector<std::unique_ptr<const HotEntry>> hot_entries_; // under mutex_
+  std::vector<std::shared_ptr<const CompiledKernel>> hot_kernels_; // under mutex_
   mutable std::shared_mutex mutex_;
   std::unordered_map<CallKey, Entry, CallKeyHash> entries_;
   // Narrowest first: a kernel with fewer dynamic dims knows more of the call.
@@ -162,6 +197,9 @@ class ReentryGuard {
   ReentryGuard();
   ~ReentryGuard();
   static bool active();
+
+ private:
+  int& depth_;
 };
 
 } // namespace aoti_eager

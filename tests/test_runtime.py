@@ -211,6 +211,21 @@ def test_many_values_of_a_runtime_number_keep_the_call_table_bounded(shared_cach
     assert stats["compiles"] + stats["cache_loads"] == 1 and stats["fallbacks"] == 0, stats
 
 
+def test_a_cleared_override_misses_again_though_its_calls_were_hot(shared_cache):
+    # A hit reads its decision from the override's hot entries, without the table's lock.
+    x = torch.randn(16)
+    with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=shared_cache):
+        torch.abs(x), torch.abs(x)
+        (override,) = [o for o in _runtime.installed() if o.op == A.abs.default]
+        before = override.handle.counters()
+        override.handle.clear()
+        result = torch.abs(x)
+        after = override.handle.counters()
+    assert_same_as_eager(result, x.abs())
+    assert before["hits"] >= 1 and after["misses"] == before["misses"] + 1, (before, after)
+    assert after["calls"] == before["calls"] + 1
+
+
 def test_eagers_own_error_reaches_the_caller(tmp_path, monkeypatch):
     monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: pytest.fail("must not compile a failing call"))
     a, b = torch.randn(3), torch.randn(4)
