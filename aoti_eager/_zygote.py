@@ -5,8 +5,11 @@ Triton, then initializes much of Inductor within its first compile. On the
 16-core H100 host, 16 workers started at once reached their first compile
 after 9-10 s and spent 15-17 s in it; forked from this process, which had
 imported once (8.7 s), they initialized CUDA in 2 s and spent 4-6 s in their
-first compile: 23 signatures compiled by 19.6 s instead of 28.9 s
-(BENCHMARKS.md, "Workers forked from one process").
+first compile: 23 signatures compiled by 19.6 s instead of 28.9 s (a machine
+without ``.pyc`` files for torch). GPT-2's first forward had every kernel in
+use after 12.6-13.8 s instead of 13.0-16.0 s, the forwards meanwhile at 2.5
+times eager's time instead of 3.4 (BENCHMARKS.md, "Workers forked from one
+process").
 
 The process never initializes CUDA, which a forked child could not use: it
 asks NVML whether a GPU is there (``PYTORCH_NVML_BASED_CUDA_CHECK``), and stops
@@ -55,8 +58,9 @@ class ForkedWorker:
         self.returncode: int | None = None
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
+        if self.returncode is None:  # once reaped, its pid may be another process's
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
 
     def wait(self) -> int:
         if self.returncode is None:
