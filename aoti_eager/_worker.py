@@ -263,7 +263,7 @@ def _fork(argv: list[str], env: dict[str, str], stderr, niceness: int) -> _zygot
     try:
         if _forking is None or not _forking.alive:
             _forking = _zygote.Zygote(env, niceness)
-        return _forking.fork(argv, env, stderr.fileno() if stderr is not None else sys.stderr.fileno())
+        return _forking.fork(f"{__name__}:main", argv, env, stderr.fileno() if stderr is not None else sys.stderr.fileno())
     except OSError as e:
         log.info("aoti_eager: compile workers start anew, each importing torch: %s", e)
         if _forking is not None:

@@ -16,9 +16,10 @@ asks NVML whether a GPU is there (``PYTORCH_NVML_BASED_CUDA_CHECK``), and stops
 if an import initialized CUDA all the same. It runs no thread of its own.
 It serves one request at a time, on a Unix socket pair (one message each):
 
-- ``{"fork": argv, "env": {...}}`` with three file descriptors, the worker's
-  stdin, stdout and stderr: a child runs :func:`aoti_eager._worker.main` with
-  ``argv`` and ``env``; the answer is ``{"pid": pid}``;
+- ``{"fork": argv, "env": {...}, "main": "module:function"}`` with three
+  file descriptors, the worker's stdin, stdout and stderr: a child calls the
+  function (:func:`aoti_eager._worker.main`) with ``argv`` and ``env`` and
+  exits with what it returns; the answer is ``{"pid": pid}``;
 - ``{"wait": pid}``: the answer is ``{"returncode": code}``, as
   ``subprocess.Popen.wait`` gives it, once that child has ended (asked once
   it was killed or closed its stdout).
@@ -30,6 +31,7 @@ exits.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import os
 import signal
@@ -96,14 +98,14 @@ class Zygote:
     def alive(self) -> bool:
         return self._process.poll() is None
 
-    def fork(self, argv: list[str], env: dict[str, str], stderr: int) -> ForkedWorker:
-        """A new worker running ``aoti_eager._worker.main`` with ``argv``, its
-        stderr on the descriptor ``stderr``. Waits for the zygote's imports on
-        first use. Raises OSError where the zygote cannot fork one."""
+    def fork(self, main: str, argv: list[str], env: dict[str, str], stderr: int) -> ForkedWorker:
+        """A new worker calling ``main`` (``"module:function"``) with ``argv``,
+        its stderr on the descriptor ``stderr``. Waits for the zygote's imports
+        on first use. Raises OSError where the zygote cannot fork one."""
         stdin_read, stdin_write = os.pipe()
         stdout_read, stdout_write = os.pipe()
         try:
-            answer = self._ask({"fork": argv, "env": env}, [stdin_read, stdout_write, stderr])
+            answer = self._ask({"fork": argv, "env": env, "main": main}, [stdin_read, stdout_write, stderr])
         except BaseException:
             os.close(stdin_write)
             os.close(stdout_read)
@@ -205,9 +207,8 @@ def _fork(requests: socket.socket, request: dict, fds: list[int]) -> int:
 
             torch._inductor.config.compile_threads = int(threads)
         sys.argv = ["aoti_eager worker", *request["fork"]]
-        from aoti_eager._worker import main
-
-        code = main()
+        module, function = request["main"].split(":")
+        code = getattr(importlib.import_module(module), function)() or 0
     except BaseException:  # noqa: BLE001 - the parent reads the last line of stderr
         traceback.print_exc()
     finally:
