@@ -35,9 +35,9 @@ a number given for  tag, dtype, value: the dispatcher   ``NumberArg``: as an int
 a Tensor argument   passes a wrapped number             Python receives for a wrapped number; a
                                                         wrapped tensor: its dtype and value's repr
 runtime number      as a constant: a new value misses   ``RuntimeNumberArg``: as a number, without
-                    once, and Python hands over the     its value. A float; a positive      
-                    kernel it already holds. The value  int, or int list item, once its value
-                    is read into a 0-d CPU tensor:      moved (see ``with_runtime_ints``). Its
+                    once, and Python hands over the     its value: a float, or a positive int
+                    kernel it already holds. The value  or int list item once its value moved
+                    is read into a 0-d CPU tensor:      (see ``with_runtime_ints``). Its
                     int64 for an int, float64 for a     ``"kind"`` gives the kernel input's dtype
                     double
 bool                tag, value                          ``ConstantArg``: value
