@@ -2,6 +2,7 @@
 
 #include <ATen/Context.h>
 #include <ATen/EmptyTensor.h>
+#include <c10/core/AutogradState.h>
 #include <ATen/detail/CUDAHooksInterface.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
@@ -37,11 +38,24 @@ struct RunnerInternals : AOTIModelContainerRunner {
   }
 };
 
+bool is_contiguous(int64_t ndim, const int64_t* sizes, const int64_t* strides) {
+  int64_t expected = 1;
+  for (int64_t d = ndim - 1; d >= 0; --d) {
+    if (strides[d] != expected) {
+      return false;
+    }
+    expected *= sizes[d];
+  }
+  return true;
+}
+
 // AOTInductor's shim allocates a CUDA tensor through at::empty_strided, a
 // dispatcher round trip that took about 2.7 us of a 64x64 add's 10 us on an
 // H100. Eager's CUDA kernels take their outputs straight from the caching
-// allocator, and so does this, as at::detail::empty_strided_cuda does. Every
-// other case is the shim's, as is deterministic mode, which fills new memory.
+// allocator, and so does this, as at::detail::empty_strided_cuda does. A
+// contiguous CPU tensor is made as eager's CPU kernels make theirs, without
+// the shim's stride checks. Every other case is the shim's, as is
+// deterministic mode, which fills new memory.
 AOTITorchError empty_strided(
     int64_t ndim,
     const int64_t* sizes,
@@ -50,12 +64,19 @@ AOTITorchError empty_strided(
     int32_t device_type,
     int32_t device_index,
     AtenTensorHandle* result) {
-  if (device_type != static_cast<int32_t>(c10::DeviceType::CUDA) ||
+  const bool cpu = device_type == static_cast<int32_t>(c10::DeviceType::CPU);
+  if ((cpu && !is_contiguous(ndim, sizes, strides)) ||
+      (!cpu && device_type != static_cast<int32_t>(c10::DeviceType::CUDA)) ||
       (at::globalContext().deterministicFillUninitializedMemory() &&
        at::globalContext().deterministicAlgorithms())) {
     return aoti_torch_empty_strided(ndim, sizes, strides, dtype, device_type, device_index, result);
   }
   try {
+    if (cpu) {
+      *result = reinterpret_cast<AtenTensorHandle>(
+          new at::Tensor(at::detail::empty_cpu(c10::IntArrayRef(sizes, ndim), static_cast<c10::ScalarType>(dtype))));
+      return AOTI_TORCH_SUCCESS;
+    }
     const c10::DeviceGuard device_guard(
         c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index)));
     at::TensorBase tensor = at::detail::empty_strided_generic(
@@ -88,20 +109,42 @@ size_t library_num_inputs(const std::string& library_path, AOTInductorModelConta
 }
 
 // A library whose wrapper was built in parts (kernels/wrapper_split.py)
-// allocates through a hook, left empty (the shim) until set here. Returns
+// allocates through a hook, left empty (the shim) until set here, and has its
+// own entry point. Returns that entry point (or null), and sets `borrows` to
 // whether the library borrows its inputs instead of taking them over.
-bool install_allocation_hook(const std::string& library_path) {
+LibraryEntryPoint read_library_hooks(const std::string& library_path, bool& borrows) {
   void* library = dlopen(library_path.c_str(), RTLD_NOW | RTLD_NOLOAD);
   if (library == nullptr) {
-    return false;
+    return nullptr;
   }
   if (void* hook = dlsym(library, "aoti_eager_empty_strided_hook")) {
     *static_cast<decltype(&empty_strided)*>(hook) = &empty_strided;
   }
-  const bool borrows = dlsym(library, "aoti_eager_borrows_inputs") != nullptr;
+  borrows = dlsym(library, "aoti_eager_borrows_inputs") != nullptr;
+  auto entry = reinterpret_cast<LibraryEntryPoint>(dlsym(library, "aoti_eager_run"));
+  // The runner keeps the library loaded for as long as the kernel lives.
   dlclose(library);
-  return borrows;
+  return entry;
 }
+
+// Grad mode off for the call, as AOTInductor's entry point sets it (a kernel
+// that calls back into the dispatcher must not record autograd), with one
+// thread-local lookup instead of its three shim calls.
+class NoGradForCall {
+ public:
+  NoGradForCall() : state_(c10::AutogradState::get_tls_state()), previous_(state_.get_grad_mode()) {
+    state_.set_grad_mode(false);
+  }
+  ~NoGradForCall() {
+    state_.set_grad_mode(previous_);
+  }
+  NoGradForCall(const NoGradForCall&) = delete;
+  NoGradForCall& operator=(const NoGradForCall&) = delete;
+
+ private:
+  c10::AutogradState& state_;
+  const bool previous_;
+};
 
 } // namespace
 
@@ -154,7 +197,7 @@ CompiledKernel::CompiledKernel(
       described,
       " outputs, its library returns ",
       num_outputs_);
-  borrows_inputs_ = install_allocation_hook(library_path);
+  entry_point_ = read_library_hooks(library_path, borrows_inputs_);
 }
 
 void CompiledKernel::run(c10::ArrayRef<const at::Tensor*> inputs, Outputs& outputs) const {
@@ -179,14 +222,24 @@ void CompiledKernel::run(c10::ArrayRef<const at::Tensor*> inputs, Outputs& outpu
   }
   {
     std::lock_guard<std::mutex> lock(run_mutex_);
-    AOTI_RUNTIME_ERROR_CODE_CHECK(run_func_(
-        container_,
-        input_handles.data(),
-        input_handles.size(),
-        output_handles.data(),
-        output_handles.size(),
-        reinterpret_cast<AOTInductorStreamHandle>(stream),
-        proxy_executor_));
+    if (entry_point_ != nullptr) {
+      const NoGradForCall no_grad;
+      AOTI_RUNTIME_ERROR_CODE_CHECK(entry_point_(
+          container_,
+          input_handles.data(),
+          output_handles.data(),
+          reinterpret_cast<AOTInductorStreamHandle>(stream),
+          proxy_executor_));
+    } else {
+      AOTI_RUNTIME_ERROR_CODE_CHECK(run_func_(
+          container_,
+          input_handles.data(),
+          input_handles.size(),
+          output_handles.data(),
+          output_handles.size(),
+          reinterpret_cast<AOTInductorStreamHandle>(stream),
+          proxy_executor_));
+    }
   }
   for (size_t i = 0; i < output_handles.size(); ++i) {
     auto* handle = reinterpret_cast<at::Tensor*>(output_handles[i]);

@@ -23,6 +23,14 @@ struct RuntimeNumber {
   int64_t item = -1;
 };
 
+// kernels/wrapper_split.py: _ENTRY_POINT.
+using LibraryEntryPoint = AOTIRuntimeError (*)(
+    AOTInductorModelContainerHandle,
+    AtenTensorHandle*,
+    AtenTensorHandle*,
+    AOTInductorStreamHandle,
+    AOTIProxyExecutorHandle);
+
 class CompiledKernel {
  public:
   // `device` is where the kernel runs ("cpu", "cuda:1"). `output_counts` has
@@ -69,6 +77,8 @@ class CompiledKernel {
   AOTInductorModelContainerHandle container_ = nullptr;
   AOTIProxyExecutorHandle proxy_executor_ = nullptr;
   decltype(&AOTInductorModelContainerRun) run_func_ = nullptr;
+  // kernels/wrapper_split.py: _ENTRY_POINT; null in a library built whole.
+  LibraryEntryPoint entry_point_ = nullptr;
   size_t num_inputs_ = 0;
   size_t num_outputs_ = 0;
   bool borrows_inputs_ = false; // kernels/wrapper_split.py: _borrow_inputs

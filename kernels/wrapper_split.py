@@ -23,7 +23,10 @@ The op's part also allocates its outputs and buffers through a hook that the
 runtime fills when it loads the library (``aoti_eager_empty_strided_hook``,
 see ``csrc/compiled_kernel.cpp``): on CUDA, straight from the caching
 allocator instead of through the dispatcher. Until it is filled, and in a
-library built whole, allocation is AOTInductor's own.
+library built whole, allocation is AOTInductor's own. It reads a runtime
+number (a 0-d CPU tensor) in place instead of through the dispatcher. The
+shared part adds the runtime's entry point, ``aoti_eager_run``: AOTInductor's
+less its per-call thread-local work.
 
 On CPU, where every use of an input in the generated ``run_impl`` only reads
 it, the op's part borrows its inputs (``_borrow_inputs``): the caller keeps
@@ -68,7 +71,7 @@ log = logging.getLogger("aoti_eager")
 
 _INTERFACE_END = '\n} // extern "C"\n'
 _BASE = "torch::aot_inductor::AOTInductorModelBase<torch::aot_inductor::AOTInductorModel>"
-_ALLOCATION_HOOK = """
+_OWN_HELPERS = """
 extern "C" __attribute__((visibility("default"))) AOTITorchError (*aoti_eager_empty_strided_hook)(
     int64_t, const int64_t*, const int64_t*, int32_t, int32_t, int32_t, AtenTensorHandle*) = nullptr;
 static inline AOTITorchError aoti_eager_empty_strided(
@@ -77,7 +80,39 @@ static inline AOTITorchError aoti_eager_empty_strided(
   auto* allocate = aoti_eager_empty_strided_hook ? aoti_eager_empty_strided_hook : aoti_torch_empty_strided;
   return allocate(ndim, sizes, strides, dtype, device_type, device_index, result);
 }
+
+// A runtime number (csrc/op_override.cpp) is a 0-d CPU tensor that the runtime
+// made: read in place, instead of through the dispatcher's item(), which cost
+// about 150 ns of a 64x64 add's 1.3 us (alpha=2.5, CPU). Any other tensor is
+// the shim's.
+template <class T>
+static inline AOTITorchError aoti_eager_item(
+    AtenTensorHandle tensor, int32_t dtype, T* value, AOTITorchError (*item)(AtenTensorHandle, T*)) {
+  int32_t device_type = -1, tensor_dtype = -1;
+  int64_t numel = 0;
+  void* data = nullptr;
+  if (aoti_torch_get_device_type(tensor, &device_type) == AOTI_TORCH_SUCCESS &&
+      device_type == aoti_torch_device_type_cpu() &&
+      aoti_torch_get_dtype(tensor, &tensor_dtype) == AOTI_TORCH_SUCCESS && tensor_dtype == dtype &&
+      aoti_torch_get_numel(tensor, &numel) == AOTI_TORCH_SUCCESS && numel == 1 &&
+      aoti_torch_get_data_ptr(tensor, &data) == AOTI_TORCH_SUCCESS) {
+    *value = *static_cast<const T*>(data);
+    return AOTI_TORCH_SUCCESS;
+  }
+  return item(tensor, value);
+}
+static inline AOTITorchError aoti_eager_item_float64(AtenTensorHandle tensor, double* value) {
+  return aoti_eager_item(tensor, aoti_torch_dtype_float64(), value, aoti_torch_item_float64);
+}
+static inline AOTITorchError aoti_eager_item_int64(AtenTensorHandle tensor, int64_t* value) {
+  return aoti_eager_item(tensor, aoti_torch_dtype_int64(), value, aoti_torch_item_int64);
+}
 """
+_OWN_CALLS = {
+    "aoti_torch_empty_strided(": "aoti_eager_empty_strided(",
+    "aoti_torch_item_float64(": "aoti_eager_item_float64(",
+    "aoti_torch_item_int64(": "aoti_eager_item_int64(",
+}
 
 
 # Inputs as the caller lent them (csrc/compiled_kernel.cpp): read, never owned.
@@ -103,6 +138,28 @@ struct AOTIEagerBorrowedHandles {
 };
 } // namespace torch::aot_inductor
 """
+# The entry point csrc/compiled_kernel.cpp calls, in the shared part: AOTInductor's
+# AOTInductorModelContainerRunSingleThreaded less two thread-local writes per
+# call that a call from inside the dispatcher does not need (the last error's
+# string, kept for AOTInductorGetLastError, and a grad-mode guard of three shim
+# calls, which the runtime replaces with one thread-local read).
+_ENTRY_POINT = """
+extern "C" __attribute__((visibility("default"))) AOTIRuntimeError aoti_eager_run(
+    AOTInductorModelContainerHandle container, AtenTensorHandle* inputs, AtenTensorHandle* outputs,
+    AOTInductorStreamHandle stream, AOTIProxyExecutorHandle proxy_executor) {
+  try {
+    reinterpret_cast<torch::aot_inductor::AOTInductorModelContainer*>(container)->run_single_threaded(
+        inputs, outputs, reinterpret_cast<torch::aot_inductor::DeviceStreamType>(stream), proxy_executor);
+  } catch (const std::exception& e) {
+    std::cerr << "Error: " << e.what() << '\\n';
+    return AOTI_RUNTIME_FAILURE;
+  } catch (...) {
+    std::cerr << "Unknown exception occurred.\\n";
+    return AOTI_RUNTIME_FAILURE;
+  }
+  return AOTI_RUNTIME_SUCCESS;
+}
+"""
 _STEAL = "auto inputs = steal_from_raw_handles_to_raii_handles(input_handles, "
 _BORROW = "auto inputs = AOTIEagerBorrowedHandles{input_handles}; // of "
 _BORROWS = 'extern "C" __attribute__((visibility("default"))) const int aoti_eager_borrows_inputs = 1;\n'
@@ -110,8 +167,9 @@ _BORROWS = 'extern "C" __attribute__((visibility("default"))) const int aoti_eag
 
 def _borrow_inputs(own_text: str) -> str:
     """``own_text`` with run_impl borrowing its inputs, where each use of one
-    only reads it: its data pointer, a size or stride check, a shim call (the
-    C shim never takes ownership of an argument), dropping it. Any other use
+    only reads it: its data pointer, a size or stride check, a call of the
+    shim or of the helpers above (neither takes ownership of an argument),
+    dropping it. Any other use
     (a move into an owner, a handle handed back as an output) keeps it as it
     is: the library steals its inputs, as AOTInductor's do."""
     if own_text.count(_STEAL) != 1 or "CACHE_TORCH_DEVICE(cpu)" not in own_text or "CACHE_TORCH_DEVICE(cuda)" in own_text:
@@ -126,7 +184,7 @@ def _borrow_inputs(own_text: str) -> str:
                 if not (
                     rest.startswith((".data_ptr()", ".reset();", " = std::move(inputs["))
                     or "assert_size_stride(" in stripped
-                    or stripped.startswith("AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_")
+                    or stripped.startswith(("AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_", "AOTI_TORCH_ERROR_CODE_CHECK(aoti_eager_"))
                 ):
                     return own_text
     return own_text.replace(_STEAL, _BORROW) + _BORROWS
@@ -280,13 +338,16 @@ def _start_split(
         raise _Unsplittable("the wrapper has no model container interface to split off")
     end += len(_INTERFACE_END)
     includes = "".join(line + "\n" for line in text[:end].splitlines() if line.startswith("#include"))
-    shared_text = text[:end] + f"\ntemplate class {_BASE};\n"
+    shared_text = text[:end] + f"\ntemplate class {_BASE};\n" + _ENTRY_POINT
+    own_body = text[end:]
+    for call, replacement in _OWN_CALLS.items():
+        own_body = own_body.replace(call, replacement)
     own_text = _borrow_inputs(
         includes
         + f"extern template class {_BASE};\n"
-        + _ALLOCATION_HOOK
+        + _OWN_HELPERS
         + _BORROWED_HANDLES
-        + text[end:].replace("aoti_torch_empty_strided(", "aoti_eager_empty_strided(")
+        + own_body
     )
 
     def command(part: Path, obj: Path) -> list[str]:

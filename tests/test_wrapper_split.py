@@ -58,7 +58,7 @@ def test_libraries_export_only_the_interface(shared_cache):
     listing = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True, check=True)
     symbols = [line.split()[-2:] for line in listing.stdout.splitlines()]
     names = [name for _, name in symbols]
-    assert "AOTInductorModelContainerRunSingleThreaded" in names and "aoti_eager_empty_strided_hook" in names
+    assert {"AOTInductorModelContainerRunSingleThreaded", "aoti_eager_run", "aoti_eager_empty_strided_hook"} <= set(names)
     # gold keeps exporting a weak instance of a libstdc++ template that
     # libstdc++.so also defines (std::string::_M_create): harmless in a library
     # loaded RTLD_LOCAL. Nothing else of the C++ code may be exported.
@@ -148,12 +148,13 @@ void AOTInductorModel::run_impl(AtenTensorHandle* input_handles, AtenTensorHandl
     [
         ("cpu", "cpp_fused_add_0((const float*)(arg0_1.data_ptr()), (float*)(arg1_1.data_ptr()));", True),
         ("cpu", "AOTI_TORCH_ERROR_CODE_CHECK(aoti_torch_item_float64(arg1_1, &zuf0_raw));", True),
+        ("cpu", "AOTI_TORCH_ERROR_CODE_CHECK(aoti_eager_item_float64(arg1_1, &zuf0_raw));", True),
         ("cpu", "output_handles[0] = arg1_1.release();", False),
         ("cpu", "RAIIAtenTensorHandle buf0(std::move(arg1_1));", False),
         ("cpu", "output_handles[0] = wrap_with_raii_handle_if_needed(arg1_1).release();", False),
         ("cuda", "launch((const float*)(arg0_1.data_ptr()), (float*)(arg1_1.data_ptr()));", False),
     ],
-    ids=["data pointers", "shim call", "handed back", "moved into an owner", "wrapped in an owner", "cuda"],
+    ids=["data pointers", "shim call", "helper call", "handed back", "moved into an owner", "wrapped in an owner", "cuda"],
 )
 def test_a_cpu_wrapper_borrows_its_inputs_only_where_it_only_reads_them(device, use, borrows):
     text = _RUN_IMPL.format(device=device, use=use)
@@ -175,6 +176,22 @@ def test_a_kernel_that_borrows_its_inputs_neither_keeps_nor_frees_them(shared_ca
     assert any("aoti_eager_borrows_inputs" in s for s in symbols)
     for r in results:
         assert_same_as_eager(r, a + b)
+
+
+@pytest.mark.parametrize("grad_mode", [True, False])
+def test_a_call_leaves_grad_mode_as_it_found_it(shared_cache, grad_mode):
+    """The runtime's entry point turns grad mode off for the kernel only."""
+    a, b = torch.randn(8, 8, requires_grad=True), torch.randn(8, 8)
+    with aoti_eager.enabled(["aten::add.Tensor"], devices=["cpu"], cache_dir=shared_cache), torch.set_grad_enabled(grad_mode):
+        results = [torch.add(a, b, alpha=2.5) for _ in range(2)]
+        assert torch.is_grad_enabled() == grad_mode
+        assert aoti_eager.stats()["aten::add.Tensor"]["hits"] >= 1
+    for r in results:
+        assert r.requires_grad == grad_mode
+        assert_same_as_eager(r.detach(), torch.add(a, b, alpha=2.5).detach())
+    if grad_mode:
+        results[1].sum().backward()
+        torch.testing.assert_close(a.grad, torch.ones(8, 8))
 
 
 # A launch helper as AOTInductor writes it (torch 2.11, CUDA), its kernel's
