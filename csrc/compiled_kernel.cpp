@@ -2,8 +2,8 @@
 
 #include <ATen/Context.h>
 #include <ATen/EmptyTensor.h>
-#include <c10/core/AutogradState.h>
 #include <ATen/detail/CUDAHooksInterface.h>
+#include <c10/core/AutogradState.h>
 #include <c10/core/DeviceGuard.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
@@ -38,24 +38,11 @@ struct RunnerInternals : AOTIModelContainerRunner {
   }
 };
 
-bool is_contiguous(int64_t ndim, const int64_t* sizes, const int64_t* strides) {
-  int64_t expected = 1;
-  for (int64_t d = ndim - 1; d >= 0; --d) {
-    if (strides[d] != expected) {
-      return false;
-    }
-    expected *= sizes[d];
-  }
-  return true;
-}
-
 // AOTInductor's shim allocates a CUDA tensor through at::empty_strided, a
 // dispatcher round trip that took about 2.7 us of a 64x64 add's 10 us on an
 // H100. Eager's CUDA kernels take their outputs straight from the caching
-// allocator, and so does this, as at::detail::empty_strided_cuda does. A
-// contiguous CPU tensor is made as eager's CPU kernels make theirs, without
-// the shim's stride checks. Every other case is the shim's, as is
-// deterministic mode, which fills new memory.
+// allocator, and so does this, as at::detail::empty_strided_cuda does. Every
+// other case is the shim's, as is deterministic mode, which fills new memory.
 AOTITorchError empty_strided(
     int64_t ndim,
     const int64_t* sizes,
@@ -64,19 +51,12 @@ AOTITorchError empty_strided(
     int32_t device_type,
     int32_t device_index,
     AtenTensorHandle* result) {
-  const bool cpu = device_type == static_cast<int32_t>(c10::DeviceType::CPU);
-  if ((cpu && !is_contiguous(ndim, sizes, strides)) ||
-      (!cpu && device_type != static_cast<int32_t>(c10::DeviceType::CUDA)) ||
+  if (device_type != static_cast<int32_t>(c10::DeviceType::CUDA) ||
       (at::globalContext().deterministicFillUninitializedMemory() &&
        at::globalContext().deterministicAlgorithms())) {
     return aoti_torch_empty_strided(ndim, sizes, strides, dtype, device_type, device_index, result);
   }
   try {
-    if (cpu) {
-      *result = reinterpret_cast<AtenTensorHandle>(
-          new at::Tensor(at::detail::empty_cpu(c10::IntArrayRef(sizes, ndim), static_cast<c10::ScalarType>(dtype))));
-      return AOTI_TORCH_SUCCESS;
-    }
     const c10::DeviceGuard device_guard(
         c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index)));
     at::TensorBase tensor = at::detail::empty_strided_generic(
