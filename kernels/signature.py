@@ -389,13 +389,17 @@ _RUNTIME_NUMBER_DEVICES = ("cpu", "cuda")
 
 def _takes_runtime_number(argument: torch._C.Argument) -> bool:
     """Whether a float given for ``argument`` can be a kernel input instead of a
-    constant: a number that scales values (``alpha``, ``min``, ``negative_slope``)
-    and never shapes the output. Tensor arguments receive Python numbers as
-    wrapped numbers."""
+    constant: a ``Scalar`` that scales values (``alpha``, ``min``,
+    ``negative_slope``) and never shapes the output. Tensor arguments receive
+    Python numbers as wrapped numbers. Not a ``float`` (``eps``): export hands
+    the op the number read at run time, a SymFloat, which a ``float`` argument
+    refuses, so each try failed and queued the call again with its number
+    compiled in (native_layer_norm: a second round of compiles in every
+    transformer's first forward)."""
     declared = argument.type
     if isinstance(declared, torch._C.OptionalType):
         declared = declared.getElementType()
-    return isinstance(declared, (torch._C.FloatType, torch._C.NumberType, torch._C.TensorType))
+    return isinstance(declared, (torch._C.NumberType, torch._C.TensorType))
 
 
 def _takes_runtime_int(op: torch._ops.OpOverload, position: Position) -> bool:

@@ -160,6 +160,14 @@ def test_a_runtime_number_is_left_out_of_the_key():
     assert constants[0].key != calls[0].key
 
 
+def test_a_float_argument_is_compiled_in_a_scalar_one_is_not():
+    """export gives a runtime number as a SymFloat, which a ``float`` refuses."""
+    x, w = zeros(2, 8), zeros(8)
+    layer_norm = signature(A.native_layer_norm.default, x, [8], w, w, 1e-5)
+    leaky_relu = signature(A.leaky_relu.default, x, 0.2)
+    assert layer_norm.runtime_arguments == [] and leaky_relu.runtime_arguments == [1]
+
+
 def test_other_numbers_change_the_values_not_the_key():
     call = signature(A.add.Tensor, zeros(4), zeros(4), 0.5)
     other = call.with_other_numbers()
