@@ -299,22 +299,8 @@ def shutdown() -> None:
         forking.close()
 
 
-def _leave_out_patterns_no_call_matches() -> None:
-    """Leaves two of Inductor's pattern tables unbuilt, which it builds on a
-    process's first compile: attention fusions (of several ops: no graph of
-    one call matches one) and matmul padding (CUDA only, where these kernels
-    turn ``shape_padding`` off). 0.7 s of a worker's first CUDA compile on the
-    H100 host, in every worker. Only here: a user's process may compile
-    models, which need them, after a compile of its own."""
-    with contextlib.suppress(ImportError):
-        from torch._inductor.fx_passes import fuse_attention, pad_mm
-
-        fuse_attention._sfdp_init = pad_mm._pad_mm_init = lambda *args, **kwargs: None
-
-
 def main() -> int:
     root = Path(sys.argv[1])
-    _leave_out_patterns_no_call_matches()
     if "--log" in sys.argv[2:]:
         logging.basicConfig(format=f"%(relativeCreated)8.0f ms worker {os.getpid()}: %(message)s")
         log.setLevel(logging.INFO)

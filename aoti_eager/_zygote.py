@@ -13,8 +13,7 @@ process").
 
 The process never initializes CUDA, which a forked child could not use: it
 asks NVML whether a GPU is there (``PYTORCH_NVML_BASED_CUDA_CHECK``), and stops
-if an import initialized CUDA all the same. It runs no thread of its own
-when it forks.
+if an import initialized CUDA all the same. It runs no thread of its own.
 It serves one request at a time, on a Unix socket pair (one message each):
 
 - ``{"fork": argv, "env": {...}, "main": "module:function"}`` with three
@@ -147,36 +146,16 @@ def _preload() -> None:
     CPU-only machine) is left to the worker."""
     import torch
 
-    hashing = threading.Thread(target=_hash_sources, name="aoti_eager-hash-sources")
-    hashing.start()
-    try:
-        for name in (
-            "torch._dynamo", "torch.export", "torch._inductor.compile_fx", "torch._inductor.lowering",
-            "torch._inductor.codegen.cpp_wrapper_cpu", "torch._inductor.codegen.cpp_wrapper_gpu",
-            "torch._inductor.codegen.triton", "triton.compiler.compiler", "aoti_eager._worker",
-            "aoti_eager.kernels.pipeline", "aoti_eager.kernels.dynamic", "aoti_eager.kernels.examples",
-        ):
-            with contextlib.suppress(ImportError):
-                __import__(name)
-    finally:
-        hashing.join()  # no thread may run when the process forks
+    for name in (
+        "torch._dynamo", "torch.export", "torch._inductor.compile_fx", "torch._inductor.lowering",
+        "torch._inductor.codegen.cpp_wrapper_cpu", "torch._inductor.codegen.cpp_wrapper_gpu",
+        "torch._inductor.codegen.triton", "triton.compiler.compiler", "aoti_eager._worker",
+        "aoti_eager.kernels.pipeline", "aoti_eager.kernels.dynamic", "aoti_eager.kernels.examples",
+    ):
+        with contextlib.suppress(ImportError):
+            __import__(name)
     if torch.cuda.is_initialized():
         raise RuntimeError("importing torch and Inductor initialized CUDA: forked workers could not use it")
-
-
-def _hash_sources() -> None:
-    """Inductor's and Triton's cache keys, which hash their own source files
-    (0.3 s and 0.5 s of a forked worker's first CUDA compile on the H100 host):
-    once here, beside the imports (the hashing mostly waits on files), instead
-    of in every worker. Each is cached for the process and its children."""
-    with contextlib.suppress(Exception):
-        from torch._inductor.codecache import torch_key
-
-        torch_key()
-    with contextlib.suppress(Exception):
-        from triton.runtime.cache import triton_key
-
-        triton_key()
 
 
 def serve() -> int:
