@@ -250,9 +250,9 @@ def _borrow_inputs(own_text: str) -> str:
     """``own_text`` with run_impl borrowing its inputs, where each use of one
     only reads it: its data pointer, a size or stride check, a call of the
     shim or of the helpers above (neither takes ownership of an argument),
-    dropping it. Any other use
-    (a move into an owner, a handle handed back as an output) keeps it as it
-    is: the library steals its inputs, as AOTInductor's do."""
+    dropping it. Any other use (a move into an owner, a handle handed back as
+    an output) keeps it as it is: the library steals its inputs, as
+    AOTInductor's do."""
     if own_text.count(_STEAL) != 1 or "CACHE_TORCH_DEVICE(cpu)" not in own_text or "CACHE_TORCH_DEVICE(cuda)" in own_text:
         return own_text
     start = own_text.index(_STEAL)

@@ -194,6 +194,47 @@ def test_a_call_leaves_grad_mode_as_it_found_it(shared_cache, grad_mode):
         torch.testing.assert_close(a.grad, torch.ones(8, 8))
 
 
+# The model's constructor as AOTInductor writes it (torch 2.13, CPU).
+_CONSTRUCTOR = """AOTInductorModel::AOTInductorModel(std::shared_ptr<ConstantMap> constants_map,
+                                   std::shared_ptr<std::vector<ConstantHandle>> constants_array,
+                                   const std::string& device_str,
+                                   std::optional<std::string> cubin_dir)
+    : AOTInductorModelBase(2,
+                           1,
+                           0,
+                           device_str,
+                           std::move(cubin_dir),
+                           true) {{
+    inputs_info_[0].name = "arg0_1";
+    {use}
+}}
+"""
+
+
+def test_the_op_part_of_a_constructor_leaves_the_base_to_the_shared_part():
+    split = wrapper_split._split_constructor(_CONSTRUCTOR.format(use="update_constants_map(std::move(constants_map));"))
+    assert "aoti_eager_model_parts = {2, 1, 0, true};" in split and "AOTInductorModelBase(" not in split
+    assert 'inputs_info_[0].name = "arg0_1";' in split and "update_constants_map(std::move(constants_map));" in split
+    # What only the base's arguments may use, and text of another shape, keep the constructor whole.
+    assert wrapper_split._split_constructor(_CONSTRUCTOR.format(use="log(device_str);")) is None
+    assert wrapper_split._split_constructor(_CONSTRUCTOR.replace("true)", "load_weights())")) is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_generated_constructor_is_split(tmp_path, monkeypatch, device):
+    """Inductor's own text, not only the sample above: a change in it would
+    quietly keep the slower build."""
+    splits = []
+    real = wrapper_split._split_constructor
+    monkeypatch.setattr(wrapper_split, "_split_constructor", lambda body: splits.append(real(body)) or splits[-1])
+    x = torch.randn(41, device=device)
+    with aoti_eager.enabled(["aten::neg"], devices=[device], cache_dir=tmp_path):
+        result = torch.neg(x)
+        assert aoti_eager.stats()["aten::neg"]["compiles"] == 1
+    assert_same_as_eager(result, -x)
+    assert splits and all(split is not None for split in splits)
+
+
 # A launch helper as AOTInductor writes it (torch 2.11, CUDA), its kernel's
 # Triton source in a comment: ``ks0`` is a float read at run time, ``ks1`` an int.
 _LAUNCH_HELPER = """template <typename in_ptr0_type_, typename kernels_type_>
