@@ -115,16 +115,9 @@ void add_kernel_input(const at::Tensor& t, KernelInputs& inputs) {
 
 } // namespace
 
-// The depth's address is looked up once (a call into the dynamic loader for
-// a thread_local of a library loaded at run time).
-ReentryGuard::ReentryGuard() : depth_(reentry_depth) {
-  ++depth_;
-}
-ReentryGuard::~ReentryGuard() {
-  --depth_;
-}
-bool ReentryGuard::active() {
-  return reentry_depth > 0;
+ReentryGuard::ReentryGuard() : ReentryGuard(depth()) {}
+int& ReentryGuard::depth() {
+  return reentry_depth;
 }
 
 void set_miss_handler(py::object handler) {
@@ -550,7 +543,8 @@ class UnboxedOverride<Return(Args...)> final : public c10::OperatorKernel {
     OpOverride& o = *override_;
     auto add_arguments = [&](CallKeyBuilder& builder) { return (builder.add(args) && ...); };
     CallKey key;
-    const bool keyed = !ReentryGuard::active() && o.compute_key(add_arguments, key);
+    int& depth = ReentryGuard::depth();
+    const bool keyed = depth == 0 && o.compute_key(add_arguments, key);
     std::optional<OpOverride::Decision> decision = keyed ? o.find(key, add_arguments) : std::nullopt;
     if (!decision) {
       return boxed(boxed_, keys, args...);
@@ -562,10 +556,10 @@ class UnboxedOverride<Return(Args...)> final : public c10::OperatorKernel {
     o.counters_.hits.fetch_add(1, std::memory_order_relaxed);
     const CompiledKernel& kernel = *decision->kernel;
     if (kernel.runtime_numbers().empty()) {
-      return run(kernel, args...);
+      return run(kernel, depth, args...);
     }
     try {
-      return run(kernel, args...);
+      return run(kernel, depth, args...);
     } catch (const std::exception&) {
       // A runtime number the kernel refuses (see OpOverride::call).
       return boxed(original_, keys, args...);
@@ -581,8 +575,8 @@ class UnboxedOverride<Return(Args...)> final : public c10::OperatorKernel {
   // OpOverride::run_kernel, from the C++ arguments. The signatures overridden
   // unboxed (register_override) take no lists: every runtime number is a
   // whole argument.
-  Return run(const CompiledKernel& kernel, Args... args) {
-    ReentryGuard guard;
+  Return run(const CompiledKernel& kernel, int& depth, Args... args) {
+    ReentryGuard guard(depth);
     KernelInputs inputs;
     auto runtime = kernel.runtime_numbers().begin();
     const auto runtime_end = kernel.runtime_numbers().end();

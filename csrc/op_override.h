@@ -195,8 +195,21 @@ void set_miss_handler(pybind11::object handler);
 class ReentryGuard {
  public:
   ReentryGuard();
-  ~ReentryGuard();
-  static bool active();
+  // With the thread's depth() already looked up (a call into the dynamic
+  // loader for a thread_local of a library loaded at run time).
+  explicit ReentryGuard(int& depth) : depth_(depth) {
+    ++depth_;
+  }
+  ~ReentryGuard() {
+    --depth_;
+  }
+  ReentryGuard(const ReentryGuard&) = delete;
+  ReentryGuard& operator=(const ReentryGuard&) = delete;
+  static bool active() {
+    return depth() > 0;
+  }
+  // How deep this thread is inside aoti_eager: 0 outside.
+  static int& depth();
 
  private:
   int& depth_;
