@@ -31,7 +31,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from aoti_eager import _extension, _ops, _runtime, settings
+from aoti_eager import _background, _extension, _ops, _runtime, settings
 from aoti_eager._ops import OpSpec
 from aoti_eager.cache import default_root
 from aoti_eager.kernels import signature as _signature
@@ -107,7 +107,9 @@ def enable(
             Several processes may record into one manifest.
         compile: ``"now"``: a miss compiles before the call returns;
             ``"background"``: a miss runs the original kernel and compiles in a
-            worker process, and calls use the kernel once it is in the cache;
+            worker process, and calls use the kernel once it is in the cache
+            (the process that workers start from is started here, so enable
+            ahead of building a model);
             ``"never"``: a miss runs the original kernel (to record a run
             without compiling; kernels already in the cache are used).
         remote: the fleet cache, a Redis server behind the local cache
@@ -153,6 +155,8 @@ def enable(
         for op in selected:
             for device in devices:
                 _runtime.install(op, device, root, recorder=recorder, compile=compile, remote=remote)
+    if compile == "background":
+        _background.prestart()
 
 
 def disable(ops: Iterable[OpSpec] | OpSpec | None = None) -> None:

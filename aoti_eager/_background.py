@@ -52,6 +52,13 @@ def submit(entry: ManifestEntry, root: Path, remote: str | None = None) -> Futur
     return future
 
 
+def prestart() -> None:
+    """Starts the process that workers are forked from (see
+    :mod:`aoti_eager._zygote`): its imports and Inductor's start-up then run
+    while the program goes on, before its first miss."""
+    _worker.prestart(_jobs(), NICENESS)
+
+
 def _jobs() -> int:
     return settings.background_jobs.get() or _worker.default_jobs()
 

@@ -172,10 +172,9 @@ class Worker:
         return self._process is not None
 
     def _start(self) -> subprocess.Popen:
-        env = {k: v for k, v in os.environ.items() if k != settings.record.name}
+        env = _environment(self.jobs)
         if self.remote is not None:
             env[settings.remote.name] = self.remote
-        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(compile_threads(self.jobs)))
         # A file, not a pipe: a compiler's chatter must not fill a pipe that no
         # one reads while the child waits for its next entry. Where the parent
         # logs at DEBUG, the child logs too, to the parent's stderr.
@@ -252,18 +251,56 @@ class Worker:
                 pass
 
 
+def _environment(jobs: int) -> dict[str, str]:
+    """A worker's environment: this process's, less the recording (the parent
+    records), with its share of the cores for Inductor's compile threads."""
+    env = {k: v for k, v in os.environ.items() if k != settings.record.name}
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(compile_threads(jobs)))
+    return env
+
+
+def _may_fork() -> bool:
+    return COMMAND is _MAIN and not _forking_failed and settings.fork_workers.get()
+
+
+def prestart(jobs: int, niceness: int) -> None:
+    """Starts the zygote that workers fork from, if they will be forked and it
+    is not running: its imports then run while this process goes on."""
+    with _running_lock:
+        if not stopped and _may_fork():
+            with contextlib.suppress(OSError):  # the first fork reports it
+                _zygote_running(_environment(jobs), niceness)
+
+
+def _zygote_running(env: dict[str, str], niceness: int) -> _zygote.Zygote:
+    """The zygote, started anew where there is none or it ended. Under _running_lock."""
+    global _forking
+    if _forking is None or not _forking.alive:
+        if _forking is not None:
+            _forking.close()
+        _forking = None
+        _forking = _zygote.Zygote(env, niceness)
+    return _forking
+
+
 def _fork(argv: list[str], env: dict[str, str], stderr, niceness: int) -> _zygote.ForkedWorker | None:
-    """A worker forked from the zygote (started at the first worker, see
-    :mod:`aoti_eager._zygote`); None where workers start anew: the setting is
-    off, a test replaced :data:`COMMAND`, or the zygote fails. Under
-    _running_lock."""
+    """A worker forked from the zygote (see :mod:`aoti_eager._zygote`); None
+    where workers start anew: the setting is off, a test replaced
+    :data:`COMMAND`, or the zygote fails. Under _running_lock."""
     global _forking, _forking_failed
-    if COMMAND is not _MAIN or _forking_failed or not settings.fork_workers.get():
+    if not _may_fork():
         return None
+    stderr_fd = stderr.fileno() if stderr is not None else sys.stderr.fileno()
     try:
-        if _forking is None or not _forking.alive:
-            _forking = _zygote.Zygote(env, niceness)
-        return _forking.fork(f"{__name__}:main", argv, env, stderr.fileno() if stderr is not None else sys.stderr.fileno())
+        try:
+            return _zygote_running(env, niceness).fork(f"{__name__}:main", argv, env, stderr_fd)
+        except OSError:
+            if _forking is None or not _forking.ended_idle:
+                raise
+        # It ended for want of requests just as this one came: a new one.
+        _forking.close()
+        _forking = None
+        return _zygote_running(env, niceness).fork(f"{__name__}:main", argv, env, stderr_fd)
     except OSError as e:
         log.info("aoti_eager: compile workers start anew, each importing torch: %s", e)
         if _forking is not None:

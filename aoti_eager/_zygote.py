@@ -11,6 +11,14 @@ use after 12.6-13.8 s instead of 13.0-16.0 s, the forwards meanwhile at 2.5
 times eager's time instead of 3.4 (BENCHMARKS.md, "Workers forked from one
 process").
 
+Beyond the imports it does once what each worker's first compile would do
+for itself (:func:`_warm_inductor`): Inductor's code generators and pattern
+modules, its and Triton's source hashes, and on a machine without a GPU the
+pattern tables. On the 2-core CPU machine a forked worker's first compile
+took 2.7 s without them, 1.9 s with them. Background compiles start it at
+``enable()`` (:func:`aoti_eager._worker.prestart`), so that all this runs
+while the program builds its model, not after its first miss.
+
 The process never initializes CUDA, which a forked child could not use: it
 asks NVML whether a GPU is there (``PYTORCH_NVML_BASED_CUDA_CHECK``), and stops
 if an import initialized CUDA all the same. It runs no thread of its own.
@@ -25,7 +33,7 @@ It serves one request at a time, on a Unix socket pair (one message each):
   it was killed or closed its stdout).
 
 It ends when the socket closes: when the process that started it stops it or
-exits.
+exits; or when no request came for ``idle_seconds`` and no child of its own runs.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import contextlib
 import importlib
 import json
 import os
+import pkgutil
 import signal
 import socket
 import subprocess
@@ -46,6 +55,9 @@ _SERVE = "import sys; from aoti_eager._zygote import serve; sys.exit(serve())"
 # The longest a request waits: the first waits for the imports, which took 8.7 s
 # on the H100 host and up to a minute on a machine whose disk cache is cold.
 ANSWER_SECONDS = 300.0
+# A zygote holds torch and Inductor in memory: without a request for this long,
+# and with no child of its own running, it ends.
+IDLE_SECONDS = 60.0
 
 
 class ForkedWorker:
@@ -75,7 +87,8 @@ class ForkedWorker:
 
 class Zygote:
     """The forking process, started with ``env`` and ``niceness`` added to
-    this process's nice value. Thread-safe: requests take turns."""
+    this process's nice value; it ends after :data:`IDLE_SECONDS` without a
+    request (see :meth:`ended_idle`). Thread-safe: requests take turns."""
 
     def __init__(self, env: dict[str, str], niceness: int = 0):
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -84,7 +97,7 @@ class Zygote:
         self._lock = threading.Lock()
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-c", _SERVE, str(theirs.fileno())], pass_fds=[theirs.fileno()],
+                [sys.executable, "-c", _SERVE, str(theirs.fileno()), str(IDLE_SECONDS)], pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 env={**env, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"},
             )
@@ -97,6 +110,11 @@ class Zygote:
     @property
     def alive(self) -> bool:
         return self._process.poll() is None
+
+    @property
+    def ended_idle(self) -> bool:
+        """Whether it ended on its own, for want of requests."""
+        return self._process.poll() == 0
 
     def fork(self, main: str, argv: list[str], env: dict[str, str], stderr: int) -> ForkedWorker:
         """A new worker calling ``main`` (``"module:function"``) with ``argv``,
@@ -151,16 +169,57 @@ def _preload() -> None:
         "torch._inductor.codegen.cpp_wrapper_cpu", "torch._inductor.codegen.cpp_wrapper_gpu",
         "torch._inductor.codegen.triton", "triton.compiler.compiler", "aoti_eager._worker",
         "aoti_eager.kernels.pipeline", "aoti_eager.kernels.dynamic", "aoti_eager.kernels.examples",
+        "torch.export._trace", "torch.utils.cpp_extension", "torch._inductor.fx_passes.joint_graph",
+        "torch._inductor.fx_passes.post_grad", "torch._inductor.fx_passes.fuse_attention",
+        "torch._inductor.fx_passes.pad_mm", "torch._inductor.fx_passes.mkldnn_fusion",
+        "torch._inductor.fx_passes.quantization", "torch._inductor.fx_passes.freezing_patterns",
+        "torch._inductor.runtime.caching", "torch._inductor.compiler_bisector", "torch._inductor.bounds",
+        "torch.fx.experimental.validator", "sympy.combinatorics", "sympy.tensor.tensor",
     ):
         with contextlib.suppress(ImportError):
             __import__(name)
+    _warm_inductor()
     if torch.cuda.is_initialized():
         raise RuntimeError("importing torch and Inductor initialized CUDA: forked workers could not use it")
+
+
+def _warm_inductor() -> None:
+    """Inductor's start-up that a first compile pays, paid here once for every
+    worker (each step is cached for the process and its children): the code
+    generators of each device, the serialized pattern modules, Inductor's and
+    Triton's hashes of their own sources (0.3 s and 0.5 s of a worker's first
+    compile on the H100 host) and, where no GPU is, the pattern tables, which
+    a CUDA machine builds with CUDA tensors (so, in each worker). A step that
+    fails is left to the workers."""
+    import torch
+
+    steps = [
+        lambda: __import__("torch._inductor.codegen.common", fromlist=["_"]).init_backend_registration(),
+        _import_serialized_patterns,
+        lambda: __import__("torch._inductor.codecache", fromlist=["_"]).torch_key(),
+        lambda: __import__("torch._inductor.runtime.triton_compat", fromlist=["_"]).triton_key(),
+    ]
+    if not torch.cuda.is_available():  # NVML's answer: no CUDA initialized
+        from torch._inductor.fx_passes import joint_graph, post_grad
+
+        steps += [lambda: joint_graph.lazy_init(torch.device("cpu")), post_grad.lazy_init]
+    for step in steps:
+        with contextlib.suppress(Exception):
+            step()
+
+
+def _import_serialized_patterns() -> None:
+    from torch._inductor.fx_passes import serialized_patterns
+
+    for module in pkgutil.iter_modules(serialized_patterns.__path__):
+        importlib.import_module(f"{serialized_patterns.__name__}.{module.name}")
 
 
 def serve() -> int:
     """The zygote's loop; runs in the process :class:`Zygote` starts."""
     requests = socket.socket(fileno=int(sys.argv[1]))
+    requests.settimeout(float(sys.argv[2]))
+    children: set[int] = set()
     try:
         _preload()
     except Exception as e:  # noqa: BLE001 - every request is told why
@@ -173,6 +232,10 @@ def serve() -> int:
     while True:
         try:
             message, fds, _, _ = socket.recv_fds(requests, 1 << 16, 3)
+        except TimeoutError:
+            if children:
+                continue
+            return 0  # idle: the next fork starts a new zygote
         except OSError:
             return 0
         if not message:
@@ -182,8 +245,10 @@ def serve() -> int:
             answer = {"error": failure}
         elif "wait" in request:
             answer = {"returncode": os.waitstatus_to_exitcode(os.waitpid(request["wait"], 0)[1])}
+            children.discard(request["wait"])
         else:
             answer = {"pid": _fork(requests, request, fds)}
+            children.add(answer["pid"])
         for fd in fds:
             os.close(fd)
         requests.send(json.dumps(answer).encode())

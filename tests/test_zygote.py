@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import time
 
 import pytest
 
+import aoti_eager
 from aoti_eager import _worker, _zygote
 from aoti_eager.manifest import ManifestEntry
 
@@ -25,6 +27,8 @@ def workers(monkeypatch):
     yield lambda **kwargs: started.append(_worker.Worker(**kwargs)) or started[-1]
     for worker in started:
         worker.close()
+    if _worker._forking is not None:
+        _worker._forking.close()
 
 
 def test_workers_are_forked_from_one_process_that_ends_with_the_last_worker(workers, tmp_path):
@@ -61,3 +65,37 @@ def test_without_a_zygote_workers_start_anew(workers, tmp_path, monkeypatch, how
         assert outcome.status == "failed" and "no_such_op" in outcome.reason, outcome
         assert isinstance(worker._process, subprocess.Popen) and _worker._forking is None
     assert _worker._forking_failed == (how == "a zygote that fails")
+
+
+def test_background_compiles_start_the_zygote_at_enable(workers, tmp_path):
+    try:
+        aoti_eager.enable(["aten::abs"], devices=["cpu"], cache_dir=tmp_path, compile="background")
+    finally:
+        aoti_eager.disable()
+    forking = _worker._forking
+    assert forking is not None and forking.alive
+    aoti_eager.enable(["aten::abs"], devices=["cpu"], cache_dir=tmp_path, compile="background")  # not a second one
+    aoti_eager.disable()
+    assert _worker._forking is forking
+    worker = workers(root=tmp_path)
+    assert "no_such_op" in worker.compile(UNKNOWN_OP, timeout=120).reason
+    assert isinstance(worker._process, _zygote.ForkedWorker) and _worker._forking is forking
+
+
+@pytest.mark.parametrize("when", ["before the next fork", "as the next fork asks"])
+def test_an_idle_zygote_ends_and_the_next_worker_forks_from_a_new_one(workers, tmp_path, monkeypatch, when):
+    monkeypatch.setattr(_zygote, "IDLE_SECONDS", 0.5)
+    _worker.prestart(jobs=1, niceness=0)
+    idle = _worker._forking
+    deadline = time.monotonic() + 120  # its imports come first
+    while idle.alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert idle.ended_idle
+    if when == "as the next fork asks":  # it seemed alive when the fork was asked for
+        monkeypatch.setattr(_zygote.Zygote, "alive", property(lambda self: self._process.returncode is None))
+        idle._process.returncode = None
+    monkeypatch.setattr(_zygote, "IDLE_SECONDS", 60.0)
+    worker = workers(root=tmp_path)
+    assert "no_such_op" in worker.compile(UNKNOWN_OP, timeout=120).reason
+    assert isinstance(worker._process, _zygote.ForkedWorker)
+    assert _worker._forking is not idle and not _worker._forking_failed
