@@ -42,6 +42,7 @@ from typing import Any, Iterator
 
 import sympy
 import torch
+from torch.utils import _pytree as pytree
 
 from aoti_eager.kernels.compile import call_op
 from aoti_eager.kernels.examples import example_tensor
@@ -183,13 +184,17 @@ class ShapeFamily:
     @classmethod
     def general_for(cls, signature: CallSignature) -> "ShapeFamily":
         """The general kernel for calls like ``signature`` (not yet compiled):
-        every dim dynamic but a dim of size 1 that broadcasts, which the op
-        refuses at 2 (tried on meta tensors)."""
+        every dim dynamic but a dim of size 1 that broadcasts (tried on meta
+        tensors): the op refuses it at 2, or gives the same shapes at 2. A
+        kernel traced with it at 2 would add elementwise where the call
+        broadcasts, and its guards refuse the call (BERT's embeddings: each
+        such add cost a second compile, on the critical path of its first
+        forward's background compiles)."""
         tensors = tensor_args(signature)
         ones = [(i, d) for i, t in enumerate(tensors) for d, n in enumerate(t.sizes) if n == 1]
         kept = set(ones)
-        if ones and _runs_on_meta(signature, {}):
-            kept = {one for one in ones if not _runs_on_meta(signature, {one: 2})}
+        if ones and (shapes := _shapes_on_meta(signature, {})) is not None:
+            kept = {one for one in ones if _shapes_on_meta(signature, {one: 2}) in (None, shapes)}
         return cls(tuple(tuple(d for d in range(len(t.sizes)) if (i, d) not in kept) for i, t in enumerate(tensors)), general=True)
 
     @property
@@ -531,9 +536,10 @@ def _stride_rule(stride: Any, where: dict[Any, tuple[int, int]]) -> tuple[int, t
     return int(scale), tuple(factors)
 
 
-def _runs_on_meta(signature: CallSignature, sizes: dict[tuple[int, int], int]) -> bool:
-    """Whether the op takes ``signature``'s call on meta tensors, with dim
-    ``dim`` of its tensor ``tensor`` at ``sizes[tensor, dim]``."""
+def _shapes_on_meta(signature: CallSignature, sizes: dict[tuple[int, int], int]) -> list[tuple[int, ...]] | None:
+    """The shapes of the tensors the op returns for ``signature``'s call on
+    meta tensors, with dim ``dim`` of its tensor ``tensor`` at
+    ``sizes[tensor, dim]``; None where the op refuses the call."""
     tensors = itertools.count()
 
     def meta(value: Any, described: Any) -> Any:
@@ -546,10 +552,10 @@ def _runs_on_meta(signature: CallSignature, sizes: dict[tuple[int, int], int]) -
         return value
 
     try:
-        call_op(signature.op, [meta(v, d) for v, d in zip(signature.args, signature.described)])
+        result = call_op(signature.op, [meta(v, d) for v, d in zip(signature.args, signature.described)])
     except Exception:  # noqa: BLE001 - the op refuses these sizes, or meta tensors
-        return False
-    return True
+        return None
+    return [tuple(t.shape) for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
 
 
 def _rebuilt(signature: CallSignature, args: list[Any]) -> CallSignature:

@@ -106,6 +106,8 @@ def test_layout_order(sizes, strides, order):
 def test_a_general_kernel_keeps_only_the_size_one_dims_that_broadcast():
     general = ShapeFamily.general_for(signature(A.add.Tensor, torch.randn(6, 5, 8), torch.randn(1, 5, 8)))
     assert general.general and general.dims == ((0, 1, 2), (1, 2))  # y's 1 broadcasts against 6
+    general = ShapeFamily.general_for(signature(A.add.Tensor, torch.randn(2, 5, 8), torch.randn(1, 5, 8)))
+    assert general.dims == ((0, 1, 2), (1, 2))  # at 2, y's 1 would add elementwise, not broadcast
     general = ShapeFamily.general_for(signature(A.add.Tensor, torch.randn(1, 8), torch.randn(1, 8)))
     assert general.dims == ((0, 1), (0, 1))  # at 2 rows both, or either, it still runs
     general = ShapeFamily.general_for(signature(A.embedding.default, torch.randn(64, 8), torch.arange(9)[None]))
@@ -264,6 +266,14 @@ def test_a_general_kernel_keeps_a_broadcast_dim_of_one(tmp_path):
     compiles, _ = run_shapes("aten::add.Tensor", tmp_path, torch.add, [(4, 5), (6, 5), (6, 7), (3, 9), (1, 4)],
                              lambda s: (torch.randn(s[0], s[1], 8), torch.randn(1, s[1], 8)))
     assert compiles == [1, 1, 1, 0, 0]
+
+
+def test_a_dim_of_one_that_broadcasts_against_two_stays_one_in_the_general_kernel(tmp_path):
+    # BERT's embeddings: word and token-type rows added, then the position row, one for the batch.
+    shapes = [(2, 2), (2, 1), (3, 1), (5, 1)]
+    compiles, stats = run_shapes("aten::add.Tensor", tmp_path, torch.add, shapes,
+                                 lambda s: (torch.randn(s[0], 5, 8), torch.randn(s[1], 5, 8)))
+    assert compiles == [1, 1, 0, 0] and stats["fallbacks"] == 0
 
 
 def test_strides_the_general_kernel_was_not_compiled_for_take_the_miss_path(tmp_path):
