@@ -17,7 +17,8 @@ modules, its and Triton's source hashes, and on a machine without a GPU the
 pattern tables. On the 2-core CPU machine a forked worker's first compile
 took 2.7 s without them, 1.9 s with them. Background compiles start it at
 ``enable()`` (:func:`aoti_eager._worker.prestart`), so that all this runs
-while the program builds its model, not after its first miss.
+while the program builds its model, not after its first miss; a fork asked
+for sooner stops the warming, and each worker does the rest for itself.
 
 The process never initializes CUDA, which a forked child could not use: it
 asks NVML whether a GPU is there (``PYTORCH_NVML_BASED_CUDA_CHECK``), and stops
@@ -43,6 +44,7 @@ import importlib
 import json
 import os
 import pkgutil
+import select
 import signal
 import socket
 import subprocess
@@ -50,6 +52,7 @@ import sys
 import threading
 import traceback
 import warnings
+from typing import Callable
 
 _SERVE = "import sys; from aoti_eager._zygote import serve; sys.exit(serve())"
 # The longest a request waits: the first waits for the imports, which took 8.7 s
@@ -159,9 +162,10 @@ class Zygote:
             self._process.wait()
 
 
-def _preload() -> None:
-    """Imports what a compile uses; a module that is not installed (Triton on a
-    CPU-only machine) is left to the worker."""
+def _preload(requests: socket.socket) -> None:
+    """Imports what a compile uses (a module that is not installed, Triton on a
+    CPU-only machine, is left to the worker), then warms Inductor until a
+    request comes on ``requests``."""
     import torch
 
     for name in (
@@ -178,19 +182,21 @@ def _preload() -> None:
     ):
         with contextlib.suppress(ImportError):
             __import__(name)
-    _warm_inductor()
+    _warm_inductor(until=lambda: select.select([requests], [], [], 0)[0] != [])
     if torch.cuda.is_initialized():
         raise RuntimeError("importing torch and Inductor initialized CUDA: forked workers could not use it")
 
 
-def _warm_inductor() -> None:
+def _warm_inductor(until: Callable[[], bool]) -> None:
     """Inductor's start-up that a first compile pays, paid here once for every
     worker (each step is cached for the process and its children): the code
     generators of each device, the serialized pattern modules, Inductor's and
     Triton's hashes of their own sources (0.3 s and 0.5 s of a worker's first
     compile on the H100 host) and, where no GPU is, the pattern tables, which
-    a CUDA machine builds with CUDA tensors (so, in each worker). A step that
-    fails is left to the workers."""
+    a CUDA machine builds with CUDA tensors (so, in each worker). It stops
+    once ``until()``: a fork asked for does not wait for a step that each
+    worker can take for itself, side by side. A step that fails is left to
+    the workers."""
     import torch
 
     steps = [
@@ -204,6 +210,8 @@ def _warm_inductor() -> None:
 
         steps += [lambda: joint_graph.lazy_init(torch.device("cpu")), post_grad.lazy_init]
     for step in steps:
+        if until():
+            return
         with contextlib.suppress(Exception):
             step()
 
@@ -221,7 +229,7 @@ def serve() -> int:
     requests.settimeout(float(sys.argv[2]))
     children: set[int] = set()
     try:
-        _preload()
+        _preload(requests)
     except Exception as e:  # noqa: BLE001 - every request is told why
         failure = f"the forking process could not import what a compile uses: {type(e).__name__}: {e}"
     else:

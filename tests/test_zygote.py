@@ -99,3 +99,12 @@ def test_an_idle_zygote_ends_and_the_next_worker_forks_from_a_new_one(workers, t
     assert "no_such_op" in worker.compile(UNKNOWN_OP, timeout=120).reason
     assert isinstance(worker._process, _zygote.ForkedWorker)
     assert _worker._forking is not idle and not _worker._forking_failed
+
+
+def test_a_fork_asked_for_stops_the_warming(monkeypatch):
+    steps = []
+    monkeypatch.setattr(_zygote, "_import_serialized_patterns", lambda: steps.append("patterns"))
+    _zygote._warm_inductor(until=lambda: True)
+    assert steps == []
+    _zygote._warm_inductor(until=lambda: False)
+    assert steps == ["patterns"]
