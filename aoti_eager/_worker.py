@@ -265,11 +265,17 @@ def _may_fork() -> bool:
 
 def prestart(jobs: int, niceness: int) -> None:
     """Starts the zygote that workers fork from, if they will be forked and it
-    is not running: its imports then run while this process goes on."""
-    with _running_lock:
+    is not running: its imports then run while this process goes on. Returns
+    at once where a worker is being forked (a zygote is running then), which
+    can take as long as the zygote's imports."""
+    if not _running_lock.acquire(blocking=False):
+        return
+    try:
         if not stopped and _may_fork():
             with contextlib.suppress(OSError):  # the first fork reports it
                 _zygote_running(_environment(jobs), niceness)
+    finally:
+        _running_lock.release()
 
 
 def _zygote_running(env: dict[str, str], niceness: int) -> _zygote.Zygote:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -82,6 +83,17 @@ def test_background_compiles_start_the_zygote_at_enable(workers, tmp_path):
     assert isinstance(worker._process, _zygote.ForkedWorker) and _worker._forking is forking
 
 
+def test_enable_does_not_wait_for_a_fork_in_progress(workers, tmp_path):
+    enabling = threading.Thread(target=aoti_eager.enable, args=(["aten::abs"],),
+                                kwargs=dict(devices=["cpu"], cache_dir=tmp_path, compile="background"))
+    with _worker._running_lock:  # as _fork holds it while the zygote imports
+        enabling.start()
+        enabling.join(timeout=60)
+        assert not enabling.is_alive()
+    aoti_eager.disable()
+    assert _worker._forking is None  # the first miss starts it
+
+
 @pytest.mark.parametrize("when", ["before the next fork", "as the next fork asks"])
 def test_an_idle_zygote_ends_and_the_next_worker_forks_from_a_new_one(workers, tmp_path, monkeypatch, when):
     monkeypatch.setattr(_zygote, "IDLE_SECONDS", 0.5)
@@ -101,6 +113,7 @@ def test_an_idle_zygote_ends_and_the_next_worker_forks_from_a_new_one(workers, t
     assert _worker._forking is not idle and not _worker._forking_failed
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit's, as Inductor's modules import
 def test_a_fork_asked_for_stops_the_warming(monkeypatch):
     steps = []
     monkeypatch.setattr(_zygote, "_import_serialized_patterns", lambda: steps.append("patterns"))
