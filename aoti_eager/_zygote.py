@@ -34,7 +34,7 @@ It serves one request at a time, on a Unix socket pair (one message each):
   it was killed or closed its stdout).
 
 It ends when the socket closes: when the process that started it stops it or
-exits; or when no request came for ``idle_seconds`` and no child of its own runs.
+exits; or when no request came for :data:`IDLE_SECONDS` and no child of its own runs.
 """
 
 from __future__ import annotations
@@ -199,16 +199,18 @@ def _warm_inductor(until: Callable[[], bool]) -> None:
     the workers."""
     import torch
 
+    module = importlib.import_module
     steps = [
-        lambda: __import__("torch._inductor.codegen.common", fromlist=["_"]).init_backend_registration(),
+        lambda: module("torch._inductor.codegen.common").init_backend_registration(),
         _import_serialized_patterns,
-        lambda: __import__("torch._inductor.codecache", fromlist=["_"]).torch_key(),
-        lambda: __import__("torch._inductor.runtime.triton_compat", fromlist=["_"]).triton_key(),
+        lambda: module("torch._inductor.codecache").torch_key(),
+        lambda: module("torch._inductor.runtime.triton_compat").triton_key(),
     ]
     if not torch.cuda.is_available():  # NVML's answer: no CUDA initialized
-        from torch._inductor.fx_passes import joint_graph, post_grad
-
-        steps += [lambda: joint_graph.lazy_init(torch.device("cpu")), post_grad.lazy_init]
+        steps += [
+            lambda: module("torch._inductor.fx_passes.joint_graph").lazy_init(torch.device("cpu")),
+            lambda: module("torch._inductor.fx_passes.post_grad").lazy_init(),
+        ]
     for step in steps:
         if until():
             return
