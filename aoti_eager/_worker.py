@@ -304,8 +304,6 @@ def _fork(argv: list[str], env: dict[str, str], stderr, niceness: int) -> _zygot
             if _forking is None or not _forking.ended_idle:
                 raise
         # It ended for want of requests just as this one came: a new one.
-        _forking.close()
-        _forking = None
         return _zygote_running(env, niceness).fork(f"{__name__}:main", argv, env, stderr_fd)
     except OSError as e:
         log.info("aoti_eager: compile workers start anew, each importing torch: %s", e)
