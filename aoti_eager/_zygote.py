@@ -12,10 +12,12 @@ times eager's time instead of 3.4 (BENCHMARKS.md, "Workers forked from one
 process").
 
 Beyond the imports it does once what each worker's first compile would do
-for itself (:func:`_warm_inductor`): Inductor's code generators and pattern
-modules, its and Triton's source hashes, and on a machine without a GPU the
-pattern tables. On the 2-core CPU machine a forked worker's first compile
-took 2.7 s without them, 1.9 s with them. Background compiles start it at
+for itself (:func:`_warm_inductor`): Inductor's code generators, its and
+Triton's source hashes. (Inductor's pattern tables, warmed here before, are
+not built for a compile of one op: see
+:func:`aoti_eager.kernels.compile._without_whole_graph_patterns`.) On the
+2-core CPU machine a forked worker's first compile took 2.7 s without the
+warming, 1.9 s with it. Background compiles start it at
 ``enable()`` (:func:`aoti_eager._worker.prestart`), so that all this runs
 while the program builds its model, not after its first miss; a fork asked
 for sooner stops the warming, and each worker does the rest for itself.
@@ -43,7 +45,6 @@ import contextlib
 import importlib
 import json
 import os
-import pkgutil
 import select
 import signal
 import socket
@@ -174,8 +175,7 @@ def _preload(requests: socket.socket) -> None:
         "torch._inductor.codegen.triton", "triton.compiler.compiler", "aoti_eager._worker",
         "aoti_eager.kernels.pipeline", "aoti_eager.kernels.dynamic", "aoti_eager.kernels.examples",
         "torch.export._trace", "torch.utils.cpp_extension", "torch._inductor.fx_passes.joint_graph",
-        "torch._inductor.fx_passes.post_grad", "torch._inductor.fx_passes.fuse_attention",
-        "torch._inductor.fx_passes.pad_mm", "torch._inductor.fx_passes.mkldnn_fusion",
+        "torch._inductor.fx_passes.post_grad", "torch._inductor.fx_passes.mkldnn_fusion",
         "torch._inductor.fx_passes.quantization", "torch._inductor.fx_passes.freezing_patterns",
         "torch._inductor.runtime.caching", "torch._inductor.compiler_bisector", "torch._inductor.bounds",
         "torch.fx.experimental.validator", "sympy.combinatorics", "sympy.tensor.tensor",
@@ -190,39 +190,23 @@ def _preload(requests: socket.socket) -> None:
 def _warm_inductor(until: Callable[[], bool]) -> None:
     """Inductor's start-up that a first compile pays, paid here once for every
     worker (each step is cached for the process and its children): the code
-    generators of each device, the serialized pattern modules, Inductor's and
-    Triton's hashes of their own sources (0.3 s and 0.5 s of a worker's first
-    compile on the H100 host) and, where no GPU is, the pattern tables, which
-    a CUDA machine builds with CUDA tensors (so, in each worker). It stops
-    once ``until()``: a fork asked for does not wait for a step that each
-    worker can take for itself, side by side. A step that fails is left to
-    the workers."""
-    import torch
-
-    module = importlib.import_module
-    steps = [
-        lambda: module("torch._inductor.codegen.common").init_backend_registration(),
-        _import_serialized_patterns,
-        lambda: module("torch._inductor.codecache").torch_key(),
-        lambda: module("torch._inductor.runtime.triton_compat").triton_key(),
-    ]
-    if not torch.cuda.is_available():  # NVML's answer: no CUDA initialized
-        steps += [
-            lambda: module("torch._inductor.fx_passes.joint_graph").lazy_init(torch.device("cpu")),
-            lambda: module("torch._inductor.fx_passes.post_grad").lazy_init(),
-        ]
-    for step in steps:
+    generators of each device and Inductor's and Triton's hashes of their own
+    sources (0.3 s and 0.5 s of a worker's first compile on the H100 host).
+    It stops once ``until()``: a fork asked for does not wait for a step that
+    each worker can take for itself, side by side. A step that fails is left
+    to the workers."""
+    for step in _WARMING_STEPS:
         if until():
             return
         with contextlib.suppress(Exception):
             step()
 
 
-def _import_serialized_patterns() -> None:
-    from torch._inductor.fx_passes import serialized_patterns
-
-    for module in pkgutil.iter_modules(serialized_patterns.__path__):
-        importlib.import_module(f"{serialized_patterns.__name__}.{module.name}")
+_WARMING_STEPS: list[Callable[[], object]] = [
+    lambda: importlib.import_module("torch._inductor.codegen.common").init_backend_registration(),
+    lambda: importlib.import_module("torch._inductor.codecache").torch_key(),
+    lambda: importlib.import_module("torch._inductor.runtime.triton_compat").triton_key(),
+]
 
 
 def serve() -> int:

@@ -18,7 +18,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch._prims_common import (
@@ -27,7 +27,7 @@ from torch._prims_common import (
 from torch.fx.experimental import _config as fx_config
 
 from aoti_eager.cache.store import LIBRARY_FILE
-from aoti_eager.kernels import scratch
+from aoti_eager.kernels import headers, scratch
 from aoti_eager.kernels.parallel_grain import parallel_above_grain
 from aoti_eager.kernels.signature import (
     Arg, CallSignature, ListArg, NumberArg, RuntimeNumberArg, TensorArg, clone_args, kernel_inputs,
@@ -271,6 +271,35 @@ def _size_oblivious(dynamic: bool) -> Any:
     return fx_config.patch(backed_size_oblivious=True)
 
 
+@contextlib.contextmanager
+def _without_whole_graph_patterns(device_type: str) -> Iterator[None]:
+    """Within the block, Inductor does not build the pattern tables it builds
+    once per process for whole graphs, beside those its imports register.
+    The joint graph's (attention fusion, matmul padding, which CUDA compiles
+    turn off, and randperm indexing) rewrite sequences of ops that one op's
+    graph does not have; on CPU, the post-grad ones fuse oneDNN calls on
+    prepacked weights, which only freezing a model makes. CUDA's post-grad
+    tables stay: their online softmax rewrites softmax's own decomposition.
+    Building the tables skipped here was 0.5 s of a process's first compile on
+    the 2-core CPU, and each CUDA worker built them with CUDA tensors.
+
+    A ``torch.compile`` later in the process builds them as usual; tables one
+    built earlier apply to the op's graph as to any other.
+    """
+    from torch._inductor.fx_passes import joint_graph, post_grad
+
+    passes = [joint_graph] if device_type == "cuda" else [joint_graph, post_grad]
+    passes = [module for module in passes if hasattr(module, "lazy_init")]
+    saved = [module.lazy_init for module in passes]
+    for module in passes:
+        module.lazy_init = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        for module, lazy_init in zip(passes, saved):
+            module.lazy_init = lazy_init
+
+
 def compile_call(
     signature: CallSignature,
     eager_result: Any,
@@ -302,8 +331,14 @@ def compile_call(
     library = Path(workdir.name) / LIBRARY_FILE
     seconds: dict[str, float] = {}
     stage = "torch.export"
+    dynamic = _dynamic_options(signature, dynamic_shapes)
+    from torch._inductor import config as inductor_config
+
     try:
-        with warnings.catch_warnings(), scratch.compiling(), _size_oblivious(dynamic_shapes is not None):
+        # Inductor's settings hold from the start, for the header checks that
+        # run beside the export (see kernels/headers.py).
+        with warnings.catch_warnings(), scratch.compiling(), inductor_config.patch({**options, **dynamic}), \
+                headers.checked_ahead(shared_dir), _size_oblivious(dynamic_shapes is not None):
             # Deprecation notices from PyTorch internals are not the user's concern.
             warnings.simplefilter("ignore")
             start = time.perf_counter()
@@ -311,9 +346,9 @@ def compile_call(
             seconds["export"] = time.perf_counter() - start
             stage = "AOTInductor"
             start = time.perf_counter()
-            dynamic = _dynamic_options(signature, dynamic_shapes)
             grain = parallel_above_grain() if dynamic else contextlib.nullcontext()
-            with split_wrapper_builds(shared_dir, seconds, linker()), known_vec_isas(vec_isas), grain:
+            with split_wrapper_builds(shared_dir, seconds, linker()), known_vec_isas(vec_isas), grain, \
+                    _without_whole_graph_patterns(signature.device.type):
                 torch._inductor.aot_compile(
                     exported.module(), example,
                     options={**options, **dynamic, "aot_inductor.output_path": str(library)},

@@ -160,6 +160,26 @@ def compiled_add(shared_cache, tmp_path_factory):
     artifact.workdir.cleanup()
 
 
+def test_a_compile_does_not_build_inductors_whole_graph_pattern_tables(shared_cache, monkeypatch):
+    """Building them was 0.5 s of a process's first compile; they are Inductor's
+    again after it, for a torch.compile."""
+    from torch._inductor.fx_passes import joint_graph, post_grad
+
+    built = []
+    for module in (joint_graph, post_grad):
+        monkeypatch.setattr(module, "lazy_init", lambda *args, name=module.__name__: built.append(name))
+    recorders = (joint_graph.lazy_init, post_grad.lazy_init)
+    signature = CallSignature.of(A.abs.default, "cpu", [torch.randn(43)])
+    options = compile_options("cpu")
+    artifact = compile_call(
+        signature, signature.args[0].abs(), options,
+        shared_dir=KernelCache(shared_cache, environment_name(CPU, options)).shared_directory(), vec_isas=usable_vec_isas(),
+    )
+    artifact.workdir.cleanup()
+    assert built == []
+    assert (joint_graph.lazy_init, post_grad.lazy_init) == recorders
+
+
 def test_where_the_faster_linker_fails_the_library_is_linked_as_inductor_links_it(shared_cache, monkeypatch):
     monkeypatch.setattr(compile_module, "linker", lambda: "no-such-linker")
     signature = CallSignature.of(A.abs.default, "cpu", [torch.randn(37)])

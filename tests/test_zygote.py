@@ -113,11 +113,10 @@ def test_an_idle_zygote_ends_and_the_next_worker_forks_from_a_new_one(workers, t
     assert _worker._forking is not idle and not _worker._forking_failed
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.jit's, as Inductor's modules import
 def test_a_fork_asked_for_stops_the_warming(monkeypatch):
     steps = []
-    monkeypatch.setattr(_zygote, "_import_serialized_patterns", lambda: steps.append("patterns"))
+    monkeypatch.setattr(_zygote, "_WARMING_STEPS", [lambda: steps.append("first"), lambda: steps.append("second")])
     _zygote._warm_inductor(until=lambda: True)
     assert steps == []
-    _zygote._warm_inductor(until=lambda: False)
-    assert steps == ["patterns"]
+    _zygote._warm_inductor(until=lambda: len(steps) == 1)
+    assert steps == ["first"]

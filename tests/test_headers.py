@@ -1,0 +1,91 @@
+import functools
+import json
+import threading
+
+import pytest
+import torch
+from torch._inductor import codecache, cpu_vec_isa
+from torch._inductor import config as inductor_config
+
+from aoti_eager.kernels import headers, scratch
+from aoti_eager.kernels.compile import compile_options
+
+HEADER = "torch/csrc/inductor/cpp_prefix.h"
+ISA = next(iter(cpu_vec_isa.supported_vec_isa_list))
+ARGUMENTS = {"aot_mode": True, "device_type": "cpu", "use_mmap_weights": False, "use_mmap_weights_external": False,
+             "use_relative_path": False, "vec_isa": ISA}
+
+
+@pytest.fixture
+def inductors_check(monkeypatch):
+    """Inductor's check replaced by one that names the thread it ran in, memoized as Inductor's is."""
+    monkeypatch.setattr(headers, "_started", {})
+    calls = []
+
+    @functools.cache
+    def precompile_header(header, hashable_cmd_line, **compile_command):
+        calls.append(threading.current_thread().name)
+        return f"{header} checked"
+
+    monkeypatch.setattr(codecache, "_precompile_header", precompile_header)
+    return calls
+
+
+def _compile(shared_dir, command):
+    """What a compile does of the check: Inductor calls it once per header."""
+    with headers.checked_ahead(shared_dir):
+        return codecache._precompile_header(HEADER, command, **ARGUMENTS)
+
+
+def test_a_check_recorded_runs_ahead_and_answers_inductor(inductors_check, tmp_path):
+    command = headers._command(ARGUMENTS)
+    assert _compile(tmp_path, command) == f"{HEADER} checked"
+    assert inductors_check == ["MainThread"]
+
+    headers._started.clear()  # a new process
+    inductors_check.clear()
+    codecache._precompile_header.cache_clear()
+    assert _compile(tmp_path, command) == f"{HEADER} checked"
+    assert len(inductors_check) == 1 and inductors_check[0].startswith("aoti_eager-header")
+
+
+def test_a_check_recorded_under_other_settings_is_left_to_inductor(inductors_check, tmp_path):
+    _compile(tmp_path, "another compiler command")
+    headers._started.clear()
+    inductors_check.clear()
+    codecache._precompile_header.cache_clear()
+    assert _compile(tmp_path, "another compiler command") == f"{HEADER} checked"
+    assert inductors_check == ["MainThread"]
+
+
+@pytest.mark.parametrize("record", [
+    "not json",
+    json.dumps({"a": "dict"}),
+    json.dumps([json.dumps(["/etc/passwd", "command", {}])]),
+    json.dumps([json.dumps([HEADER, "command", {"extra_flags": "-o /tmp/x"}])]),
+    json.dumps([json.dumps([HEADER, "command", {"vec_isa": "no such ISA"}])]),
+    json.dumps([json.dumps([HEADER, "command", {"aot_mode": ["a list"]}])]),
+])
+def test_a_record_that_is_not_inductors_arguments_starts_nothing(inductors_check, tmp_path, record):
+    (tmp_path / headers._RECORD).write_text(record)
+    with headers.checked_ahead(tmp_path):
+        pass
+    assert headers._started == {} and inductors_check == []
+
+
+def test_the_check_ahead_gives_inductors_answer_under_the_compiles_settings(tmp_path):
+    """Inductor's real check, in the thread, under the settings a compile
+    patches in (the compiler, no line tables): the precompiled header it
+    names is the one Inductor's own check names."""
+    arguments = {**ARGUMENTS, "vec_isa": cpu_vec_isa.pick_vec_isa()}  # the headers the other tests' compiles built
+    with scratch.compiling(), inductor_config.patch(compile_options("cpu")):
+        command = headers._command(arguments)
+        own = codecache._precompile_header.__wrapped__(HEADER, command, **arguments)
+        key = headers._key(HEADER, command, arguments)
+        (tmp_path / headers._RECORD).write_text(json.dumps([key]))
+        try:
+            with headers.checked_ahead(tmp_path):
+                ahead = headers._started[key].result()
+        finally:
+            headers._started.pop(key, None)
+    assert ahead == own
