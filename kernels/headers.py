@@ -20,8 +20,10 @@ import contextlib
 import contextvars
 import json
 import logging
+import os
+import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from aoti_eager.cache import layout
 
@@ -31,9 +33,10 @@ _RECORD = "precompiled_headers.json"
 _KEYWORDS = {"aot_mode", "device_type", "use_mmap_weights", "use_mmap_weights_external", "use_relative_path",
              "min_optimize", "vec_isa"}
 
-# Checks started in this process, by their arguments.
+# Checks started in this process, by their arguments. A child forked while
+# one ran would wait for it forever: a child starts its own.
 _started: dict[str, concurrent.futures.Future] = {}
-_threads = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="aoti_eager-header")
+os.register_at_fork(after_in_child=lambda: _started.clear())
 
 
 @contextlib.contextmanager
@@ -64,8 +67,7 @@ def checked_ahead(shared_dir: Path | None) -> Iterator[None]:
     started = []
     for key in _recorded(record):
         if key not in _started:
-            # Inductor's settings are per context where torch keeps them in context variables.
-            _started[key] = _threads.submit(contextvars.copy_context().run, _check, original, key)
+            _started[key] = _in_a_thread(_check, original, key)
             started.append(_started[key])
     codecache._precompile_header = precompile_header
     try:
@@ -76,6 +78,23 @@ def checked_ahead(shared_dir: Path | None) -> Iterator[None]:
         if calls and calls != _recorded(record):
             with contextlib.suppress(OSError):
                 layout.atomic_write_text(record, json.dumps(calls))
+
+
+def _in_a_thread(function: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
+    """``function(*args)`` in a new thread, in a copy of this thread's context:
+    Inductor's settings are per context where torch keeps them in context
+    variables (torch 2.13; 2.11 keeps them in module globals)."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    context = contextvars.copy_context()
+
+    def run() -> None:
+        try:
+            future.set_result(context.run(function, *args))
+        except BaseException as e:  # noqa: BLE001 - the caller's to see
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="aoti_eager-header-check", daemon=True).start()
+    return future
 
 
 def _key(header: str, hashable_cmd_line: str, compile_command: dict[str, Any]) -> str:

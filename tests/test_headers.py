@@ -1,5 +1,6 @@
 import functools
 import json
+import os
 import threading
 
 import pytest
@@ -46,7 +47,7 @@ def test_a_check_recorded_runs_ahead_and_answers_inductor(inductors_check, tmp_p
     inductors_check.clear()
     codecache._precompile_header.cache_clear()
     assert _compile(tmp_path, command) == f"{HEADER} checked"
-    assert len(inductors_check) == 1 and inductors_check[0].startswith("aoti_eager-header")
+    assert inductors_check == ["aoti_eager-header-check"]
 
 
 def test_a_check_recorded_under_other_settings_is_left_to_inductor(inductors_check, tmp_path):
@@ -89,3 +90,20 @@ def test_the_check_ahead_gives_inductors_answer_under_the_compiles_settings(tmp_
         finally:
             headers._started.pop(key, None)
     assert ahead == own
+
+
+def test_a_child_forked_during_a_check_starts_its_own(inductors_check, tmp_path, monkeypatch):
+    """Its parent's thread is not in the child: waiting for its answer would be forever."""
+    command = headers._command(ARGUMENTS)
+    _compile(tmp_path, command)
+    headers._started.clear()
+    codecache._precompile_header.cache_clear()
+    release = threading.Event()
+    monkeypatch.setattr(headers, "_check", lambda *args: release.wait(60) and None)
+    with headers.checked_ahead(tmp_path):
+        assert not headers._started[headers._key(HEADER, command, ARGUMENTS)].done()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0 if headers._started == {} else 1)
+        release.set()
+    assert os.waitpid(pid, 0)[1] == 0
