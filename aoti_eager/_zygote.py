@@ -13,11 +13,11 @@ process").
 
 Beyond the imports it does once what each worker's first compile would do
 for itself (:func:`_warm_inductor`): Inductor's code generators, its and
-Triton's source hashes. (Inductor's pattern tables, warmed here before, are
-not built for a compile of one op: see
-:func:`aoti_eager.kernels.compile._without_whole_graph_patterns`.) On the
-2-core CPU machine a forked worker's first compile took 2.7 s without the
-warming, 1.9 s with it. Background compiles start it at
+Triton's source hashes. On the 2-core CPU machine a forked worker's first
+compile took 2.7 s without the warming and 1.9 s with it, when the warming
+also built Inductor's pattern tables, which a compile of one op no longer
+builds (:func:`aoti_eager.kernels.compile._without_whole_graph_patterns`).
+Background compiles start it at
 ``enable()`` (:func:`aoti_eager._worker.prestart`), so that all this runs
 while the program builds its model, not after its first miss; a fork asked
 for sooner stops the warming, and each worker does the rest for itself.
