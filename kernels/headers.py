@@ -10,7 +10,9 @@ The arguments of each check are kept beside the environment's shared wrapper
 part; a process's first compile starts Inductor's own check with them in a
 thread, where the preprocessor runs beside the export and the lowering, and
 Inductor's call waits for that thread's answer instead of checking again.
-Arguments that are no longer Inductor's only cost the thread's work.
+Arguments that are no longer Inductor's only cost the thread's work. Only
+where the thread sees the compile's Inductor settings and no others (see
+:func:`_settings_per_context`).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def checked_ahead(shared_dir: Path | None) -> Iterator[None]:
     from torch._inductor import codecache
 
     original = getattr(codecache, "_precompile_header", None)
-    if shared_dir is None or original is None:
+    if shared_dir is None or original is None or not _settings_per_context():
         yield
         return
     record = shared_dir / _RECORD
@@ -80,10 +82,21 @@ def checked_ahead(shared_dir: Path | None) -> Iterator[None]:
                 layout.atomic_write_text(record, json.dumps(calls))
 
 
+def _settings_per_context() -> bool:
+    """Whether torch keeps Inductor's settings in context variables, so that a
+    thread checks under the compile's settings, whatever the compile's own
+    thread patches meanwhile (torch 2.13). Torch 2.11 keeps them in module
+    globals: there, on the H100, checks ahead named other precompiled headers
+    than Inductor's own, and a first compile rebuilt a header and the shared
+    wrapper part (10 s)."""
+    from torch._inductor import config as inductor_config
+
+    return isinstance(getattr(inductor_config, "_hash_dirty_var", None), contextvars.ContextVar)
+
+
 def _in_a_thread(function: Callable[..., Any], *args: Any) -> concurrent.futures.Future:
-    """``function(*args)`` in a new thread, in a copy of this thread's context:
-    Inductor's settings are per context where torch keeps them in context
-    variables (torch 2.13; 2.11 keeps them in module globals)."""
+    """``function(*args)`` in a new thread, in a copy of this thread's context,
+    which holds Inductor's settings (see :func:`_settings_per_context`)."""
     future: concurrent.futures.Future = concurrent.futures.Future()
     context = contextvars.copy_context()
 

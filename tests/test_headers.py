@@ -17,6 +17,10 @@ ARGUMENTS = {"aot_mode": True, "device_type": "cpu", "use_mmap_weights": False, 
              "use_relative_path": False, "vec_isa": ISA}
 
 
+per_context = pytest.mark.skipif(not headers._settings_per_context(),
+                                 reason="this torch keeps Inductor's settings in module globals: no checks ahead")
+
+
 @pytest.fixture
 def inductors_check(monkeypatch):
     """Inductor's check replaced by one that names the thread it ran in, memoized as Inductor's is."""
@@ -38,6 +42,7 @@ def _compile(shared_dir, command):
         return codecache._precompile_header(HEADER, command, **ARGUMENTS)
 
 
+@per_context
 def test_a_check_recorded_runs_ahead_and_answers_inductor(inductors_check, tmp_path):
     command = headers._command(ARGUMENTS)
     assert _compile(tmp_path, command) == f"{HEADER} checked"
@@ -50,6 +55,7 @@ def test_a_check_recorded_runs_ahead_and_answers_inductor(inductors_check, tmp_p
     assert inductors_check == ["aoti_eager-header-check"]
 
 
+@per_context
 def test_a_check_recorded_under_other_settings_is_left_to_inductor(inductors_check, tmp_path):
     _compile(tmp_path, "another compiler command")
     headers._started.clear()
@@ -74,6 +80,7 @@ def test_a_record_that_is_not_inductors_arguments_starts_nothing(inductors_check
     assert headers._started == {} and inductors_check == []
 
 
+@per_context
 def test_the_check_ahead_gives_inductors_answer_under_the_compiles_settings(tmp_path):
     """Inductor's real check, in the thread, under the settings a compile
     patches in (the compiler, no line tables): the precompiled header it
@@ -92,6 +99,7 @@ def test_the_check_ahead_gives_inductors_answer_under_the_compiles_settings(tmp_
     assert ahead == own
 
 
+@per_context
 def test_a_child_forked_during_a_check_starts_its_own(inductors_check, tmp_path, monkeypatch):
     """Its parent's thread is not in the child: waiting for its answer would be forever."""
     command = headers._command(ARGUMENTS)
@@ -107,3 +115,11 @@ def test_a_child_forked_during_a_check_starts_its_own(inductors_check, tmp_path,
             os._exit(0 if headers._started == {} else 1)
         release.set()
     assert os.waitpid(pid, 0)[1] == 0
+
+
+def test_where_settings_are_module_globals_inductor_checks_as_it_did(inductors_check, tmp_path, monkeypatch):
+    command = headers._command(ARGUMENTS)
+    (tmp_path / headers._RECORD).write_text(json.dumps([headers._key(HEADER, command, ARGUMENTS)]))
+    monkeypatch.setattr(headers, "_settings_per_context", lambda: False)
+    assert _compile(tmp_path, command) == f"{HEADER} checked"
+    assert headers._started == {} and inductors_check == ["MainThread"]
