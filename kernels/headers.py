@@ -21,15 +21,12 @@ import concurrent.futures
 import contextlib
 import contextvars
 import json
-import logging
 import os
 import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from aoti_eager.cache import layout
-
-log = logging.getLogger("aoti_eager")
 
 _RECORD = "precompiled_headers.json"
 _KEYWORDS = {"aot_mode", "device_type", "use_mmap_weights", "use_mmap_weights_external", "use_relative_path",
@@ -152,13 +149,9 @@ def _check(precompile_header: Any, key: str) -> str | None:
     """Inductor's check of one recorded header, where Inductor's settings give
     the same compiler command as when it was recorded: else ``None``."""
     header, hashable_cmd_line, arguments = _arguments(key)
-    # Not its memo, which would keep an answer for other settings.
-    check = getattr(precompile_header, "__wrapped__", None)
-    if check is None or _command(arguments) != hashable_cmd_line:
+    if _command(arguments) != hashable_cmd_line:
         return None
-    path = check(header, hashable_cmd_line, **arguments)
-    # Settings changed meanwhile (another compile's): its answer may be for other flags.
-    return path if _command(arguments) == hashable_cmd_line else None
+    return precompile_header(header, hashable_cmd_line, **arguments)
 
 
 def _command(arguments: dict[str, Any]) -> str:
