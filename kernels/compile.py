@@ -332,12 +332,13 @@ def compile_call(
     seconds: dict[str, float] = {}
     stage = "torch.export"
     dynamic = _dynamic_options(signature, dynamic_shapes)
+    inductor_options = {**options, **dynamic}
     from torch._inductor import config as inductor_config
 
     try:
         # Inductor's settings hold from the start, for the header checks that
         # run beside the export (see kernels/headers.py).
-        with warnings.catch_warnings(), scratch.compiling(), inductor_config.patch({**options, **dynamic}), \
+        with warnings.catch_warnings(), scratch.compiling(), inductor_config.patch(inductor_options), \
                 headers.checked_ahead(shared_dir), _size_oblivious(dynamic_shapes is not None):
             # Deprecation notices from PyTorch internals are not the user's concern.
             warnings.simplefilter("ignore")
@@ -351,7 +352,7 @@ def compile_call(
                     _without_whole_graph_patterns(signature.device.type):
                 torch._inductor.aot_compile(
                     exported.module(), example,
-                    options={**options, **dynamic, "aot_inductor.output_path": str(library)},
+                    options={**inductor_options, "aot_inductor.output_path": str(library)},
                 )
             seconds["lowering"] = time.perf_counter() - start - sum(t for s, t in seconds.items() if s != "export")
             _strip(library)

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from aoti_eager.cache import layout
+from aoti_eager.kernels.toolchain import vec_isa_named
 
 _RECORD = "precompiled_headers.json"
 _KEYWORDS = {"aot_mode", "device_type", "use_mmap_weights", "use_mmap_weights_external", "use_relative_path",
@@ -63,10 +64,11 @@ def checked_ahead(shared_dir: Path | None) -> Iterator[None]:
             return started.result()
         return original(header, hashable_cmd_line, **compile_command)
 
+    recorded = _recorded(record)
     started = []
-    for key in _recorded(record):
+    for key, arguments in recorded.items():
         if key not in _started:
-            _started[key] = _in_a_thread(_check, original, key)
+            _started[key] = _in_a_thread(_check, original, arguments)
             started.append(_started[key])
     codecache._precompile_header = precompile_header
     try:
@@ -74,7 +76,7 @@ def checked_ahead(shared_dir: Path | None) -> Iterator[None]:
     finally:
         codecache._precompile_header = original
         concurrent.futures.wait(started)
-        if calls and calls != _recorded(record):
+        if calls and calls != list(recorded):
             with contextlib.suppress(OSError):
                 layout.atomic_write_text(record, json.dumps(calls))
 
@@ -112,16 +114,17 @@ def _key(header: str, hashable_cmd_line: str, compile_command: dict[str, Any]) -
     return json.dumps([header, hashable_cmd_line, arguments], sort_keys=True)
 
 
-def _recorded(record: Path) -> list[str]:
-    """The recorded checks that Inductor's check can take: its own headers,
-    keywords it passes (plain values) and a vector ISA of this torch."""
+def _recorded(record: Path) -> dict[str, tuple[str, str, dict[str, Any]]]:
+    """The recorded checks that Inductor's check can take, by key, with their
+    arguments: its own headers, keywords it passes (plain values) and a
+    vector ISA of this torch."""
     try:
         keys = json.loads(record.read_text())
     except (OSError, ValueError):
-        return []
+        return {}
     if not isinstance(keys, list):
-        return []
-    return [key for key in keys if isinstance(key, str) and _arguments(key) is not None]
+        return {}
+    return {key: arguments for key in keys if isinstance(key, str) and (arguments := _arguments(key)) is not None}
 
 
 def _arguments(key: str) -> tuple[str, str, dict[str, Any]] | None:
@@ -137,21 +140,21 @@ def _arguments(key: str) -> tuple[str, str, dict[str, Any]] | None:
             and all(isinstance(value, (bool, str, type(None))) for value in arguments.values())):
         return None
     if "vec_isa" in arguments:
-        isas = [isa for isa in [*cpu_vec_isa.supported_vec_isa_list, cpu_vec_isa.invalid_vec_isa]
-                if str(isa) == arguments["vec_isa"]]
-        if len(isas) != 1:
+        name = arguments["vec_isa"]
+        isa = cpu_vec_isa.invalid_vec_isa if name == str(cpu_vec_isa.invalid_vec_isa) else vec_isa_named(name)
+        if isa is None:
             return None
-        arguments["vec_isa"] = isas[0]
+        arguments["vec_isa"] = isa
     return header, hashable_cmd_line, arguments
 
 
-def _check(precompile_header: Any, key: str) -> str | None:
+def _check(precompile_header: Any, arguments: tuple[str, str, dict[str, Any]]) -> str | None:
     """Inductor's check of one recorded header, where Inductor's settings give
     the same compiler command as when it was recorded: else ``None``."""
-    header, hashable_cmd_line, arguments = _arguments(key)
-    if _command(arguments) != hashable_cmd_line:
+    header, hashable_cmd_line, keywords = arguments
+    if _command(keywords) != hashable_cmd_line:
         return None
-    return precompile_header(header, hashable_cmd_line, **arguments)
+    return precompile_header(header, hashable_cmd_line, **keywords)
 
 
 def _command(arguments: dict[str, Any]) -> str:

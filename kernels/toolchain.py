@@ -117,6 +117,15 @@ def linker() -> str | None:
     return "gold" if shutil.which("ld.gold") else None
 
 
+def vec_isa_named(name: str) -> Any:
+    """This torch's vector ISA named ``name`` (Inductor's ``str`` of it), or
+    None where no one ISA has that name."""
+    from torch._inductor import cpu_vec_isa
+
+    isas = [isa for isa in getattr(cpu_vec_isa, "supported_vec_isa_list", []) if str(isa) == name]
+    return isas[0] if len(isas) == 1 else None
+
+
 @contextlib.contextmanager
 def known_vec_isas(names: list[str] | None) -> Iterator[None]:
     """Within the block, Inductor takes ``names`` (its own earlier answer, see
@@ -135,14 +144,11 @@ def known_vec_isas(names: list[str] | None) -> Iterator[None]:
     from torch._inductor import config as inductor_config
     from torch._inductor import cpu_vec_isa
 
-    by_name: dict[str, list] = {}
-    for isa in getattr(cpu_vec_isa, "supported_vec_isa_list", []):
-        by_name.setdefault(str(isa), []).append(isa)
     original = getattr(cpu_vec_isa, "valid_vec_isa_list", None)
-    if names is None or original is None or any(len(by_name.get(name, [])) != 1 for name in names):
+    isas = [vec_isa_named(name) for name in names or []]
+    if names is None or original is None or None in isas:
         yield
         return
-    isas = [by_name[name][0] for name in names]
     cpu_vec_isa.valid_vec_isa_list = lambda: isas
     # A user's TORCHINDUCTOR_VEC_ISA_OK stands.
     checked = {"cpp.vec_isa_ok": True} if inductor_config.cpp.vec_isa_ok is None else {}
