@@ -19,7 +19,7 @@ Apart from any cache root, each user has a private directory
 (:func:`private_root`, never shared) for what is about this machine rather than
 about kernels::
 
-    <private>/machine/<cpu>-torch<version>.json           the CPU ISA, probed once (kernels/toolchain.py)
+    <private>/machine/vec-isas-<cpu>-torch<version>.json  the CPU's vector ISAs, probed once (kernels/toolchain.py)
     <private>/machine/compiler-*.json                     the C++ compiler's choice and version (kernels/toolchain.py)
     <private>/load-probe/<environment>.json               whether its kernels load without crashing here (kernels/load_probe.py)
     <private>/shared/<environment>/                       what every compile of an environment shares (kernels/wrapper_split.py)

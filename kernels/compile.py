@@ -306,7 +306,7 @@ def compile_call(
     options: dict[str, Any],
     workdir: tempfile.TemporaryDirectory | None = None,
     shared_dir: Path | None = None,
-    vec_isas: list[str] | None = None,
+    vec_isas: dict[str, list[str]] | None = None,
     dynamic_shapes: tuple[Any, ...] | None = None,
 ) -> Artifact:
     """Compiles ``signature``'s call with the Inductor ``options`` (see
@@ -336,10 +336,10 @@ def compile_call(
     from torch._inductor import config as inductor_config
 
     try:
-        # Inductor's settings hold from the start, for the header checks that
-        # run beside the export (see kernels/headers.py).
+        # Inductor's settings and vector ISAs hold from the start, for the header
+        # checks that run beside the export (see kernels/headers.py).
         with warnings.catch_warnings(), scratch.compiling(), inductor_config.patch(inductor_options), \
-                headers.checked_ahead(shared_dir), _size_oblivious(dynamic_shapes is not None):
+                known_vec_isas(vec_isas), headers.checked_ahead(shared_dir), _size_oblivious(dynamic_shapes is not None):
             # Deprecation notices from PyTorch internals are not the user's concern.
             warnings.simplefilter("ignore")
             start = time.perf_counter()
@@ -348,7 +348,7 @@ def compile_call(
             stage = "AOTInductor"
             start = time.perf_counter()
             grain = parallel_above_grain() if dynamic else contextlib.nullcontext()
-            with split_wrapper_builds(shared_dir, seconds, linker()), known_vec_isas(vec_isas), grain, \
+            with split_wrapper_builds(shared_dir, seconds, linker()), grain, \
                     _without_whole_graph_patterns(signature.device.type):
                 torch._inductor.aot_compile(
                     exported.module(), example,

@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -126,29 +127,50 @@ def vec_isa_named(name: str) -> Any:
     return isas[0] if len(isas) == 1 else None
 
 
+# What Inductor's probe of an ISA finds besides the ISA, and keeps on its
+# object: AVX-512 with BF16 (``_is_avx512_bf16_supported``), AMX with FP16
+# (``_is_amx_fp16_supported``). Each adds a compiler flag (-mavx512bf16,
+# -mamx-fp16) to what the ISA builds with.
+_EXTENSION = re.compile(r"_is_\w+_supported")
+
+
+def _extensions(isa: Any) -> list[str]:
+    """The extensions the probe found on ``isa`` (see :data:`_EXTENSION`)."""
+    return sorted(name for name, value in vars(isa).items() if _EXTENSION.fullmatch(name) and value is True)
+
+
 @contextlib.contextmanager
-def known_vec_isas(names: list[str] | None) -> Iterator[None]:
-    """Within the block, Inductor takes ``names`` (its own earlier answer, see
-    :func:`usable_vec_isas`) as the vector ISAs this CPU
-    runs, instead of probing again.
+def known_vec_isas(usable: dict[str, list[str]] | None) -> Iterator[None]:
+    """Within the block, Inductor takes ``usable`` (its own earlier answer, see
+    :func:`usable_vec_isas`: ISA names and, for each, the extensions found) as
+    the vector ISAs this CPU runs, instead of probing again.
 
     Inductor's probe builds a test program per ISA and loads each in a new
     Python process that imports torch: 1-2 s on a CPU machine, about 45 s on a
     CUDA machine, paid by the first compile of every process (a CUDA wrapper is
     C++ too). The ISA a CPU kernel is built for is probed again the same way
     when its code is generated (0.3-0.7 s on 2 cores), unless Inductor is told
-    that ISAs are usable (``cpp.vec_isa_ok``), which ``names`` says for each of
-    them. Without ``names``, or where they are not this torch's ISAs,
+    that ISAs are usable (``cpp.vec_isa_ok``), which ``usable`` says for each of
+    them. Without ``usable``, or where they are not this torch's ISAs,
     Inductor probes.
+
+    The extensions are set on the ISAs as the probe would have set them: the
+    process that probed and every later one then compile with the same flags.
+    (Without them an H100 host's second process built its precompiled header
+    and the shared wrapper parts again, without -mavx512bf16: 14 s.)
     """
     from torch._inductor import config as inductor_config
     from torch._inductor import cpu_vec_isa
 
     original = getattr(cpu_vec_isa, "valid_vec_isa_list", None)
-    isas = [vec_isa_named(name) for name in names or []]
-    if names is None or original is None or None in isas:
+    isas = [vec_isa_named(name) for name in usable or {}]
+    if usable is None or original is None or None in isas:
         yield
         return
+    for isa, extensions in zip(isas, usable.values()):
+        for name in extensions:
+            if _EXTENSION.fullmatch(name) and isinstance(getattr(type(isa), name, None), bool):
+                setattr(isa, name, True)
     cpu_vec_isa.valid_vec_isa_list = lambda: isas
     # A user's TORCHINDUCTOR_VEC_ISA_OK stands.
     checked = {"cpp.vec_isa_ok": True} if inductor_config.cpp.vec_isa_ok is None else {}
@@ -180,9 +202,10 @@ def cpu_isa() -> str:
     return _vec_isas(torch.__version__)["isa"]
 
 
-def usable_vec_isas() -> list[str]:
+def usable_vec_isas() -> dict[str, list[str]]:
     """The vector ISAs Inductor's probe found usable on this CPU, in its order
-    of preference (remembered as :func:`cpu_isa` is)."""
+    of preference, each with the extensions it found (remembered as
+    :func:`cpu_isa` is)."""
     return _vec_isas(torch.__version__)["usable"]
 
 
@@ -193,16 +216,23 @@ def machine_record(name: str) -> Path:
 
 @lru_cache(maxsize=None)
 def _vec_isas(torch_version: str) -> dict:
-    record = machine_record(f"{_cpu_identity()}-torch{layout.safe_name(torch_version)}.json")
+    # Named apart from the records of names only (<cpu>-torch<version>.json), which
+    # earlier versions read: one machine may run both.
+    record = machine_record(f"vec-isas-{_cpu_identity()}-torch{layout.safe_name(torch_version)}.json")
     try:
         probed = json.loads(record.read_text())
-        if isinstance(probed["isa"], str) and isinstance(probed["usable"], list):
+        usable = probed["usable"]
+        if isinstance(probed["isa"], str) and isinstance(usable, dict) and all(
+            isinstance(name, str) and isinstance(found, list) and all(isinstance(e, str) for e in found)
+            for name, found in usable.items()
+        ):
             return probed
     except (OSError, ValueError, KeyError, TypeError):
         pass
     from torch._inductor import cpu_vec_isa
 
-    probed = {"isa": str(cpu_vec_isa.pick_vec_isa()) or "scalar", "usable": [str(i) for i in cpu_vec_isa.valid_vec_isa_list()]}
+    isas = cpu_vec_isa.valid_vec_isa_list()  # the probe: it sets the extensions on each ISA it checks
+    probed = {"isa": str(cpu_vec_isa.pick_vec_isa()) or "scalar", "usable": {str(isa): _extensions(isa) for isa in isas}}
     layout.atomic_write_text(record, json.dumps(probed))
     return probed
 

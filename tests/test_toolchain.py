@@ -74,10 +74,10 @@ def test_a_compiler_that_is_not_installed_is_not_a_candidate(monkeypatch):
 @needs_gxx
 def test_known_vec_isas_stand_in_for_inductors_probe():
     usable = [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()]
-    with toolchain.known_vec_isas(usable[1:]):
+    with toolchain.known_vec_isas({name: [] for name in usable[1:]}):
         assert [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()] == usable[1:]
         assert cpu_vec_isa.pick_vec_isa() == (cpu_vec_isa.valid_vec_isa_list()[0] if len(usable) > 1 else cpu_vec_isa.invalid_vec_isa)
-    with toolchain.known_vec_isas(["an ISA of another torch"]):
+    with toolchain.known_vec_isas({"an ISA of another torch": []}):
         assert [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()] == usable
     assert [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()] == usable
 
@@ -151,11 +151,47 @@ def test_device_index_is_not_in_the_key(tmp_path, monkeypatch):
 def test_isa_probe_is_remembered_on_disk(private_root, monkeypatch):
     import torch._inductor.cpu_vec_isa as cpu_vec_isa
 
+    class ProbedISA:
+        def __init__(self, name, **found):
+            self.name = name
+            self.__dict__.update(found)
+
+        def __str__(self):
+            return self.name
+
     calls = []
     monkeypatch.setattr(cpu_vec_isa, "pick_vec_isa", lambda: calls.append(1) or "avx512")
-    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: ["avx512", "avx2"])
+    isas = [ProbedISA("avx512", _is_avx512_bf16_supported=True, _is_amx_fp16_supported=False), ProbedISA("avx2")]
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: isas)
     assert toolchain.cpu_isa() == "avx512"
     toolchain._vec_isas.cache_clear()
-    assert (toolchain.cpu_isa(), toolchain.usable_vec_isas()) == ("avx512", ["avx512", "avx2"])
+    usable = {"avx512": ["_is_avx512_bf16_supported"], "avx2": []}
+    assert (toolchain.cpu_isa(), toolchain.usable_vec_isas()) == ("avx512", usable)
     assert calls == [1]
+
+    # A record of another shape is probed again.
+    record = next(toolchain.machine_record("x").parent.glob("vec-isas-*-torch*.json"))
+    record.write_text(json.dumps({"isa": "avx512", "usable": ["avx512", "avx2"]}))
+    toolchain._vec_isas.cache_clear()
+    assert toolchain.usable_vec_isas() == usable
+    assert calls == [1, 1]
+
+
+def test_known_vec_isas_set_the_extensions_the_probe_found():
+    """A process that did not probe compiles with the probe's flags (-mavx512bf16
+    where the CPU has AVX-512 BF16), as the process that probed did."""
+    avx512 = toolchain.vec_isa_named("avx512")
+    if avx512 is None or not hasattr(type(avx512), "_is_avx512_bf16_supported"):
+        pytest.skip("this torch has no AVX-512 BF16 extension")
+    saved = dict(vars(avx512))
+    try:
+        vars(avx512).pop("_is_avx512_bf16_supported", None)
+        assert "-mavx512bf16" not in avx512.build_arch_flags()
+        # Names that are not an extension of the ISA's class are no one's to set.
+        with toolchain.known_vec_isas({"avx512": ["_is_avx512_bf16_supported", "_is_made_up_supported", "__class__"]}):
+            assert "-mavx512bf16" in avx512.build_arch_flags()
+            assert not hasattr(avx512, "_is_made_up_supported") and type(avx512).__name__ == "VecAVX512"
+    finally:
+        vars(avx512).clear()
+        vars(avx512).update(saved)
 

@@ -263,3 +263,69 @@ def test_a_launch_helper_takes_a_float_it_hands_its_kernel_as_a_double():
     assert "    double ks0,\n    int64_t ks1," in first
     assert "    int64_t ks0,\n    int64_t ks1," in second  # each helper by itself
     assert wrapper_split._float_parameters_as_double(fixed) == fixed
+
+
+def test_the_shared_part_keeps_only_the_first_device_header():
+    head = (
+        "\n#include <torch/csrc/inductor/aoti_include/cuda.h>\n#include <torch/csrc/inductor/aoti_include/cpu.h>\n"
+        "#include <torch/csrc/inductor/aoti_runtime/interface.h>\n#include <iostream>\nint x;\n"
+    )
+    assert wrapper_split._shared_head(head) == head.replace("#include <torch/csrc/inductor/aoti_include/cpu.h>\n", "")
+    alone = "#include <torch/csrc/inductor/aoti_include/cpu.h>\nint x;\n"
+    assert wrapper_split._shared_head(alone) == alone
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_shared_part_serves_kernels_with_and_without_runtime_numbers(tmp_path, device):
+    """A CUDA wrapper that reads a runtime float also includes the CPU header;
+    the interface it shares is the same."""
+    x = torch.randn(2, 37, device=device)
+    with aoti_eager.enabled(["aten::neg", "aten::mul.Tensor"], devices=[device], cache_dir=tmp_path):
+        results = [torch.neg(x), torch.mul(x, 0.5), torch.mul(x, 1.5)]
+        compiled = sum(aoti_eager.stats()[op]["compiles"] for op in ("aten::neg", "aten::mul.Tensor"))
+    for result, expected in zip(results, [-x, x * 0.5, x * 1.5]):
+        assert_same_as_eager(result, expected)
+    assert compiled == 2
+    assert len(shared_objects(tmp_path)) == 1
+
+
+def op_part_headers(root, suffix=".h.gch"):
+    return sorted((root / "private" / "shared").glob(f"*/op-part-*{suffix}"))
+
+
+def test_the_op_part_has_a_precompiled_header_of_its_own(tmp_path, monkeypatch):
+    """Built beside the first compile's parts, then taken by every op's part:
+    what the model's header instantiates for parse_device_str is declared
+    ahead of it, so each op's part no longer instantiates it."""
+    monkeypatch.setenv("AOTI_EAGER_DYNAMIC_SHAPES", "0")
+    commands = []
+    real_popen = subprocess.Popen
+    monkeypatch.setattr(subprocess, "Popen", lambda argv, **kw: commands.append(argv) or real_popen(argv, **kw))
+    results, expected, stats = compile_abs(tmp_path, 33, 34)
+    assert (stats["compiles"], stats["fallbacks"]) == (2, 0)
+    for r, e in zip(results, expected):
+        assert_same_as_eager(r, e)
+    [header] = op_part_headers(tmp_path)
+    own = [argv for argv in commands if any(str(t).endswith(".own.cpp") for t in argv)]
+    assert len(own) == 2 and str(header)[: -len(".gch")] not in own[0] and str(header)[: -len(".gch")] in own[1]
+    assert "extern template class std::__cxx11::basic_regex<char>;" in header.with_suffix("").read_text()
+    nm = shutil.which("nm")
+    if nm is not None:  # the op's part leaves regex to the shared part, which the library holds
+        for library in tmp_path.glob(f"{layout.LAYOUT_VERSION}/*/aten.abs/*/kernel.so"):
+            undefined = subprocess.run([nm, "-D", "-u", "-C", str(library)], capture_output=True, text=True, check=True)
+            # libstdc++'s own (versioned, e.g. regex_error@GLIBCXX_3.4.15) are found when it loads.
+            unresolved = [line for line in undefined.stdout.splitlines() if "@" not in line]
+            assert not [line for line in unresolved if "regex" in line or "sub_match" in line], unresolved
+
+
+def test_an_op_part_header_that_fails_to_build_is_not_tried_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("AOTI_EAGER_DYNAMIC_SHAPES", "0")
+    monkeypatch.setattr(wrapper_split, "_ELSEWHERE", "extern template class std::no_such_template<char>;\n")
+    results, expected, stats = compile_abs(tmp_path, 33)
+    assert_same_as_eager(results[0], expected[0])
+    [failed] = op_part_headers(tmp_path, ".failed")
+    assert "no_such_template" in failed.read_text()
+    recorded = failed.stat().st_mtime_ns
+    results, expected, stats = compile_abs(tmp_path, 34)
+    assert_same_as_eager(results[0], expected[0])
+    assert op_part_headers(tmp_path) == [] and failed.stat().st_mtime_ns == recorded
