@@ -65,6 +65,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
+from filelock import FileLock, Timeout
 from torch._inductor import cpp_builder
 
 from aoti_eager import settings
@@ -236,7 +237,7 @@ _DEVICE_HEADER = "#include <torch/csrc/inductor/aoti_include/"
 # op's part instantiated them again: 0.45 s of its 1.25 s on 2 cores. The op's
 # part never calls the function; the shared part does, and holds them. They
 # are declared ahead of the header in a precompiled header of the op's part's
-# own (see _op_part_header); where these names are not the compiler's library
+# own (see _OpPartHeader); where these names are not the compiler's library
 # (another libstdc++, libc++), that header fails to build, and the op's part
 # uses Inductor's.
 _SUB_MATCH = "std::__cxx11::sub_match<std::string::const_iterator>"
@@ -257,48 +258,69 @@ _ELSEWHERE = "".join(f"extern template class {name};\n" for name in (
 ))
 
 
-def _op_part_header(tokens: list[str], device_header: str, shared_dir: Path) -> tuple[list[str], list[str] | None, Path]:
-    """The op's part's command, with the op's part's own precompiled header
-    where that is built; the command that builds it where it is neither built
-    nor known to fail (see :func:`_publish_op_part_header`); and its path."""
-    if "-include" not in tokens or not device_header.startswith(_DEVICE_HEADER):
-        return tokens, None, Path()
-    at = tokens.index("-include")
-    rest = tokens[:at] + tokens[at + 2:]
-    source = next(i for i, t in enumerate(rest) if t.endswith(".cpp"))
-    # The key: the header's text and the command without this compile's file names.
-    flags = ["_" if i == source or rest[i - 1] == "-o" else t for i, t in enumerate(rest)]
-    text = "#include <regex>\n" + _ELSEWHERE + device_header + "\n"
-    header = shared_dir / f"op-part-{hashlib.sha256((text + shlex.join(flags)).encode()).hexdigest()[:24]}.h"
-    if Path(f"{header}.gch").exists():
-        return tokens[:at + 1] + [str(header)] + tokens[at + 2:], None, header
-    if header.with_suffix(".failed").exists():
-        return tokens, None, header
-    temporary = header.with_name(f".{header.name}.{os.getpid()}.tmp")
-    temporary.write_text(text)
-    os.replace(temporary, header)
-    build = [
-        *rest[:source], "-x", "c++-header", str(header),
-        *(str(_building(header)) if rest[i - 1] == "-o" else t for i, t in enumerate(rest) if i > source and t != "-c"),
-    ]
-    return tokens, build, header
+class _OpPartHeader:
+    """The op's part's own precompiled header (see :data:`_ELSEWHERE`), keyed
+    by its text and the command without a compile's file names. Built beside
+    a compile's parts by one process at a time; until it is there, op's parts
+    use Inductor's header. A build that fails is recorded and not tried again,
+    unless its compiler was killed (that may go better next time)."""
 
+    def __init__(self, tokens: list[str], device_header: str, shared_dir: Path):
+        self.tokens = tokens
+        self._build: subprocess.Popen | None = None
+        self._lock: FileLock | None = None
+        self.header: Path | None = None
+        if "-include" not in tokens or not device_header.startswith(_DEVICE_HEADER):
+            return
+        self._at = tokens.index("-include")
+        rest = tokens[:self._at] + tokens[self._at + 2:]
+        source = next(i for i, t in enumerate(rest) if t.endswith(".cpp"))
+        self._text = "#include <regex>\n" + _ELSEWHERE + device_header + "\n"
+        flags = ["_" if i == source or rest[i - 1] == "-o" else t for i, t in enumerate(rest)]
+        self.header = shared_dir / f"op-part-{hashlib.sha256((self._text + shlex.join(flags)).encode()).hexdigest()[:24]}.h"
+        self._building = self.header.with_name(f".{self.header.name}.gch.{os.getpid()}.tmp")
+        self._build_command = [
+            *rest[:source], "-x", "c++-header", str(self.header),
+            *(str(self._building) if rest[i - 1] == "-o" else t for i, t in enumerate(rest) if i > source and t != "-c"),
+        ]
 
-def _building(header: Path) -> Path:
-    return header.with_name(f".{header.name}.gch.{os.getpid()}.tmp")
+    def own_command(self) -> list[str]:
+        """The op's part's command: with this header where it is built."""
+        if self.header is None or not Path(f"{self.header}.gch").exists():
+            return self.tokens
+        return self.tokens[:self._at + 1] + [str(self.header)] + self.tokens[self._at + 2:]
 
+    def start(self, cwd: Path) -> None:
+        """Starts building the header where it is neither built, nor failed, nor being built."""
+        if self.header is None or Path(f"{self.header}.gch").exists() or self.header.with_suffix(".failed").exists():
+            return
+        lock = FileLock(f"{self.header}.lock")
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            return
+        self._lock = lock
+        temporary = self.header.with_name(f".{self.header.name}.{os.getpid()}.tmp")
+        temporary.write_text(self._text)
+        os.replace(temporary, self.header)
+        self._build = subprocess.Popen(self._build_command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
-def _publish_op_part_header(header: Path, build: subprocess.Popen) -> None:
-    """Renames a built precompiled header into place, or records that it
-    failed to build (unless its compiler was killed: that may go better next time)."""
-    output = build.communicate()[0].decode(errors="replace")
-    if build.returncode == 0:
-        os.replace(_building(header), f"{header}.gch")
-        return
-    _building(header).unlink(missing_ok=True)
-    if build.returncode > 0:
-        header.with_suffix(".failed").write_text(output[-4000:])
-    log.debug("aoti_eager: the op's part's precompiled header failed to build: %s", output[-2000:])
+    def finish(self) -> None:
+        """Waits for a build this process started, and puts it in place or records its failure."""
+        if self._build is None:
+            return
+        try:
+            output = self._build.communicate()[0].decode(errors="replace")
+            if self._build.returncode == 0:
+                os.replace(self._building, f"{self.header}.gch")
+                return
+            self._building.unlink(missing_ok=True)
+            if self._build.returncode > 0:
+                self.header.with_suffix(".failed").write_text(output[-4000:])
+            log.debug("aoti_eager: the op's part's precompiled header failed to build: %s", output[-2000:])
+        finally:
+            self._build = None
+            self._lock.release()
 
 
 def _shared_head(head: str) -> str:
@@ -530,7 +552,8 @@ def _start_split(
     parts["own"][0].write_text(own_text)
     commands = {}
     device_header = next((line for line in includes.splitlines() if line.startswith(_DEVICE_HEADER)), "")
-    commands["own"], build_header, header = _op_part_header(command(*parts["own"]), device_header, shared_dir)
+    op_part_header = _OpPartHeader(command(*parts["own"]), device_header, shared_dir)
+    commands["own"] = op_part_header.own_command()
     if not shared_obj.exists():
         parts["shared"] = (source.with_name(source.stem + ".shared.cpp"), shared_obj.with_name(f".{shared_obj.name}.{os.getpid()}.tmp"))
         parts["shared"][0].write_text(shared_text)
@@ -538,8 +561,7 @@ def _start_split(
     running = {
         name: subprocess.Popen(argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for name, argv in commands.items()
     }
-    # Built beside the parts, once per environment; this compile's part uses Inductor's header.
-    header_build = build_header and subprocess.Popen(build_header, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    op_part_header.start(cwd)
 
     started = time.perf_counter() - start
 
@@ -565,9 +587,8 @@ def _start_split(
                     shared.unlink(missing_ok=True)
         except Exception as e:  # noqa: BLE001
             failed = f"{type(e).__name__}: {e}"
-        if header_build:
-            with contextlib.suppress(OSError):  # e.g. the cache was cleared meanwhile
-                _publish_op_part_header(header, header_build)
+        with contextlib.suppress(OSError):  # e.g. the cache was cleared meanwhile
+            op_part_header.finish()
         shutil.rmtree(cwd, ignore_errors=True)
         if failed is not None:
             log.debug("aoti_eager: building the wrapper whole: %s", failed)

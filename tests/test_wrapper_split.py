@@ -7,6 +7,7 @@ import ctypes
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -329,3 +330,19 @@ def test_an_op_part_header_that_fails_to_build_is_not_tried_again(tmp_path, monk
     results, expected, stats = compile_abs(tmp_path, 34)
     assert_same_as_eager(results[0], expected[0])
     assert op_part_headers(tmp_path) == [] and failed.stat().st_mtime_ns == recorded
+
+
+def test_one_process_at_a_time_builds_the_op_part_header(tmp_path):
+    from filelock import FileLock
+
+    tokens = ["g++", "x.own.cpp", "-include", "/inductor/pch.h", "-O1", "-c", "-o", "x.own.o"]
+    header = wrapper_split._OpPartHeader(tokens, "#include <torch/csrc/inductor/aoti_include/cpu.h>", tmp_path)
+    assert header.own_command() == tokens  # not built yet: Inductor's header
+    with FileLock(f"{header.header}.lock"):
+        header.start(tmp_path)  # another process builds it: this one does not wait
+        assert header._build is None and not header.header.exists()
+    header.finish()
+    # Where it has been built, the op's part includes it instead of Inductor's.
+    header.header.write_text("")
+    Path(f"{header.header}.gch").write_text("")
+    assert header.own_command() == ["g++", "x.own.cpp", "-include", str(header.header), "-O1", "-c", "-o", "x.own.o"]
