@@ -300,6 +300,9 @@ class _OpPartHeader:
         except Timeout:
             return
         self._lock = lock
+        # Under the lock, another process's unfinished build is one that was killed (135 MB).
+        for stale in self.header.parent.glob(f".{self.header.name}.gch.*.tmp"):
+            stale.unlink(missing_ok=True)
         temporary = self.header.with_name(f".{self.header.name}.{os.getpid()}.tmp")
         temporary.write_text(self._text)
         os.replace(temporary, self.header)

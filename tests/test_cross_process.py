@@ -85,11 +85,27 @@ torch.abs(torch.linspace(-3, 3, 24))
 """
 
 
+# COMPILE, held after Inductor's first compiler run until it is killed.
+STALLED_COMPILE = r"""
+import pathlib, sys, time
+from torch._inductor import cpp_builder
+build = cpp_builder.CppBuilder.build
+def stalled(builder):
+    build(builder)
+    pathlib.Path(sys.argv[2]).touch()
+    time.sleep(600)
+cpp_builder.CppBuilder.build = stalled
+""" + COMPILE
+
+
 def test_kill_9_in_the_middle_of_a_compile_leaves_no_entry_and_no_scratch_files(tmp_path):
     temporary = tmp_path / "tmp"  # where Inductor would keep its files by default
     temporary.mkdir()
     environment = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    compiling = subprocess.Popen([sys.executable, "-c", COMPILE, str(tmp_path / "cache")], env={**environment, "TMPDIR": str(temporary)})
+    building = tmp_path / "building"
+    compiling = subprocess.Popen(
+        [sys.executable, "-c", STALLED_COMPILE, str(tmp_path / "cache"), str(building)], env={**environment, "TMPDIR": str(temporary)},
+    )
 
     def left_behind():
         # The compile's scratch directory exists only while it runs, under the lock.
@@ -97,11 +113,11 @@ def test_kill_9_in_the_middle_of_a_compile_leaves_no_entry_and_no_scratch_files(
 
     try:
         deadline = time.monotonic() + 300
-        # Killed once Inductor is building the generated C++.
-        while not [path for directory in left_behind() for path in directory.rglob("*.cpp")]:
+        # Killed once Inductor has built some of the generated C++ (a compile
+        # is too quick now to be caught in it by timing).
+        while not building.exists():
             assert compiling.poll() is None and time.monotonic() < deadline, "the compile never started"
             time.sleep(0.05)
-        time.sleep(1)
     finally:
         compiling.send_signal(signal.SIGKILL)
         compiling.wait()

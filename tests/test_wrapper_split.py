@@ -338,10 +338,17 @@ def test_one_process_at_a_time_builds_the_op_part_header(tmp_path):
     tokens = ["g++", "x.own.cpp", "-include", "/inductor/pch.h", "-O1", "-c", "-o", "x.own.o"]
     header = wrapper_split._OpPartHeader(tokens, "#include <torch/csrc/inductor/aoti_include/cpu.h>", tmp_path)
     assert header.own_command() == tokens  # not built yet: Inductor's header
+    killed = tmp_path / f".{header.header.name}.gch.12345.tmp"  # what a killed build left
+    killed.write_text("")
     with FileLock(f"{header.header}.lock"):
         header.start(tmp_path)  # another process builds it: this one does not wait
-        assert header._build is None and not header.header.exists()
+        assert header._build is None and not header.header.exists() and killed.exists()
     header.finish()
+    header._build_command = ["false"]  # a build under the lock clears what a killed one left
+    header.start(tmp_path)
+    assert not killed.exists()
+    header.finish()
+    assert header.header.with_suffix(".failed").exists()
     # Where it has been built, the op's part includes it instead of Inductor's.
     header.header.write_text("")
     Path(f"{header.header}.gch").write_text("")
