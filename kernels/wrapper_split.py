@@ -18,6 +18,10 @@ file is replaced by:
 - a relocatable link of the two into the object Inductor expects, before
   Inductor links the library as usual.
 
+The op's part compiles with a precompiled header of its own where that has
+been built (:class:`_OpPartHeader`): Inductor's, with the regex templates its
+inline functions instantiate declared ``extern`` ahead of it.
+
 The library is linked to export only AOTInductor's C interface and the hook
 below: the C++ code it instantiates otherwise exports some 400 symbols, about
 a quarter of a stripped library's size, that nothing outside it looks up.
