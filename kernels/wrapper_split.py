@@ -73,6 +73,7 @@ from filelock import FileLock, Timeout
 from torch._inductor import cpp_builder
 
 from aoti_eager import settings
+from aoti_eager.cache import layout
 
 
 log = logging.getLogger("aoti_eager")
@@ -274,6 +275,7 @@ class _OpPartHeader:
         self._build: subprocess.Popen | None = None
         self._lock: FileLock | None = None
         self.header: Path | None = None
+        self.built = False
         if "-include" not in tokens or not device_header.startswith(_DEVICE_HEADER):
             return
         self._at = tokens.index("-include")
@@ -282,6 +284,7 @@ class _OpPartHeader:
         self._text = "#include <regex>\n" + _ELSEWHERE + device_header + "\n"
         flags = ["_" if i == source or rest[i - 1] == "-o" else t for i, t in enumerate(rest)]
         self.header = shared_dir / f"op-part-{hashlib.sha256((self._text + shlex.join(flags)).encode()).hexdigest()[:24]}.h"
+        self.built = Path(f"{self.header}.gch").exists()
         self._building = self.header.with_name(f".{self.header.name}.gch.{os.getpid()}.tmp")
         self._build_command = [
             *rest[:source], "-x", "c++-header", str(self.header),
@@ -290,13 +293,13 @@ class _OpPartHeader:
 
     def own_command(self) -> list[str]:
         """The op's part's command: with this header where it is built."""
-        if self.header is None or not Path(f"{self.header}.gch").exists():
+        if not self.built:
             return self.tokens
         return self.tokens[:self._at + 1] + [str(self.header)] + self.tokens[self._at + 2:]
 
     def start(self, cwd: Path) -> None:
         """Starts building the header where it is neither built, nor failed, nor being built."""
-        if self.header is None or Path(f"{self.header}.gch").exists() or self.header.with_suffix(".failed").exists():
+        if self.header is None or self.built or self.header.with_suffix(".failed").exists():
             return
         lock = FileLock(f"{self.header}.lock")
         try:
@@ -307,9 +310,7 @@ class _OpPartHeader:
         # Under the lock, another process's unfinished build is one that was killed (135 MB).
         for stale in self.header.parent.glob(f".{self.header.name}.gch.*.tmp"):
             stale.unlink(missing_ok=True)
-        temporary = self.header.with_name(f".{self.header.name}.{os.getpid()}.tmp")
-        temporary.write_text(self._text)
-        os.replace(temporary, self.header)
+        layout.atomic_write_text(self.header, self._text)
         self._build = subprocess.Popen(self._build_command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
     def finish(self) -> None:

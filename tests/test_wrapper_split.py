@@ -349,7 +349,8 @@ def test_one_process_at_a_time_builds_the_op_part_header(tmp_path):
     assert not killed.exists()
     header.finish()
     assert header.header.with_suffix(".failed").exists()
-    # Where it has been built, the op's part includes it instead of Inductor's.
+    # Where it has been built, the next compile's op's part includes it instead of Inductor's.
     header.header.write_text("")
     Path(f"{header.header}.gch").write_text("")
+    header = wrapper_split._OpPartHeader(tokens, "#include <torch/csrc/inductor/aoti_include/cpu.h>", tmp_path)
     assert header.own_command() == ["g++", "x.own.cpp", "-include", str(header.header), "-O1", "-c", "-o", "x.own.o"]
