@@ -253,9 +253,15 @@ class Worker:
 
 def _environment(jobs: int) -> dict[str, str]:
     """A worker's environment: this process's, less the recording (the parent
-    records), with its share of the cores for Inductor's compile threads."""
+    records), with its share of the cores for Inductor's compile threads, and
+    CUDA contexts of one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS``,
+    unless set): a worker runs one stream, and the driver creates contexts
+    one at a time. On the H100 host 15 processes forked at once had their
+    contexts after 2.5-2.9 s with CUDA's default of 8 queues, after 1.0-1.3 s
+    with one (BENCHMARKS.md, "A model's first forward")."""
     env = {k: v for k, v in os.environ.items() if k != settings.record.name}
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(compile_threads(jobs)))
+    env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     return env
 
 

@@ -42,6 +42,7 @@ exits; or when no request came for :data:`IDLE_SECONDS` and no child of its own 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import importlib
 import json
 import os
@@ -50,6 +51,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import traceback
 import warnings
@@ -190,22 +192,72 @@ def _preload(requests: socket.socket) -> None:
 def _warm_inductor(until: Callable[[], bool]) -> None:
     """Inductor's start-up that a first compile pays, paid here once for every
     worker (each step is cached for the process and its children): the code
-    generators of each device and Inductor's and Triton's hashes of their own
-    sources (0.3 s and 0.5 s of a worker's first compile on the H100 host).
-    It stops once ``until()``: a fork asked for does not wait for a step that
-    each worker can take for itself, side by side. A step that fails is left
-    to the workers."""
+    generators of each device, Inductor's and Triton's hashes of their own
+    sources (0.3 s and 0.5 s of a worker's first compile on the H100 host),
+    the recorded checks of Inductor's precompiled headers
+    (:func:`aoti_eager.kernels.headers.check_recorded`) and Triton's compiler
+    (:func:`_compile_a_triton_kernel`). It stops once ``until()``: a fork
+    asked for does not wait for a step that each worker can take for itself,
+    side by side. A step that fails is left to the workers."""
     for step in _WARMING_STEPS:
         if until():
             return
         with contextlib.suppress(Exception):
-            step()
+            step(until)
 
 
-_WARMING_STEPS: list[Callable[[], object]] = [
-    lambda: importlib.import_module("torch._inductor.codegen.common").init_backend_registration(),
-    lambda: importlib.import_module("torch._inductor.codecache").torch_key(),
-    lambda: importlib.import_module("torch._inductor.runtime.triton_compat").triton_key(),
+def _compile_a_triton_kernel(until: Callable[[], bool]) -> None:
+    """Triton's first compile in a process sets its compiler up: 1.1 s on the
+    H100 host, against 0.06 s for the next kernel (a probe, neither with a
+    CUDA context). Compiled here for the first GPU's architecture, which NVML
+    gives without starting CUDA, into a scratch directory instead of Triton's
+    cache; without an NVIDIA GPU, nothing."""
+    target = _first_gpu_target()
+    if target is None:
+        return
+    import triton
+    import triton.language as tl
+    from triton.compiler import ASTSource
+
+    from aoti_eager.kernels import scratch
+
+    @triton.jit
+    def double(x, y, n, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y + offsets, tl.load(x + offsets, mask=offsets < n) * 2, mask=offsets < n)
+
+    source = ASTSource(double, signature={"x": "*fp32", "y": "*fp32", "n": "i32", "BLOCK": "constexpr"},
+                       constexprs={"BLOCK": 128})
+    # In this user's scratch (compiling() points tempfile there), not in a
+    # compile_directory(): that also removes what killed compiles left.
+    with scratch.compiling(), tempfile.TemporaryDirectory() as directory, triton.knobs.cache.scope():
+        triton.knobs.cache.dir = directory
+        triton.compile(source, target=target)
+
+
+def _first_gpu_target():
+    """Triton's compile target for the first NVIDIA GPU, as NVML describes it;
+    None where there is none."""
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        handle, major, minor = ctypes.c_void_p(), ctypes.c_int(), ctypes.c_int()
+        if (nvml.nvmlInit_v2() or nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(handle))
+                or nvml.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor))):
+            return None
+    except (OSError, AttributeError):
+        return None
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget("cuda", major.value * 10 + minor.value, 32)
+
+
+_WARMING_STEPS: list[Callable[[Callable[[], bool]], object]] = [
+    lambda until: importlib.import_module("torch._inductor.codegen.common").init_backend_registration(),
+    lambda until: importlib.import_module("torch._inductor.codecache").torch_key(),
+    lambda until: importlib.import_module("torch._inductor.runtime.triton_compat").triton_key(),
+    lambda until: importlib.import_module("aoti_eager.kernels.headers").check_recorded(
+        importlib.import_module("aoti_eager.kernels.compile").compile_options, until),
+    _compile_a_triton_kernel,
 ]
 
 

@@ -209,18 +209,32 @@ def usable_vec_isas() -> dict[str, list[str]]:
     return _vec_isas(torch.__version__)["usable"]
 
 
+def remembered_vec_isas() -> dict[str, list[str]] | None:
+    """:func:`usable_vec_isas` where a process has probed them before; else
+    None, without probing."""
+    probed = _remembered_vec_isas(torch.__version__)
+    return probed["usable"] if probed is not None else None
+
+
+def vec_isas_known() -> bool:
+    """Whether :func:`cpu_isa` answers without Inductor's probe."""
+    return _vec_isas.cache_info().currsize > 0 or _remembered_vec_isas(torch.__version__) is not None
+
+
 def machine_record(name: str) -> Path:
     """Where a fact about this machine is remembered (in the private directory)."""
     return layout.private_directory("machine") / name
 
 
-@lru_cache(maxsize=None)
-def _vec_isas(torch_version: str) -> dict:
+def _vec_isas_record(torch_version: str) -> Path:
     # Named apart from the records of names only (<cpu>-torch<version>.json), which
     # earlier versions read: one machine may run both.
-    record = machine_record(f"vec-isas-{_cpu_identity()}-torch{layout.safe_name(torch_version)}.json")
+    return machine_record(f"vec-isas-{_cpu_identity()}-torch{layout.safe_name(torch_version)}.json")
+
+
+def _remembered_vec_isas(torch_version: str) -> dict | None:
     try:
-        probed = json.loads(record.read_text())
+        probed = json.loads(_vec_isas_record(torch_version).read_text())
         usable = probed["usable"]
         if isinstance(probed["isa"], str) and isinstance(usable, dict) and all(
             isinstance(name, str) and isinstance(found, list) and all(isinstance(e, str) for e in found)
@@ -229,11 +243,18 @@ def _vec_isas(torch_version: str) -> dict:
             return probed
     except (OSError, ValueError, KeyError, TypeError):
         pass
+    return None
+
+
+@lru_cache(maxsize=None)
+def _vec_isas(torch_version: str) -> dict:
+    if (probed := _remembered_vec_isas(torch_version)) is not None:
+        return probed
     from torch._inductor import cpu_vec_isa
 
     isas = cpu_vec_isa.valid_vec_isa_list()  # the probe: it sets the extensions on each ISA it checks
     probed = {"isa": str(cpu_vec_isa.pick_vec_isa()) or "scalar", "usable": {str(isa): _extensions(isa) for isa in isas}}
-    layout.atomic_write_text(record, json.dumps(probed))
+    layout.atomic_write_text(_vec_isas_record(torch_version), json.dumps(probed))
     return probed
 
 

@@ -8,7 +8,7 @@ import torch
 from torch._inductor import codecache, cpu_vec_isa
 from torch._inductor import config as inductor_config
 
-from aoti_eager.kernels import headers, scratch
+from aoti_eager.kernels import headers, scratch, toolchain
 from aoti_eager.kernels.compile import compile_options
 
 HEADER = "torch/csrc/inductor/cpp_prefix.h"
@@ -123,3 +123,63 @@ def test_where_settings_are_module_globals_inductor_checks_as_it_did(inductors_c
     monkeypatch.setattr(headers, "_settings_per_context", lambda: False)
     assert _compile(tmp_path, command) == f"{HEADER} checked"
     assert headers._started == {} and inductors_check == ["MainThread"]
+
+
+def test_the_calls_are_recorded_where_settings_are_module_globals_too(inductors_check, tmp_path, monkeypatch):
+    """Torch 2.11's compiles record them for the process workers fork from (check_recorded)."""
+    monkeypatch.setattr(headers, "_settings_per_context", lambda: False)
+    command = headers._command(ARGUMENTS)
+    _compile(tmp_path, command)
+    assert json.loads((tmp_path / headers._RECORD).read_text()) == [headers._key(HEADER, command, ARGUMENTS)]
+
+
+def test_checks_made_before_a_fork_answer_the_forked_compiles(inductors_check, private_root, monkeypatch):
+    """The zygote makes the recorded checks under each device's compile
+    options; a worker's compile then takes Inductor's memo, which tells the
+    order of the keywords apart: Inductor passes the wrapper header's
+    ``min_optimize`` first."""
+    monkeypatch.setattr(headers, "_settings_per_context", lambda: False)
+    usable = {str(ISA): []}
+    monkeypatch.setattr(toolchain, "remembered_vec_isas", lambda: usable)
+    with inductor_config.patch(compile_options("cpu")), toolchain.known_vec_isas(usable):
+        command = headers._command(ARGUMENTS)
+    arguments = {"min_optimize": True, **ARGUMENTS}
+    shared = private_root / "shared" / "cpu-some-environment"
+    shared.mkdir(parents=True)
+    with headers.checked_ahead(shared):  # a compile records Inductor's call
+        codecache._precompile_header(HEADER, command, **arguments)
+    codecache._precompile_header.cache_clear()  # a new process
+    inductors_check.clear()
+    with (shared / headers._RECORD).open("r+") as record:
+        keys = json.load(record) + [headers._key(HEADER, "another compiler command", ARGUMENTS)]
+        record.seek(0)
+        json.dump(keys, record)
+    headers.check_recorded(compile_options)
+    assert inductors_check == ["MainThread"]  # the one whose command is still this compile's
+
+    child = os.fork()
+    if child == 0:  # a worker: Inductor's call takes the answer, and checks nothing
+        with headers.checked_ahead(shared):
+            answer = codecache._precompile_header(HEADER, command, **arguments)
+        os._exit(0 if answer == f"{HEADER} checked" and inductors_check == ["MainThread"] else 1)
+    assert os.waitpid(child, 0)[1] == 0
+
+
+def test_without_a_record_of_the_vector_isas_nothing_is_checked(inductors_check, private_root, monkeypatch):
+    """Their probe takes up to a minute: the compiles pay it, not the zygote."""
+    shared = private_root / "shared" / "cpu-some-environment"
+    shared.mkdir(parents=True)
+    (shared / headers._RECORD).write_text(json.dumps([headers._key(HEADER, headers._command(ARGUMENTS), ARGUMENTS)]))
+    monkeypatch.setattr(toolchain, "_remembered_vec_isas", lambda version: None)
+    monkeypatch.setattr(toolchain, "_vec_isas", lambda version: pytest.fail("probed the vector ISAs"))
+    headers.check_recorded(compile_options)
+    assert inductors_check == []
+
+
+def test_the_checks_stop_when_asked(inductors_check, private_root, monkeypatch):
+    monkeypatch.setattr(toolchain, "remembered_vec_isas", lambda: {})
+    shared = private_root / "shared" / "cpu-some-environment"
+    shared.mkdir(parents=True)
+    (shared / headers._RECORD).write_text(json.dumps([headers._key(HEADER, headers._command(ARGUMENTS), ARGUMENTS)]))
+    headers.check_recorded(compile_options, until=lambda: True)
+    assert inductors_check == []

@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
 import pytest
+import torch
 
 import aoti_eager
 from aoti_eager import _worker, _zygote
@@ -115,8 +117,22 @@ def test_an_idle_zygote_ends_and_the_next_worker_forks_from_a_new_one(workers, t
 
 def test_a_fork_asked_for_stops_the_warming(monkeypatch):
     steps = []
-    monkeypatch.setattr(_zygote, "_WARMING_STEPS", [lambda: steps.append("first"), lambda: steps.append("second")])
+    monkeypatch.setattr(_zygote, "_WARMING_STEPS", [lambda until: steps.append("first"), lambda until: steps.append("second")])
     _zygote._warm_inductor(until=lambda: True)
     assert steps == []
     _zygote._warm_inductor(until=lambda: len(steps) == 1)
     assert steps == ["first"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_triton_compiles_ahead_without_cuda_and_outside_its_cache(tmp_path):
+    """The warming step that sets Triton's compiler up: it compiles for the
+    GPU, starts no CUDA (a forked child could not use it), and leaves nothing
+    in Triton's cache."""
+    check = ("import torch; from aoti_eager import _zygote; "
+             "assert _zygote._first_gpu_target() is not None; "
+             "_zygote._compile_a_triton_kernel(lambda: False); "
+             "assert not torch.cuda.is_initialized()")
+    env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    subprocess.run([sys.executable, "-c", check], env=env, check=True, timeout=300)
+    assert not any((tmp_path / "triton").rglob("*"))
