@@ -156,7 +156,7 @@ def enable(
             for device in devices:
                 _runtime.install(op, device, root, recorder=recorder, compile=compile, remote=remote)
     if compile == "background":
-        _background.prestart()
+        _background.prestart(devices)
 
 
 def disable(ops: Iterable[OpSpec] | OpSpec | None = None) -> None:

@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from pathlib import Path
 
 from aoti_eager import _worker, settings
+from aoti_eager.kernels import toolchain
 from aoti_eager.manifest import ManifestEntry
 
 log = logging.getLogger("aoti_eager")
@@ -52,11 +53,41 @@ def submit(entry: ManifestEntry, root: Path, remote: str | None = None) -> Futur
     return future
 
 
-def prestart() -> None:
+def prestart(devices: list[str]) -> None:
     """Starts the process that workers are forked from (see
-    :mod:`aoti_eager._zygote`): its imports and Inductor's start-up then run
-    while the program goes on, before its first miss."""
+    :mod:`aoti_eager._zygote`) and, for CPU kernels, the probe of
+    :func:`vec_isas_known`: both then run while the program goes on, before
+    its first miss."""
     _worker.prestart(_jobs(), NICENESS)
+    if "cpu" in devices:
+        vec_isas_known()
+
+
+def vec_isas_known() -> bool:
+    """Whether CPU kernels can be looked up at once: their cache is named by
+    the CPU's vector ISA, which Inductor's probe finds once per machine, in up
+    to 45 s on a CUDA host (:func:`aoti_eager.kernels.toolchain.cpu_isa`).
+    Where it cannot, the probe runs in a thread meanwhile, so that no call
+    waits for it."""
+    global _probe
+    if toolchain.vec_isas_known():
+        return True
+    with _threads_lock:
+        if _probe is None:
+            _probe = threading.Thread(target=_probe_vec_isas, name="aoti_eager-vec-isa-probe", daemon=True)
+            _probe.start()
+        # A probe that failed is made again by the miss, which reports it.
+        return not _probe.is_alive()
+
+
+_probe: threading.Thread | None = None
+
+
+def _probe_vec_isas() -> None:
+    try:
+        toolchain.cpu_isa()
+    except Exception as e:  # noqa: BLE001 - the miss that probes again reports it
+        log.debug("aoti_eager: probing the CPU's vector ISAs failed: %s: %s", type(e).__name__, e)
 
 
 def _jobs() -> int:

@@ -266,6 +266,8 @@ class Override:
 
     def decide(self, args: list[Any]) -> Decision:
         """The miss path: what calls of the signature of ``args`` run."""
+        if self.compile == "background" and self.device == "cpu" and not _background.vec_isas_known():
+            return RetryLater("probing the CPU's vector ISAs in the background", retry_after=BACKGROUND_RETRY_SECONDS)
         try:
             signature = CallSignature.of(self.op, self.device, args)
         except Unsupported as e:
