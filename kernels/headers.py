@@ -206,5 +206,34 @@ def check_recorded(compile_options: Callable[[str], dict[str, Any]], until: Call
                 return
             device_type = arguments[2].get("device_type")
             if device_type in ("cpu", "cuda"):
-                with scratch.compiling(), inductor_config.patch(compile_options(device_type)), known_vec_isas(vec_isas):
+                with (contextlib.suppress(_WouldBuild), scratch.compiling(),
+                      inductor_config.patch(compile_options(device_type)), known_vec_isas(vec_isas), _nothing_built()):
                     _check(codecache._precompile_header, arguments)
+
+
+class _WouldBuild(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _nothing_built() -> Iterator[None]:
+    """Within the block, Inductor's check of a header that is not built yet
+    raises :class:`_WouldBuild` instead of building it (5 s on the H100 host,
+    which a process about to fork must not spend; a worker builds it under
+    Inductor's lock while the others go on). Inductor memoizes no answer then."""
+    from torch._inductor import codecache
+
+    build = getattr(codecache, "_worker_compile_cpp", None)
+    if build is None:  # another torch, whose check may build: none is made
+        raise _WouldBuild
+
+    def build_only_what_is_built(lock_path: str, builders: Any) -> None:
+        if not all(os.path.isfile(builder.get_target_file_path()) for builder in builders):
+            raise _WouldBuild
+        build(lock_path, builders)
+
+    codecache._worker_compile_cpp = build_only_what_is_built
+    try:
+        yield
+    finally:
+        codecache._worker_compile_cpp = build

@@ -183,3 +183,22 @@ def test_the_checks_stop_when_asked(inductors_check, private_root, monkeypatch):
     (shared / headers._RECORD).write_text(json.dumps([headers._key(HEADER, headers._command(ARGUMENTS), ARGUMENTS)]))
     headers.check_recorded(compile_options, until=lambda: True)
     assert inductors_check == []
+
+
+def test_a_header_not_built_yet_is_left_to_the_compiles(private_root, tmp_path, monkeypatch):
+    """Building one takes seconds that the zygote, about to fork, must not
+    spend: its check answers nothing, and Inductor memoizes nothing."""
+    usable = {str(ISA): []}
+    monkeypatch.setattr(toolchain, "remembered_vec_isas", lambda: usable)
+    with inductor_config.patch(compile_options("cpu")), toolchain.known_vec_isas(usable):
+        command = headers._command(ARGUMENTS)
+    shared = private_root / "shared" / "cpu-some-environment"
+    shared.mkdir(parents=True)
+    (shared / headers._RECORD).write_text(json.dumps([headers._key(HEADER, command, ARGUMENTS)]))
+    monkeypatch.setattr(codecache, "_HEADER_DIR", str(tmp_path / "headers"))  # none built there
+    monkeypatch.setattr(codecache, "_HEADER_LOCK_DIR", str(tmp_path / "headers" / "locks"))
+    monkeypatch.setattr(codecache, "_precompile_header", functools.cache(codecache._precompile_header.__wrapped__))
+    headers.check_recorded(compile_options)
+    assert codecache._precompile_header.cache_info().misses == 1  # Inductor's check ran
+    assert codecache._precompile_header.cache_info().currsize == 0
+    assert not list((tmp_path / "headers").rglob("*.gch"))
