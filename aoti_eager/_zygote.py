@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import importlib
 import json
 import os
@@ -195,8 +196,9 @@ def _warm_inductor(until: Callable[[], bool]) -> None:
     generators of each device, Inductor's and Triton's hashes of their own
     sources (0.3 s and 0.5 s of a worker's first compile on the H100 host),
     the recorded checks of Inductor's precompiled headers
-    (:func:`aoti_eager.kernels.headers.check_recorded`) and Triton's compiler
-    (:func:`_compile_a_triton_kernel`). It stops once ``until()``: a fork
+    (:func:`aoti_eager.kernels.headers.check_recorded`), Triton's compiler
+    and CUDA driver (:func:`_set_triton_up`), and CUDA's pattern tables
+    (:func:`_cuda_pattern_tables`). It stops once ``until()``: a fork
     asked for does not wait for a step that each worker can take for itself,
     side by side. A step that fails is left to the workers."""
     for step in _WARMING_STEPS:
@@ -206,12 +208,14 @@ def _warm_inductor(until: Callable[[], bool]) -> None:
             step(until)
 
 
-def _compile_a_triton_kernel(until: Callable[[], bool]) -> None:
+def _set_triton_up(until: Callable[[], bool]) -> None:
     """Triton's first compile in a process sets its compiler up: 1.1 s on the
     H100 host, against 0.06 s for the next kernel (a probe, neither with a
-    CUDA context). Compiled here for the first GPU's architecture, which NVML
-    gives without starting CUDA, into a scratch directory instead of Triton's
-    cache; without an NVIDIA GPU, nothing."""
+    CUDA context); and its first kernel launcher builds the CUDA driver's C
+    utilities (0.37 s of a forked worker's first compile, ``cProfile``). Both
+    done here for the first GPU, which NVML names without starting CUDA, in a
+    scratch directory instead of Triton's cache (the loaded module stays);
+    without an NVIDIA GPU, nothing."""
     target = _first_gpu_target()
     if target is None:
         return
@@ -233,8 +237,21 @@ def _compile_a_triton_kernel(until: Callable[[], bool]) -> None:
     with scratch.compiling(), tempfile.TemporaryDirectory() as directory, triton.knobs.cache.scope():
         triton.knobs.cache.dir = directory
         triton.compile(source, target=target)
+        if not until():
+            triton.runtime.driver.active.utils  # noqa: B018 - creating the driver builds and loads them
 
 
+def _cuda_pattern_tables(until: Callable[[], bool]) -> None:
+    """Inductor's post-grad pattern tables, which CUDA compiles build once per
+    process (:func:`aoti_eager.kernels.compile._without_whole_graph_patterns`):
+    0.45 s of a forked worker's first compile on the H100 host. Built with
+    CPU tensors; where no NVIDIA GPU is, CPU compiles skip them, and so does
+    this."""
+    if _first_gpu_target() is not None:
+        importlib.import_module("torch._inductor.fx_passes.post_grad").lazy_init()
+
+
+@functools.cache
 def _first_gpu_target():
     """Triton's compile target for the first NVIDIA GPU, as NVML describes it;
     None where there is none."""
@@ -257,7 +274,8 @@ _WARMING_STEPS: list[Callable[[Callable[[], bool]], object]] = [
     lambda until: importlib.import_module("torch._inductor.runtime.triton_compat").triton_key(),
     lambda until: importlib.import_module("aoti_eager.kernels.headers").check_recorded(
         importlib.import_module("aoti_eager.kernels.compile").compile_options, until),
-    _compile_a_triton_kernel,
+    _set_triton_up,
+    _cuda_pattern_tables,
 ]
 
 

@@ -124,15 +124,35 @@ def test_a_fork_asked_for_stops_the_warming(monkeypatch):
     assert steps == ["first"]
 
 
+_CUDA_WARMING = """
+import os, sys, torch
+from torch._inductor.fx_passes import post_grad
+from triton.runtime import driver
+import aoti_eager
+from aoti_eager import _zygote
+assert _zygote._first_gpu_target() is not None
+_zygote._set_triton_up(lambda: False)
+_zygote._cuda_pattern_tables(lambda: False)
+assert not torch.cuda.is_initialized()
+assert not os.path.exists(os.environ["TRITON_CACHE_DIR"]) or not os.listdir(os.environ["TRITON_CACHE_DIR"])
+tables, utils = post_grad.lazy_init.cache_info().misses, driver.active.utils
+child = os.fork()
+if child == 0:
+    x = torch.randn(40, device="cuda")
+    with aoti_eager.enabled(["aten::sin"], devices=["cuda"], cache_dir=sys.argv[1]):
+        result = torch.sin(x)
+        compiles = aoti_eager.stats()["aten::sin"]["compiles"]
+    torch.testing.assert_close(result, x.sin())
+    assert compiles == 1 and post_grad.lazy_init.cache_info().misses == tables and driver.active.utils is utils
+    os._exit(0)
+assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
+"""
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-def test_triton_compiles_ahead_without_cuda_and_outside_its_cache(tmp_path):
-    """The warming step that sets Triton's compiler up: it compiles for the
-    GPU, starts no CUDA (a forked child could not use it), and leaves nothing
-    in Triton's cache."""
-    check = ("import torch; from aoti_eager import _zygote; "
-             "assert _zygote._first_gpu_target() is not None; "
-             "_zygote._compile_a_triton_kernel(lambda: False); "
-             "assert not torch.cuda.is_initialized()")
+def test_the_cuda_warming_starts_no_cuda_and_serves_a_forked_compile(tmp_path):
+    """Triton's compiler and driver and CUDA's pattern tables, set up without
+    CUDA (a forked child could not use it) and outside Triton's cache; a
+    forked worker's CUDA compile then sets up neither again."""
     env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
-    subprocess.run([sys.executable, "-c", check], env=env, check=True, timeout=300)
-    assert not any((tmp_path / "triton").rglob("*"))
+    subprocess.run([sys.executable, "-c", _CUDA_WARMING, str(tmp_path / "cache")], env=env, check=True, timeout=300)
