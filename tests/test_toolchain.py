@@ -82,6 +82,19 @@ def test_known_vec_isas_stand_in_for_inductors_probe():
     assert [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()] == usable
 
 
+def test_known_vec_isas_stand_in_for_an_isas_own_check(monkeypatch):
+    """AMX's check builds and runs a test program in a new process, once per
+    process: an ISA the probe found usable is taken as usable."""
+    amx = next(isa for isa in cpu_vec_isa.supported_vec_isa_list if isinstance(isa, cpu_vec_isa.VecAMX))
+    own_check = cpu_vec_isa.VecAMX.__bool__
+    checks = []
+    monkeypatch.setattr(cpu_vec_isa.VecAMX, "check_build", lambda isa, code: checks.append(code) or False)
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", lambda isa, code: checks.append(code) or False)
+    with toolchain.known_vec_isas({str(amx): []}):
+        assert bool(amx) and checks == []
+    assert cpu_vec_isa.VecAMX.__bool__ is own_check
+
+
 @needs_gxx
 def test_a_compile_does_not_probe_the_vec_isa_again(shared_cache, monkeypatch):
     toolchain.usable_vec_isas()  # the one probe per machine, if no earlier test made it
