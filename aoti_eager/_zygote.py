@@ -15,8 +15,8 @@ Beyond the imports it does once what each worker's first compile would do
 for itself (:func:`_warm_inductor`): Inductor's code generators, its and
 Triton's source hashes, the recorded precompiled-header checks and, where an
 NVIDIA GPU is, Triton's compiler and driver and CUDA's pattern tables (a
-forked worker's first CUDA compile of ``gelu``: 2.5-2.65 s without the last
-three, 1.6-2.5 s with them, on H100 hosts). On the 2-core CPU machine a forked worker's first
+forked worker's first CUDA compile of ``gelu`` on H100 hosts: 2.5-2.65 s
+before the driver and the tables were built here, 1.6-2.5 s after). On the 2-core CPU machine a forked worker's first
 compile took 2.7 s without the warming and 1.9 s with it, when the warming
 also built Inductor's pattern tables, which a compile of one op no longer
 builds (:func:`aoti_eager.kernels.compile._without_whole_graph_patterns`).
