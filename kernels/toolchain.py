@@ -176,8 +176,7 @@ def known_vec_isas(usable: dict[str, list[str]] | None) -> Iterator[None]:
     checked = {"cpp.vec_isa_ok": True} if inductor_config.cpp.vec_isa_ok is None else {}
     # An ISA with a check of its own (AMX builds and runs a test program in a
     # new process, once per process) is usable where the probe found it so.
-    own_checks = {cls: cls.__dict__["__bool__"] for cls in map(type, isas) if checked and "__bool__" in cls.__dict__
-                  and cls is not cpu_vec_isa.VecISA}
+    own_checks = {cls: cls.__dict__["__bool__"] for cls in map(type, isas) if checked and "__bool__" in cls.__dict__}
     for cls, check in own_checks.items():
         cls.__bool__ = lambda isa, check=check: isa in isas or check(isa)
     try:
