@@ -11,19 +11,21 @@ use after 12.6-13.8 s instead of 13.0-16.0 s, the forwards meanwhile at 2.5
 times eager's time instead of 3.4 (BENCHMARKS.md, "Workers forked from one
 process").
 
-Beyond the imports it does once what each worker's first compile would do
-for itself (:func:`_warm_inductor`): Inductor's code generators, its and
-Triton's source hashes, the recorded precompiled-header checks and, where an
-NVIDIA GPU is, Triton's compiler and driver and CUDA's pattern tables (a
-forked worker's first CUDA compile of ``gelu`` on H100 hosts: 2.5-2.65 s
-before the driver and the tables were built here, 1.6-2.5 s after). On the 2-core CPU machine a forked worker's first
-compile took 2.7 s without the warming and 1.9 s with it, when the warming
-also built Inductor's pattern tables, which a compile of one op no longer
-builds (:func:`aoti_eager.kernels.compile._without_whole_graph_patterns`).
-Background compiles start it at
-``enable()`` (:func:`aoti_eager._worker.prestart`), so that all this runs
-while the program builds its model, not after its first miss; a fork asked
-for sooner stops the warming, and each worker does the rest for itself.
+Beyond the imports it does once what each worker's first compile would do for
+itself (:func:`_warm_inductor`): Inductor's code generators, its and Triton's
+source hashes, the recorded precompiled-header checks, where an NVIDIA GPU is,
+Triton's compiler and driver and CUDA's pattern tables (a forked worker's
+first CUDA compile of ``gelu`` on H100 hosts: 2.5-2.65 s before the driver and
+the tables were built here, 1.6-2.5 s after), and last the sympy modules that
+a first dynamic-shape compile imports. On the 2-core CPU machine a forked
+worker's first compile took 2.7 s without the warming and 1.9 s with it, when
+the warming also built Inductor's pattern tables, which a compile of one op no
+longer builds
+(:func:`aoti_eager.kernels.compile._without_whole_graph_patterns`). Background
+compiles start it at ``enable()`` (:func:`aoti_eager._worker.prestart`), so
+that all this runs while the program builds its model, not after its first
+miss; a fork asked for sooner stops the warming, and each worker does the rest
+for itself.
 
 The process never initializes CUDA, which a forked child could not use: it
 asks NVML whether a GPU is there (``PYTORCH_NVML_BASED_CUDA_CHECK``), and stops
@@ -200,8 +202,8 @@ def _warm_inductor(until: Callable[[], bool]) -> None:
     sources (0.3 s and 0.5 s of a worker's first compile on the H100 host),
     the recorded checks of Inductor's precompiled headers
     (:func:`aoti_eager.kernels.headers.check_recorded`), Triton's compiler
-    and CUDA driver (:func:`_set_triton_up`), and CUDA's pattern tables
-    (:func:`_cuda_pattern_tables`). It stops once ``until()``: a fork
+    and CUDA driver (:func:`_set_triton_up`), CUDA's pattern tables
+    (:func:`_cuda_pattern_tables`) and sympy's units. It stops once ``until()``: a fork
     asked for does not wait for a step that each worker can take for itself,
     side by side. A step that fails is left to the workers."""
     for step in _WARMING_STEPS:
@@ -279,6 +281,11 @@ _WARMING_STEPS: list[Callable[[Callable[[], bool]], object]] = [
         importlib.import_module("aoti_eager.kernels.compile").compile_options, until),
     _set_triton_up,
     _cuda_pattern_tables,
+    # sympy's simplify() imports it within a process's first dynamic-shape
+    # compile: 0.29-0.41 s of a forked worker's compile of BERT's add with
+    # every dim a symbol on H100 hosts (cProfile, two hosts). Last: only
+    # dynamic-shape compiles need it.
+    lambda until: importlib.import_module("sympy.physics.units"),
 ]
 
 

@@ -124,6 +124,36 @@ def test_a_fork_asked_for_stops_the_warming(monkeypatch):
     assert steps == ["first"]
 
 
+_COMPILES_AFTER_THE_WARMING = """
+import socket, sys, torch, aoti_eager
+from aoti_eager import _zygote
+if sys.argv[2] == "without the last step":
+    _zygote._WARMING_STEPS.pop()
+requests, asking = socket.socketpair()  # no request comes: every step runs
+_zygote._preload(requests)
+before = set(sys.modules)
+with aoti_eager.enabled(["aten::add.Tensor"], devices=["cpu"], cache_dir=sys.argv[1]):
+    for n in (7, 9):  # a static kernel, then a dynamic-shape one (BERT's position embeddings)
+        torch.add(torch.randn(2, n, 8), torch.randn(1, n, 8))
+    assert aoti_eager.stats()["aten::add.Tensor"]["compiles"] == 2
+print(sorted(name for name in set(sys.modules) - before if name.split(".")[0] == "sympy"))
+"""
+
+
+def test_a_dynamic_shape_compile_after_the_warming_imports_nothing_of_sympy(tmp_path):
+    """sympy's simplify() imports its units within a process's first
+    dynamic-shape compile (0.41 s of a forked worker's on the H100 host): the
+    zygote's warming imports them, and every module of sympy a compile uses."""
+    def imported(how: str) -> str:
+        out = subprocess.run([sys.executable, "-c", _COMPILES_AFTER_THE_WARMING, str(tmp_path / how), how],
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return out.stdout.strip().splitlines()[-1]
+
+    assert imported("with every step") == "[]"
+    assert "sympy.physics.units" in imported("without the last step")
+
+
 _CUDA_WARMING = """
 import os, sys, torch
 from torch._inductor.fx_passes import post_grad
