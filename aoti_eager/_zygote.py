@@ -203,9 +203,10 @@ def _warm_inductor(until: Callable[[], bool]) -> None:
     the recorded checks of Inductor's precompiled headers
     (:func:`aoti_eager.kernels.headers.check_recorded`), Triton's compiler
     and CUDA driver (:func:`_set_triton_up`), CUDA's pattern tables
-    (:func:`_cuda_pattern_tables`) and sympy's units. It stops once ``until()``: a fork
-    asked for does not wait for a step that each worker can take for itself,
-    side by side. A step that fails is left to the workers."""
+    (:func:`_cuda_pattern_tables`) and sympy's units. It stops once
+    ``until()``: a fork asked for does not wait for a step that each worker
+    can take for itself, side by side. A step that fails is left to the
+    workers."""
     for step in _WARMING_STEPS:
         if until():
             return

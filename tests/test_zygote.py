@@ -142,7 +142,7 @@ print(sorted(name for name in set(sys.modules) - before if name.split(".")[0] ==
 
 def test_a_dynamic_shape_compile_after_the_warming_imports_nothing_of_sympy(tmp_path):
     """sympy's simplify() imports its units within a process's first
-    dynamic-shape compile (0.41 s of a forked worker's on the H100 host): the
+    dynamic-shape compile (0.29-0.41 s of a forked worker's on H100 hosts): the
     zygote's warming imports them, and every module of sympy a compile uses."""
     def imported(how: str) -> str:
         out = subprocess.run([sys.executable, "-c", _COMPILES_AFTER_THE_WARMING, str(tmp_path / how), how],
