@@ -225,7 +225,11 @@ def remembered_vec_isas() -> dict[str, list[str]] | None:
 
 def vec_isas_known() -> bool:
     """Whether :func:`cpu_isa` answers without Inductor's probe."""
-    return _vec_isas.cache_info().currsize > 0 or _remembered_vec_isas(torch.__version__) is not None
+    if _vec_isas.cache_info().currsize == 0:
+        if _remembered_vec_isas(torch.__version__) is None:
+            return False
+        _vec_isas(torch.__version__)  # kept: a process that compiles nothing asks on every miss
+    return True
 
 
 def machine_record(name: str) -> Path:
