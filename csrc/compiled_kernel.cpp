@@ -1,4 +1,5 @@
 #include "compiled_kernel.h"
+#include "cpu_output_pool.h"
 
 #include <ATen/Context.h>
 #include <ATen/EmptyTensor.h>
@@ -41,8 +42,10 @@ struct RunnerInternals : AOTIModelContainerRunner {
 // AOTInductor's shim allocates a CUDA tensor through at::empty_strided, a
 // dispatcher round trip that took about 2.7 us of a 64x64 add's 10 us on an
 // H100. Eager's CUDA kernels take their outputs straight from the caching
-// allocator, and so does this, as at::detail::empty_strided_cuda does. Every
-// other case is the shim's, as is deterministic mode, which fills new memory.
+// allocator, and so does this, as at::detail::empty_strided_cuda does. A CPU
+// tensor comes from the pool of small blocks (csrc/cpu_output_pool.h), as
+// at::detail::empty_strided_cpu makes it otherwise. Every other case is the
+// shim's, as is deterministic mode, which fills new memory.
 AOTITorchError empty_strided(
     int64_t ndim,
     const int64_t* sizes,
@@ -51,20 +54,30 @@ AOTITorchError empty_strided(
     int32_t device_type,
     int32_t device_index,
     AtenTensorHandle* result) {
-  if (device_type != static_cast<int32_t>(c10::DeviceType::CUDA) ||
+  const auto type = static_cast<c10::DeviceType>(device_type);
+  if ((type != c10::DeviceType::CUDA && type != c10::DeviceType::CPU) ||
       (at::globalContext().deterministicFillUninitializedMemory() &&
        at::globalContext().deterministicAlgorithms())) {
     return aoti_torch_empty_strided(ndim, sizes, strides, dtype, device_type, device_index, result);
   }
   try {
-    const c10::DeviceGuard device_guard(
-        c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device_index)));
-    at::TensorBase tensor = at::detail::empty_strided_generic(
-        c10::IntArrayRef(sizes, ndim),
-        c10::IntArrayRef(strides, ndim),
-        at::detail::getCUDAHooks().getCUDADeviceAllocator(),
-        c10::DispatchKeySet(c10::DispatchKey::CUDA),
-        static_cast<c10::ScalarType>(dtype));
+    at::TensorBase tensor;
+    if (type == c10::DeviceType::CPU) {
+      tensor = at::detail::empty_strided_generic(
+          c10::IntArrayRef(sizes, ndim),
+          c10::IntArrayRef(strides, ndim),
+          cpu_output_allocator(),
+          c10::DispatchKeySet(c10::DispatchKey::CPU),
+          static_cast<c10::ScalarType>(dtype));
+    } else {
+      const c10::DeviceGuard device_guard(c10::Device(type, static_cast<c10::DeviceIndex>(device_index)));
+      tensor = at::detail::empty_strided_generic(
+          c10::IntArrayRef(sizes, ndim),
+          c10::IntArrayRef(strides, ndim),
+          at::detail::getCUDAHooks().getCUDADeviceAllocator(),
+          c10::DispatchKeySet(c10::DispatchKey::CUDA),
+          static_cast<c10::ScalarType>(dtype));
+    }
     *result = reinterpret_cast<AtenTensorHandle>(new at::Tensor(std::move(tensor)));
     return AOTI_TORCH_SUCCESS;
   } catch (...) {

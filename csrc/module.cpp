@@ -3,6 +3,7 @@
 
 #include "call_key.h"
 #include "compiled_kernel.h"
+#include "cpu_output_pool.h"
 #include "op_override.h"
 
 #include <c10/core/DispatchKey.h>
@@ -134,6 +135,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_miss_handler", &set_miss_handler);
   m.def("is_wrapped_number", [](const at::Tensor& t) {
     return t.unsafeGetTensorImpl()->is_wrapped_number();
+  });
+  // For tests/test_cpu_output_pool.py: whether `t`'s memory is a block of the pool.
+  m.def("from_cpu_output_pool", [](const at::Tensor& t) {
+    return t.has_storage() && from_cpu_output_pool(t.storage().data_ptr());
   });
   // For scripts/profile_hit_path.py: ns per call, each in its own loop, of
   // the stages of the hit path for one call of `name.overload` with `args`

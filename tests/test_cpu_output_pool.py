@@ -1,0 +1,121 @@
+"""CPU kernels take their outputs from a pool of small blocks (csrc/cpu_output_pool.cpp)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import pytest
+import torch
+
+import aoti_eager
+from aoti_eager import _extension
+from helpers import assert_same_as_eager
+
+
+def pooled(t: torch.Tensor) -> bool:
+    return _extension.load().from_cpu_output_pool(t)
+
+
+@pytest.fixture
+def a():
+    return torch.randn(64, 64)
+
+
+@pytest.fixture
+def b():
+    return torch.randn(64, 64)
+
+
+@pytest.fixture
+def add_enabled(shared_cache):
+    with aoti_eager.enabled(["aten::add.Tensor"], devices=["cpu"], cache_dir=shared_cache):
+        yield
+
+
+def test_a_freed_output_is_reused_for_the_next_of_its_size(a, b, add_enabled):
+    expected = a.clone().add_(b)  # in place: add_ is not overridden
+    live = [torch.add(a, b) for _ in range(4)]
+    assert all(pooled(out) for out in live)
+    assert len({out.data_ptr() for out in live}) == 4
+    freed = live.pop().data_ptr()
+    again = torch.add(a, b)
+    assert again.data_ptr() == freed
+    for out in [*live, again]:
+        assert_same_as_eager(out, expected)
+
+
+def test_an_output_above_the_pools_sizes_comes_from_c10(add_enabled):
+    x, y = torch.randn(256, 128), torch.randn(256, 128)  # 128 KiB
+    torch.add(x, y)  # compiled or loaded
+    out = torch.add(x, y)
+    assert aoti_eager.stats()["aten::add.Tensor"]["hits"] >= 1
+    assert not pooled(out)
+    assert_same_as_eager(out, x.clone().add_(y))
+
+
+def test_a_pooled_output_resizes_as_eager_s_does(a, b, add_enabled):
+    out = torch.add(a, b)
+    kept = a.clone().add_(b).flatten()
+    for rows in (80, 1024):  # within the pool's sizes, then above them
+        out.resize_(rows, 64)
+        assert out.shape == (rows, 64) and out.stride() == (64, 1)
+        torch.testing.assert_close(out.flatten()[:kept.numel()], kept)
+        out.fill_(rows)
+        kept = out.flatten().clone()
+
+
+def test_a_pooled_output_clones_lazily(a, b, add_enabled):
+    out = torch.add(a, b)
+    expected = out.clone()
+    clone = torch._lazy_clone(out)
+    clone.mul_(2)
+    torch.testing.assert_close(out, expected)
+    torch.testing.assert_close(clone, expected * 2)
+
+
+def test_outputs_freed_on_other_threads(a, b, add_enabled):
+    expected = a.clone().add_(b)
+    made: queue.Queue = queue.Queue(maxsize=8)
+    errors: list[BaseException] = []
+
+    def make():
+        for _ in range(300):
+            made.put(torch.add(a, b))
+
+    def check():
+        try:
+            for _ in range(300):
+                out = made.get()
+                torch.testing.assert_close(out, expected, rtol=0, atol=0)
+                out.zero_()  # then freed here, while other threads allocate
+                del out
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            while True:
+                made.get()
+
+    threads = [threading.Thread(target=make) for _ in range(4)]
+    threads += [threading.Thread(target=check, daemon=True) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads[:4]:
+        t.join()
+    assert not errors, errors[0]
+
+
+def test_the_memory_profiler_sees_outputs_as_it_sees_eager_s(a, b, shared_cache):
+    def allocated_by_add():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profile:
+            out = torch.add(a, b)
+        return out, sum(e.cpu_memory_usage for e in profile.key_averages() if e.key == "aten::add")
+
+    eager_out, eager_bytes = allocated_by_add()
+    with aoti_eager.enabled(["aten::add.Tensor"], devices=["cpu"], cache_dir=shared_cache):
+        torch.add(a, b)  # compiled or loaded
+        out, bytes_ = allocated_by_add()
+        hits = aoti_eager.stats()["aten::add.Tensor"]["hits"]
+    assert hits == 1
+    assert not pooled(out)
+    assert eager_bytes == 64 * 64 * 4 and bytes_ == eager_bytes
+    assert_same_as_eager(out, eager_out)
