@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <cstring>
 #include <utility>
 
 namespace aoti_eager {
@@ -76,7 +75,7 @@ class CpuOutputPool final : public c10::Allocator {
   }
 
   void copy_data(void* dest, const void* src, std::size_t count) const override {
-    std::memcpy(dest, src, count);
+    default_copy_data(dest, src, count);
   }
 };
 
