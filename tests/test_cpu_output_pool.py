@@ -119,3 +119,17 @@ def test_the_memory_profiler_sees_outputs_as_it_sees_eager_s(a, b, shared_cache)
     assert not pooled(out)
     assert eager_bytes == 64 * 64 * 4 and bytes_ == eager_bytes
     assert_same_as_eager(out, eager_out)
+
+
+def test_outputs_come_from_another_cpu_allocator_where_one_is_set(a, b, add_enabled):
+    torch.add(a, b)  # compiled or loaded
+    torch._C._set_default_mobile_cpu_allocator()
+    try:
+        out = torch.add(a, b)
+        hits = aoti_eager.stats()["aten::add.Tensor"]["hits"]
+    finally:
+        torch._C._unset_default_mobile_cpu_allocator()
+    assert hits >= 1
+    assert not pooled(out)
+    assert_same_as_eager(out, a.clone().add_(b))
+    assert pooled(torch.add(a, b))
