@@ -12,6 +12,8 @@
 
 #include <dlfcn.h>
 
+#include <optional>
+
 namespace aoti_eager {
 namespace {
 
@@ -61,23 +63,17 @@ AOTITorchError empty_strided(
     return aoti_torch_empty_strided(ndim, sizes, strides, dtype, device_type, device_index, result);
   }
   try {
-    at::TensorBase tensor;
-    if (type == c10::DeviceType::CPU) {
-      tensor = at::detail::empty_strided_generic(
-          c10::IntArrayRef(sizes, ndim),
-          c10::IntArrayRef(strides, ndim),
-          cpu_output_allocator(),
-          c10::DispatchKeySet(c10::DispatchKey::CPU),
-          static_cast<c10::ScalarType>(dtype));
-    } else {
-      const c10::DeviceGuard device_guard(c10::Device(type, static_cast<c10::DeviceIndex>(device_index)));
-      tensor = at::detail::empty_strided_generic(
-          c10::IntArrayRef(sizes, ndim),
-          c10::IntArrayRef(strides, ndim),
-          at::detail::getCUDAHooks().getCUDADeviceAllocator(),
-          c10::DispatchKeySet(c10::DispatchKey::CUDA),
-          static_cast<c10::ScalarType>(dtype));
+    const bool cuda = type == c10::DeviceType::CUDA;
+    std::optional<c10::DeviceGuard> device_guard;
+    if (cuda) {
+      device_guard.emplace(c10::Device(type, static_cast<c10::DeviceIndex>(device_index)));
     }
+    at::TensorBase tensor = at::detail::empty_strided_generic(
+        c10::IntArrayRef(sizes, ndim),
+        c10::IntArrayRef(strides, ndim),
+        cuda ? at::detail::getCUDAHooks().getCUDADeviceAllocator() : cpu_output_allocator(),
+        c10::DispatchKeySet(cuda ? c10::DispatchKey::CUDA : c10::DispatchKey::CPU),
+        static_cast<c10::ScalarType>(dtype));
     *result = reinterpret_cast<AtenTensorHandle>(new at::Tensor(std::move(tensor)));
     return AOTI_TORCH_SUCCESS;
   } catch (...) {
