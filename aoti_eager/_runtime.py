@@ -240,6 +240,9 @@ class Override:
     _compiled_kinds: set[tuple[str, str]] = field(default_factory=set)
     # ints_key -> what this process knows of the family's ints.
     _ints: dict[str, _Ints] = field(default_factory=dict)
+    # A miss ran eagerly while the CPU's vector ISAs were probed: its compile
+    # is to come, at its next call after the probe.
+    _waits_for_probe: bool = False
 
     # A call's first miss looks for kernels taking its ints at run time only
     # where it has this many ints at most (every subset is a cache key).
@@ -260,13 +263,15 @@ class Override:
         return self._caches[str(device)]
 
     def compiles_running(self) -> int:
-        """Background compiles of this op not finished yet."""
+        """Background compiles of this op not finished yet, counting as one
+        those that wait for the CPU's vector-ISA probe."""
         queued = list(self._queued.values())  # a copy under the GIL: _lock may be held by a compile
-        return len({id(future) for _, future in queued if not future.done()})
+        return len({id(future) for _, future in queued if not future.done()}) + self._waits_for_probe
 
     def decide(self, args: list[Any]) -> Decision:
         """The miss path: what calls of the signature of ``args`` run."""
-        if self.compile == "background" and self.device == "cpu" and not _background.vec_isas_known():
+        self._waits_for_probe = self.compile == "background" and self.device == "cpu" and not _background.vec_isas_known()
+        if self._waits_for_probe:
             return RetryLater("probing the CPU's vector ISAs in the background", retry_after=BACKGROUND_RETRY_SECONDS)
         try:
             signature = CallSignature.of(self.op, self.device, args)

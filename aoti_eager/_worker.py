@@ -226,6 +226,8 @@ class Worker:
             self._stderr.seek(0)
             last = (self._stderr.read().decode(errors="replace").strip().splitlines() or ["no output"])[-1]
         self.close()
+        if stopped:
+            return Outcome("failed", "the process is exiting")
         if returncode < 0:
             name = signal.Signals(-returncode).name
             hint = " (out of memory?)" if name == "SIGKILL" else ""
@@ -355,9 +357,13 @@ def main() -> int:
     # writes to stdout (a compiler, a print in torch) lands on stderr.
     outcomes = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
+    cuda_started = False
     for line in sys.stdin:
         entry = ManifestEntry(**json.loads(line))
         try:
+            if entry.device.startswith("cuda") and not cuda_started:
+                cuda_started = True
+                _zygote.warm_beside_cuda(entry.device)
             outcome = warm(entry, root)
         except Exception as e:  # noqa: BLE001 - reported to the parent as the reason
             outcome = Outcome("failed", f"{type(e).__name__}: {e}")

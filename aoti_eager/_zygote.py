@@ -12,7 +12,7 @@ times eager's time instead of 3.4 (BENCHMARKS.md, "Workers forked from one
 process").
 
 Beyond the imports it does once what each worker's first compile would do for
-itself (:func:`_warm_inductor`): Inductor's code generators, its and Triton's
+itself (:func:`_warm`): Inductor's code generators, its and Triton's
 source hashes, the recorded precompiled-header checks, where an NVIDIA GPU is,
 Triton's compiler and driver and CUDA's pattern tables (a forked worker's
 first CUDA compile of ``gelu`` on H100 hosts: 2.5-2.65 s before the driver and
@@ -24,12 +24,14 @@ longer builds
 (:func:`aoti_eager.kernels.compile._without_whole_graph_patterns`). Background
 compiles start it at ``enable()`` (:func:`aoti_eager._worker.prestart`), so
 that all this runs while the program builds its model, not after its first
-miss; a fork asked for sooner stops the warming, and each worker does the rest
-for itself.
+miss; Triton's part runs in a thread beside the imports. A fork asked for
+sooner stops the warming, and each worker does the rest for itself while
+CUDA starts (:func:`warm_beside_cuda`).
 
 The process never initializes CUDA, which a forked child could not use: it
 asks NVML whether a GPU is there (``PYTORCH_NVML_BASED_CUDA_CHECK``), and stops
-if an import initialized CUDA all the same. It runs no thread of its own.
+if an import initialized CUDA all the same. Its one thread, Triton's warming,
+ends before the imports do: no thread runs at a fork.
 It serves one request at a time, on a Unix socket pair (one message each):
 
 - ``{"fork": argv, "env": {...}, "main": "module:function"}`` with three
@@ -173,45 +175,69 @@ class Zygote:
 
 def _preload(requests: socket.socket) -> None:
     """Imports what a compile uses (a module that is not installed, Triton on a
-    CPU-only machine, is left to the worker), then warms Inductor until a
-    request comes on ``requests``."""
+    CPU-only machine, is left to the worker), with Triton's warming beside the
+    imports in a thread, then warms Inductor until a request comes on
+    ``requests``."""
     import torch
 
-    for name in (
-        "torch._dynamo", "torch.export", "torch._inductor.compile_fx", "torch._inductor.lowering",
-        "torch._inductor.codegen.cpp_wrapper_cpu", "torch._inductor.codegen.cpp_wrapper_gpu",
-        "torch._inductor.codegen.triton", "triton.compiler.compiler", "aoti_eager._worker",
-        "aoti_eager.kernels.pipeline", "aoti_eager.kernels.dynamic", "aoti_eager.kernels.examples",
-        "torch.export._trace", "torch.utils.cpp_extension", "torch._inductor.fx_passes.joint_graph",
-        "torch._inductor.fx_passes.post_grad", "torch._inductor.fx_passes.mkldnn_fusion",
-        "torch._inductor.fx_passes.quantization", "torch._inductor.fx_passes.freezing_patterns",
-        "torch._inductor.runtime.caching", "torch._inductor.compiler_bisector", "torch._inductor.bounds",
-        "torch.fx.experimental.validator", "sympy.combinatorics", "sympy.tensor.tensor",
-    ):
-        with contextlib.suppress(ImportError):
-            __import__(name)
-    _warm_inductor(until=lambda: select.select([requests], [], [], 0)[0] != [])
+    until = lambda: select.select([requests], [], [], 0)[0] != []  # noqa: E731
+    # Triton's source hash and first compile are mostly out of the GIL (hashing,
+    # LLVM, ptxas): beside the imports, the zygote was ready 0.8-1.1 s sooner
+    # on an H100 host (5.8-6.25 s after its start, against 6.9-7.0 s; a probe).
+    # Joined before anything else: no thread may run at a fork.
+    beside = threading.Thread(target=_warm, args=(_TRITON_STEPS, until), name="aoti_eager-triton-warming")
+    beside.start()
+    try:
+        for name in (
+            "torch._dynamo", "torch.export", "torch._inductor.compile_fx", "torch._inductor.lowering",
+            "torch._inductor.codegen.cpp_wrapper_cpu", "torch._inductor.codegen.cpp_wrapper_gpu",
+            "torch._inductor.codegen.triton", "triton.compiler.compiler", "aoti_eager._worker",
+            "aoti_eager.kernels.pipeline", "aoti_eager.kernels.dynamic", "aoti_eager.kernels.examples",
+            "torch.export._trace", "torch.utils.cpp_extension", "torch._inductor.fx_passes.joint_graph",
+            "torch._inductor.fx_passes.post_grad", "torch._inductor.fx_passes.mkldnn_fusion",
+            "torch._inductor.fx_passes.quantization", "torch._inductor.fx_passes.freezing_patterns",
+            "torch._inductor.runtime.caching", "torch._inductor.compiler_bisector", "torch._inductor.bounds",
+            "torch.fx.experimental.validator", "sympy.combinatorics", "sympy.tensor.tensor",
+        ):
+            with contextlib.suppress(ImportError):
+                __import__(name)
+    finally:
+        beside.join()
+    _warm(_WARMING_STEPS, until)
     if torch.cuda.is_initialized():
         raise RuntimeError("importing torch and Inductor initialized CUDA: forked workers could not use it")
 
 
-def _warm_inductor(until: Callable[[], bool]) -> None:
-    """Inductor's start-up that a first compile pays, paid here once for every
-    worker (each step is cached for the process and its children): the code
-    generators of each device, Inductor's and Triton's hashes of their own
-    sources (0.3 s and 0.5 s of a worker's first compile on the H100 host),
-    the recorded checks of Inductor's precompiled headers
-    (:func:`aoti_eager.kernels.headers.check_recorded`), Triton's compiler
-    and CUDA driver (:func:`_set_triton_up`), CUDA's pattern tables
-    (:func:`_cuda_pattern_tables`) and sympy's units. It stops once
-    ``until()``: a fork asked for does not wait for a step that each worker
-    can take for itself, side by side. A step that fails is left to the
+def _warm(steps: list[Step], until: Callable[[], bool]) -> None:
+    """Takes ``steps`` of Inductor's start-up that a first compile pays, here
+    once for every worker (each is cached for the process and its children),
+    until ``until()``: a fork asked for does not wait for a step that each
+    worker can take for itself, side by side. A step that fails is left to the
     workers."""
-    for step in _WARMING_STEPS:
+    for step in steps:
         if until():
             return
         with contextlib.suppress(Exception):
             step(until)
+
+
+def warm_beside_cuda(device: str) -> None:
+    """In a worker whose first entry is for ``device`` (a CUDA device): starts
+    CUDA there in a thread, and meanwhile takes the warming steps that the
+    zygote had not taken when it forked (all of them in a worker started
+    anew). On an H100 host 15 workers forked at once took 1.8-2.3 s for both
+    instead of 2.5-3.1 s one after the other (a probe). Header checks wait for
+    the compile: they set environment variables, which CUDA's start reads."""
+    import torch
+
+    def start_cuda() -> None:
+        with contextlib.suppress(Exception):  # the compile reports it
+            torch.empty(1, device=device)  # a context is made at the first allocation
+
+    context = threading.Thread(target=start_cuda, name="aoti_eager-cuda-start", daemon=True)
+    context.start()
+    _warm([*_TRITON_STEPS, *(s for s in _WARMING_STEPS if s is not _check_recorded_headers)], lambda: False)
+    context.join()
 
 
 def _set_triton_up(until: Callable[[], bool]) -> None:
@@ -221,9 +247,11 @@ def _set_triton_up(until: Callable[[], bool]) -> None:
     utilities (0.37 s of a forked worker's first compile, ``cProfile``). Both
     done here for the first GPU, which NVML names without starting CUDA, in a
     scratch directory instead of Triton's cache (the loaded module stays);
-    without an NVIDIA GPU, nothing."""
+    without an NVIDIA GPU, nothing. Sets no environment variable: it runs
+    beside other threads."""
+    global _triton_set_up
     target = _first_gpu_target()
-    if target is None:
+    if target is None or _triton_set_up:
         return
     import triton
     import triton.language as tl
@@ -238,13 +266,18 @@ def _set_triton_up(until: Callable[[], bool]) -> None:
 
     source = ASTSource(double, signature={"x": "*fp32", "y": "*fp32", "n": "i32", "BLOCK": "constexpr"},
                        constexprs={"BLOCK": 128})
-    # In this user's scratch (compiling() points tempfile there), not in a
-    # compile_directory(): that also removes what killed compiles left.
-    with scratch.compiling(), tempfile.TemporaryDirectory() as directory, triton.knobs.cache.scope():
+    # In this user's scratch, not in a compile_directory(): that also removes
+    # what killed compiles left.
+    with scratch.python_temporary_files(), tempfile.TemporaryDirectory() as directory, triton.knobs.cache.scope():
         triton.knobs.cache.dir = directory
         triton.compile(source, target=target)
-        if not until():
-            triton.runtime.driver.active.utils  # noqa: B018 - creating the driver builds and loads them
+        if until():
+            return
+        triton.runtime.driver.active.utils  # noqa: B018 - creating the driver builds and loads them
+    _triton_set_up = True
+
+
+_triton_set_up = False
 
 
 def _cuda_pattern_tables(until: Callable[[], bool]) -> None:
@@ -274,13 +307,24 @@ def _first_gpu_target():
     return GPUTarget("cuda", major.value * 10 + minor.value, 32)
 
 
-_WARMING_STEPS: list[Callable[[Callable[[], bool]], object]] = [
+def _check_recorded_headers(until: Callable[[], bool]) -> None:
+    from aoti_eager.kernels import compile, headers
+
+    headers.check_recorded(compile.compile_options, until)
+
+
+Step = Callable[[Callable[[], bool]], object]
+# Taken beside the zygote's imports: they import nothing of torch, which the
+# imports are importing meanwhile (two threads importing each other's modules
+# can deadlock), and set no environment variable.
+_TRITON_STEPS: list[Step] = [
+    lambda until: importlib.import_module("triton.compiler.compiler").triton_key(),
+    _set_triton_up,
+]
+_WARMING_STEPS: list[Step] = [
     lambda until: importlib.import_module("torch._inductor.codegen.common").init_backend_registration(),
     lambda until: importlib.import_module("torch._inductor.codecache").torch_key(),
-    lambda until: importlib.import_module("torch._inductor.runtime.triton_compat").triton_key(),
-    lambda until: importlib.import_module("aoti_eager.kernels.headers").check_recorded(
-        importlib.import_module("aoti_eager.kernels.compile").compile_options, until),
-    _set_triton_up,
+    _check_recorded_headers,
     _cuda_pattern_tables,
     # sympy's simplify() imports it within a process's first dynamic-shape
     # compile: 0.29-0.41 s of a forked worker's compile of BERT's add with

@@ -83,9 +83,7 @@ def compiling() -> Iterator[None]:
     from torch._inductor import codecache
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    temporary = root() / "tmp"
-    temporary.mkdir(mode=0o700, exist_ok=True)
-    variables = {"TMPDIR": str(temporary)}
+    variables = {"TMPDIR": str(_temporary())}
     attributes = {}
     # Inductor writes its default into the variable when it first needs it:
     # only another value is the user's choice.
@@ -98,16 +96,15 @@ def compiling() -> Iterator[None]:
                           "_HEADER_LOCK_DIR": str(inductor / "precompiled_headers" / "locks")}
     saved_variables = {name: os.environ.get(name) for name in variables}
     saved_attributes = {name: getattr(codecache, name) for name in attributes}
-    # Python reads TMPDIR once, and default_cache_dir() above has made it read it:
-    # Inductor's own temporary directories (a header's preprocessing) follow tempdir.
-    saved_tempdir, tempfile.tempdir = tempfile.tempdir, str(temporary)
     os.environ.update(variables)
     for name, value in attributes.items():
         setattr(codecache, name, value)
+    # Python reads TMPDIR once, and default_cache_dir() above has made it read it:
+    # Inductor's own temporary directories (a header's preprocessing) follow tempdir.
     try:
-        yield
+        with python_temporary_files():
+            yield
     finally:
-        tempfile.tempdir = saved_tempdir
         for name, value in saved_attributes.items():
             setattr(codecache, name, value)
         for name, value in saved_variables.items():
@@ -115,6 +112,25 @@ def compiling() -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@contextlib.contextmanager
+def python_temporary_files() -> Iterator[None]:
+    """Within the block, Python's temporary files (:mod:`tempfile`'s) are made
+    in ``<scratch root>/tmp``. It sets no environment variable, so a thread
+    may use it beside others: ``setenv`` while another thread reads the
+    environment in C (a library's start-up) can crash the process."""
+    saved, tempfile.tempdir = tempfile.tempdir, str(_temporary())
+    try:
+        yield
+    finally:
+        tempfile.tempdir = saved
+
+
+def _temporary() -> Path:
+    temporary = root() / "tmp"
+    temporary.mkdir(mode=0o700, exist_ok=True)
+    return temporary
 
 
 def _host() -> str:

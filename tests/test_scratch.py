@@ -36,3 +36,21 @@ def test_what_dead_compiles_left_is_removed_by_the_next_compile(private_root):
     assert running.name != later.name and os.path.isdir(running.name) and os.path.isdir(later.name)
     running.cleanup()
     later.cleanup()
+
+
+def test_python_temporary_files_go_to_the_scratch_root_with_the_environment_untouched(private_root):
+    environment, before = dict(os.environ), scratch.tempfile.gettempdir()
+    with scratch.python_temporary_files():
+        with scratch.tempfile.NamedTemporaryFile() as f:
+            assert os.path.dirname(f.name) == str(scratch.root() / "tmp")
+        assert dict(os.environ) == environment
+    assert scratch.tempfile.gettempdir() == before
+
+
+def test_a_compile_sends_temporary_files_and_inductors_cache_to_the_scratch_root(private_root, monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    environment, before = dict(os.environ), scratch.tempfile.gettempdir()
+    with scratch.compiling():
+        assert os.environ["TMPDIR"] == scratch.tempfile.gettempdir() == str(scratch.root() / "tmp")
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(scratch.root() / "inductor")
+    assert dict(os.environ) == environment and scratch.tempfile.gettempdir() == before

@@ -118,10 +118,30 @@ def test_an_idle_zygote_ends_and_the_next_worker_forks_from_a_new_one(workers, t
 def test_a_fork_asked_for_stops_the_warming(monkeypatch):
     steps = []
     monkeypatch.setattr(_zygote, "_WARMING_STEPS", [lambda until: steps.append("first"), lambda until: steps.append("second")])
-    _zygote._warm_inductor(until=lambda: True)
+    _zygote._warm(_zygote._WARMING_STEPS, until=lambda: True)
     assert steps == []
-    _zygote._warm_inductor(until=lambda: len(steps) == 1)
+    _zygote._warm(_zygote._WARMING_STEPS, until=lambda: len(steps) == 1)
     assert steps == ["first"]
+
+
+_PRELOAD_WITH_A_SLOW_TRITON_STEP = """
+import socket, threading, time
+from aoti_eager import _zygote
+taken = []
+_zygote._TRITON_STEPS[:] = [lambda until: time.sleep(3) or taken.append("triton")]
+_zygote._WARMING_STEPS[:] = [lambda until: taken.append("after")]
+requests, asking = socket.socketpair()
+_zygote._preload(requests)
+assert taken == ["triton", "after"], taken
+assert threading.active_count() == 1, threading.enumerate()
+"""
+
+
+def test_the_zygote_joins_its_triton_warming_before_the_rest_and_any_fork():
+    """Triton's warming runs in a thread beside the imports; once they are
+    done, it is waited for: no thread may run at a fork."""
+    out = subprocess.run([sys.executable, "-c", _PRELOAD_WITH_A_SLOW_TRITON_STEP], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
 
 
 _COMPILES_AFTER_THE_WARMING = """
@@ -186,3 +206,38 @@ def test_the_cuda_warming_starts_no_cuda_and_serves_a_forked_compile(tmp_path):
     forked worker's CUDA compile then sets up neither again."""
     env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
     subprocess.run([sys.executable, "-c", _CUDA_WARMING, str(tmp_path / "cache")], env=env, check=True, timeout=300)
+
+
+_WARMING_BESIDE_CUDA = """
+import os, sys, traceback, torch
+from torch._inductor.fx_passes import post_grad
+import aoti_eager
+from aoti_eager import _zygote
+assert not torch.cuda.is_initialized()
+child = os.fork()
+if child == 0:
+    try:
+        _zygote.warm_beside_cuda("cuda")
+        assert torch.cuda.is_initialized() and _zygote._triton_set_up and post_grad.lazy_init.cache_info().misses == 1
+        x = torch.randn(40, device="cuda")
+        with aoti_eager.enabled(["aten::sin"], devices=["cuda"], cache_dir=sys.argv[1]):
+            result = torch.sin(x)
+            compiles = aoti_eager.stats()["aten::sin"]["compiles"]
+        torch.testing.assert_close(result, x.sin())
+        assert compiles == 1
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
+assert os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]) == 0
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_a_worker_warms_up_beside_cudas_start_and_then_compiles(tmp_path):
+    """A worker forked before the zygote's warming ended takes the steps left
+    while CUDA starts in a thread; its compile then runs as any other."""
+    env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1", "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    out = subprocess.run([sys.executable, "-c", _WARMING_BESIDE_CUDA, str(tmp_path / "cache")], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
