@@ -68,6 +68,14 @@ for n in map(int, sys.argv[2:]):
 """
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _vec_isas_probed():
+    """Background CPU misses run eagerly until the CPU's vector ISAs are known
+    (probed once per machine, up to 45 s on a GPU host): the tests here that
+    are not about that probe start after it."""
+    toolchain.cpu_isa()
+
+
 def test_two_processes_record_into_one_manifest(tmp_path, shared_cache):
     manifest = tmp_path / "misses.jsonl"
     env = {**os.environ, "AOTI_EAGER_RECORD": str(manifest)}
