@@ -30,8 +30,8 @@ CUDA starts (:func:`warm_beside_cuda`).
 
 The process never initializes CUDA, which a forked child could not use: it
 asks NVML whether a GPU is there (``PYTORCH_NVML_BASED_CUDA_CHECK``), and stops
-if an import initialized CUDA all the same. Its one thread, Triton's warming,
-ends before the imports do: no thread runs at a fork.
+if an import initialized CUDA all the same. Its one thread, Triton's warming
+beside the imports, is joined once they are done: no thread runs at a fork.
 It serves one request at a time, on a Unix socket pair (one message each):
 
 - ``{"fork": argv, "env": {...}, "main": "module:function"}`` with three
