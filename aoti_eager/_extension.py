@@ -122,7 +122,8 @@ def _build(directory: Path) -> None:
         build(
             name=_NAME,
             sources=[str(s) for s in _SOURCES],
-            extra_cflags=["-O3", "-std=c++17"],
+            # The language standard is cpp_extension's own: torch's headers need the one it picks.
+            extra_cflags=["-O3"],
             build_directory=str(directory),
             verbose=settings.verbose_build.get(),
             # Only built here; imported below under its package name.

@@ -37,6 +37,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from aoti_eager.cache import layout
 
 log = logging.getLogger("aoti_eager")
@@ -130,18 +132,20 @@ def _probe(environment: str, library: Path, device: str, output_counts: list[int
 def _remember(environment: str, library: Path, reason: str | None) -> None:
     _verdicts[environment] = reason
     try:
-        record = json.dumps({"loads": reason is None, "reason": reason, "library": str(library)})
+        record = json.dumps({"loads": reason is None, "reason": reason, "library": str(library), "torch": torch.__version__})
         layout.atomic_write_text(verdict_file(environment), record)
     except OSError as e:  # a private directory that cannot be written: this process keeps the verdict
         log.debug("aoti_eager: cannot keep the load probe's verdict on %s: %s", environment, e)
 
 
 def recorded_verdicts() -> dict[str, str | None]:
-    """Per environment with a verdict on this machine: None where its kernels load, else why not."""
+    """Per environment of the running torch build with a verdict on this
+    machine: None where its kernels load, else why not. Other builds' verdicts
+    (the private directory is shared by every torch a user runs) are left out."""
     verdicts = {}
     for path in sorted(verdict_directory().glob("*.json")):
         recorded = _recorded(path)
-        if recorded is not None:
+        if recorded is not None and recorded.get("torch") == torch.__version__:
             verdicts[path.stem] = recorded["reason"]
     return verdicts
 

@@ -66,7 +66,7 @@ def why_unusable(compiler: str) -> str | None:
         source, library = Path(workdir, "check.cpp"), Path(workdir, "check.so")
         source.write_text(_TEST_LIBRARY_SOURCE)
         build = subprocess.run(
-            [compiler, "-shared", "-fPIC", "-std=c++17", str(source), "-o", str(library)],
+            [compiler, "-shared", "-fPIC", *language_standard(), str(source), "-o", str(library)],
             capture_output=True, text=True, timeout=300,
         )
         if build.returncode != 0:
@@ -77,6 +77,16 @@ def why_unusable(compiler: str) -> str | None:
         if load.returncode != 0:
             return f"its libraries fail beside torch (exit code {load.returncode})"
     return None
+
+
+def language_standard() -> list[str]:
+    """The ``-std=`` flag Inductor compiles kernels with, which follows the
+    installed torch's headers (C++17 up to some releases, C++20 after)."""
+    from torch._inductor import cpp_builder
+
+    # A private function of Inductor's; the compiler's own default where it moved.
+    standard = getattr(cpp_builder, "_get_cpp_std_cflag", lambda: [])
+    return [f"-{flag}" for flag in standard()]
 
 
 @lru_cache(maxsize=None)

@@ -18,10 +18,17 @@ from helpers import publish_kernel
 CPU = torch.device("cpu")
 
 
-def test_default_root_is_per_user(monkeypatch):
+@pytest.mark.parametrize("xdg", [None, "elsewhere"])
+def test_default_root_is_per_user(monkeypatch, tmp_path, xdg):
     monkeypatch.delenv("AOTI_EAGER_CACHE_DIR", raising=False)
-    root = layout.default_root()
-    assert root.name == "aoti_eager" and str(root).startswith(os.path.expanduser("~"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    # A user's cache directory need not lie under their home.
+    if xdg:
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / xdg))
+    else:
+        monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    expected = tmp_path / (xdg or "home/.cache") / "aoti_eager"
+    assert layout.default_root() == expected
 
 
 def test_a_shared_cache_is_created_for_the_group(tmp_path, monkeypatch):

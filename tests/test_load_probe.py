@@ -121,3 +121,13 @@ def test_a_verdict_of_another_form_is_judged_again(load_verdicts, record):
     (load_verdicts / f"{ENVIRONMENT}.json").write_text(record)
     assert load_probe.runtime_crashes(ENVIRONMENT) is None
     assert load_probe.recorded_verdicts() == {}
+
+
+def test_doctor_shows_only_the_running_torch_builds_verdicts(load_verdicts, tmp_path, monkeypatch):
+    # The private directory is shared by every torch build a user runs.
+    other = {"loads": True, "reason": None, "library": "kernel.so", "torch": "0.0.0+another"}
+    (load_verdicts / "cpu-another-build.json").write_text(json.dumps(other))
+    monkeypatch.setattr(load_probe, "_CHILD", "pass")
+    load_probe.check_loads(ENVIRONMENT, tmp_path / "kernel.so", "cpu", [-1], known_good=False)
+    assert load_probe.recorded_verdicts() == {ENVIRONMENT: None}
+    assert cli._load_probe_report() == ({ENVIRONMENT: None}, [])
