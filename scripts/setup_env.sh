@@ -1,13 +1,16 @@
 # Sourced by the run_*.sh scripts: creates the project's virtual environment
 # (default .venv, or $AOTI_EAGER_VENV) and installs the package into it.
-# torch==2.13.0 is installed first where no torch is present, so that the
-# package's torch range never pulls a multi-GB CUDA build by itself.
+# torch==2.13.0 (or $AOTI_EAGER_TORCH) is installed first where the venv has
+# no torch, or $AOTI_EAGER_TORCH names another, so that the package's torch
+# range never pulls a multi-GB CUDA build by itself.
 VENV="${AOTI_EAGER_VENV:-.venv}"
 if [ ! -x "$VENV/bin/python" ]; then
     python3 -m venv "$VENV"
 fi
-if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-    "$VENV/bin/pip" install -q "torch==2.13.0"
+WANTED_TORCH="${AOTI_EAGER_TORCH:-}"
+HAVE_TORCH="$("$VENV/bin/python" -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null || true)"
+if [ -z "$HAVE_TORCH" ] || { [ -n "$WANTED_TORCH" ] && [ "$HAVE_TORCH" != "$WANTED_TORCH" ]; }; then
+    "$VENV/bin/pip" install -q "torch==${WANTED_TORCH:-2.13.0}"
 fi
 "$VENV/bin/pip" install -q -e ".[test,remote]"
 # The fleet cache's tests run a real redis-server (tests/test_remote.py); they
