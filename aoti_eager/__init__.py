@@ -93,39 +93,56 @@ def enable(
     compile: str = "now",
     remote: str | None = None,
 ) -> None:
-    """Overrides ``ops`` with compiled kernels; calling it again adds ops.
+    """Overrides ``ops`` with compiled kernels at the CPU and CUDA dispatch keys.
+
+    A call of an enabled op with an input signature this process has not seen
+    looks for its kernel in the cache, else compiles it (as ``compile`` says),
+    checks it against eager and keeps it; every later call with that signature
+    runs the kernel from C++. Anything a kernel does not cover runs the
+    original kernel. Calling :func:`enable` again adds ops.
 
     Args:
-        ops: op names (``"aten::add.Tensor"``, ``"aten::add"`` for every eligible
-            overload, ``"add.Tensor"``, ``"add"``), ``torch.ops.aten.add.Tensor``
-            or ``torch.ops.aten.add``.
-        devices: ``"cpu"`` and/or ``"cuda"``; default: cpu, and cuda when available.
-        cache_dir: where kernels are kept; default :func:`cache_dir`.
-        record: a manifest (JSON Lines) to append every (op, device, input
-            signature) that misses the cache to, once each, for
-            :func:`prewarm`; default ``$AOTI_EAGER_RECORD``, else none.
-            Several processes may record into one manifest.
-        compile: ``"now"``: a miss compiles before the call returns;
+        ops (str | OpOverload | OpOverloadPacket | Iterable): the ops, named
+            ``"aten::add.Tensor"`` or ``"add.Tensor"`` (one overload),
+            ``"aten::add"`` or ``"add"`` (every overload that can be
+            overridden), or given as ``torch.ops.aten.add.Tensor`` or
+            ``torch.ops.aten.add``; the list :func:`ops_reached` returns.
+        devices (Iterable[str] | None): ``"cpu"`` and/or ``"cuda"``. Default:
+            cpu, and cuda when available.
+        cache_dir (str | PathLike | None): where kernels are kept. Default:
+            :func:`cache_dir`.
+        record (str | PathLike | None): a manifest (JSON Lines) to append every
+            (op, device, input signature) that misses the cache to, once each,
+            for :func:`prewarm`. Several processes may record into one
+            manifest. Default: ``$AOTI_EAGER_RECORD``, else none.
+        compile (str): ``"now"``: a miss compiles before the call returns;
             ``"background"``: a miss runs the original kernel and compiles in a
             worker process, and calls use the kernel once it is in the cache
-            (the process that workers start from is started here, so enable
-            ahead of building a model);
-            ``"never"``: a miss runs the original kernel (to record a run
-            without compiling; kernels already in the cache are used).
-        remote: the fleet cache, a Redis server behind the local cache
-            (``"redis://host:6379/0"``); default ``$AOTI_EAGER_REMOTE``, else
-            none. Entries are published there only signed
-            (``$AOTI_EAGER_SIGNING_KEY``) and used only when a key of
-            ``$AOTI_EAGER_TRUSTED_KEYS`` signed them.
+            (the process that workers fork from is started here, so enable
+            ahead of building a model); ``"never"``: a miss runs the original
+            kernel (to record a run without compiling; kernels already in the
+            cache are used). Default: ``"now"``.
+        remote (str | None): the fleet cache, a Redis server behind the local
+            cache (``"redis://host:6379/0"``). Entries are published there only
+            signed (``$AOTI_EAGER_SIGNING_KEY``) and used only when a key of
+            ``$AOTI_EAGER_TRUSTED_KEYS`` signed them. Default:
+            ``$AOTI_EAGER_REMOTE``, else none.
+
+    Returns:
+        None. :func:`stats` tells what the enabled ops' calls did.
 
     Raises:
         ValueError: an op does not exist, or is a view, random or data-dependent
-            op that cannot be overridden safely (the message says which and why).
+            op that cannot be overridden safely (the message says which and
+            why); or ``devices``, ``compile`` or ``remote`` is not one the
+            function takes.
 
-    Example::
+    Examples::
 
+        >>> import torch, aoti_eager
         >>> aoti_eager.enable(ops=["aten::gelu", torch.ops.aten._softmax.default])
         >>> aoti_eager.enable(ops=["aten::mul"], devices=["cpu"])   # adds mul
+        >>> y = torch.nn.functional.gelu(torch.randn(64, 256))      # compiles, caches, runs
         >>> aoti_eager.enable(ops=["aten::gelu"], record="misses.jsonl", compile="background")
         >>> aoti_eager.enable(ops=["aten::gelu"], remote="redis://cache-host:6379/0")
     """
@@ -160,7 +177,24 @@ def enable(
 
 
 def disable(ops: Iterable[OpSpec] | OpSpec | None = None) -> None:
-    """Restores the original kernels of ``ops`` (default: of every enabled op)."""
+    """Restores the original kernels of ``ops``, or of every enabled op.
+
+    The cache keeps the kernels: enabling the ops again finds them there.
+
+    Args:
+        ops (str | OpOverload | OpOverloadPacket | Iterable | None): the ops to
+            restore, named as :func:`enable` takes them. Default (None): every
+            enabled op.
+
+    Returns:
+        None.
+
+    Examples::
+
+        >>> aoti_eager.enable(ops=["aten::abs", "aten::gelu"])
+        >>> aoti_eager.disable("aten::abs")     # gelu stays enabled
+        >>> aoti_eager.disable()                # every original kernel is back
+    """
     if ops is None:
         _runtime.uninstall()
         return
@@ -175,12 +209,24 @@ def disable(ops: Iterable[OpSpec] | OpSpec | None = None) -> None:
 def enabled(ops: Iterable[OpSpec] | OpSpec, **kwargs: Any) -> Iterator[None]:
     """:func:`enable` for the duration of a ``with`` block.
 
-    Ops that were already enabled before the block stay enabled after it.
+    Ops that were already enabled before the block stay enabled after it; the
+    others are restored as :func:`disable` restores them.
 
-    Example::
+    Args:
+        ops (str | OpOverload | OpOverloadPacket | Iterable): the ops, as
+            :func:`enable` takes them.
+        **kwargs: the other arguments of :func:`enable` (``devices``,
+            ``cache_dir``, ``record``, ``compile``, ``remote``).
 
-        >>> with aoti_eager.enabled(ops=["aten::abs"]):
-        ...     y = torch.abs(x)
+    Returns:
+        A context manager; the ``with`` block gets None.
+
+    Examples::
+
+        >>> x = torch.randn(128)
+        >>> with aoti_eager.enabled(ops=["aten::abs"], devices=["cpu"]):
+        ...     y = torch.abs(x)            # the compiled kernel
+        >>> y = torch.abs(x)                # the original kernel again
     """
     before = {(o.op, o.device) for o in _runtime.installed()}
     enable(ops, **kwargs)
@@ -193,14 +239,29 @@ def enabled(ops: Iterable[OpSpec] | OpSpec, **kwargs: Any) -> Iterator[None]:
 
 
 def stats() -> dict[str, dict[str, Any]]:
-    """Per enabled op overload: what its calls did, summed over devices.
+    """What the calls of each enabled op overload did in this process, summed
+    over devices.
 
-    Keys: ``calls``, ``hits`` (compiled kernel ran), ``misses`` (new signature),
-    ``compiles``, ``cache_loads`` (kernels found on disk), ``fallbacks`` (calls
-    that ran the original kernel), ``fallback_reason`` (the last one),
-    ``compile_seconds``, ``queued`` (compiles started in the background),
-    ``compiling`` (background compiles still running: the calls waiting for
-    them run the original kernel meanwhile).
+    Returns:
+        A dict from each enabled overload's name (``"aten::add.Tensor"``) to a
+        dict with the keys ``calls``; ``hits`` (the compiled kernel ran);
+        ``misses`` (a signature not seen before); ``compiles``;
+        ``cache_loads`` (kernels found in the cache); ``fallbacks`` (calls
+        that ran the original kernel) and ``fallback_reason`` (the last
+        reason, or None); ``compile_seconds``; ``queued`` (compiles started in
+        the background) and ``compiling`` (background compiles still running:
+        the calls waiting for them run the original kernel meanwhile).
+
+    Examples::
+
+        >>> aoti_eager.enable(ops=["aten::abs"])
+        >>> x = torch.randn(128)
+        >>> y, y = torch.abs(x), torch.abs(x)
+        >>> row = aoti_eager.stats()["aten::abs"]
+        >>> row["calls"], row["misses"]
+        (2, 1)
+        >>> sorted(row)
+        ['cache_loads', 'calls', 'compile_seconds', 'compiles', 'compiling', 'fallback_reason', 'fallbacks', 'hits', 'misses', 'queued']
     """
     result: dict[str, dict[str, Any]] = {}
     for override in _runtime.installed():

@@ -66,7 +66,7 @@ def prestart(devices: list[str]) -> None:
 def vec_isas_known() -> bool:
     """Whether CPU kernels can be looked up at once: their cache is named by
     the CPU's vector ISA, which Inductor's probe finds once per machine, in up
-    to 45 s on a CUDA host (:func:`aoti_eager.kernels.toolchain.cpu_isa`).
+    to a minute on a busy many-core host (:func:`aoti_eager.kernels.toolchain.cpu_isa`).
     Where it cannot, the probe runs in a thread meanwhile, so that no call
     waits for it."""
     global _probe

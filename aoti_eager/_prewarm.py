@@ -115,22 +115,32 @@ def prewarm(
 ) -> PrewarmReport:
     """Compiles every entry of ``manifest`` that the cache lacks.
 
+    Each entry's call is rebuilt from its recorded signature and compiled,
+    checked against eager and published as a miss of that call would be, in
+    worker processes that compile entry after entry. What the cache (or the
+    fleet cache) already holds is not compiled again.
+
     Args:
-        manifest: a manifest recorded with ``enable(record=...)`` or
-            ``$AOTI_EAGER_RECORD``.
-        jobs: worker processes compiling at once, each one entry at a time;
-            default :func:`aoti_eager._worker.default_jobs`.
-            Entries of one op compile side by side; only a signature's own
-            compiles wait for each other (on its lock).
-        devices: only entries for these device types; default cpu, and cuda
-            when available.
-        cache_dir: the cache to fill; default :func:`aoti_eager.cache_dir`.
-        output: where progress goes (e.g. ``sys.stdout``); default none.
+        manifest (str | PathLike): a manifest recorded with
+            ``enable(record=...)`` or ``$AOTI_EAGER_RECORD``.
+        jobs (int | None): worker processes compiling at once, each one entry
+            at a time. Entries of one op compile side by side; only a
+            signature's own compiles wait for each other (on its lock).
+            Default: one per core, as memory allows
+            (:func:`aoti_eager._worker.default_jobs`).
+        devices (Iterable[str] | None): only entries for these device types.
+            Default: cpu, and cuda when available.
+        cache_dir (str | PathLike | None): the cache to fill. Default:
+            :func:`aoti_eager.cache_dir`.
+        output (TextIO | None): where progress goes (e.g. ``sys.stdout``).
+            Default: none.
 
-    Returns a :class:`PrewarmReport`; entries that failed are in ``.failed``
-    with the reason, and are compiled again by the next prewarm.
+    Returns:
+        A :class:`PrewarmReport`: each entry's outcome; entries that failed
+        are in ``.failed`` with the reason, and are compiled again by the next
+        prewarm.
 
-    Example::
+    Examples::
 
         >>> aoti_eager.enable(["aten::gelu"], record="misses.jsonl")
         >>> ...                                        # a run that misses

@@ -57,16 +57,17 @@ def ops_reached(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ReachedOps
     count in :func:`aoti_eager.stats`). The result of ``fn`` is dropped.
 
     Args:
-        fn: the callable to run, e.g. a model (an ``nn.Module``) or a
-            ``lambda: model(x)``.
+        fn (Callable): the callable to run, e.g. a model (an ``nn.Module``) or
+            a ``lambda: model(x)``.
         *args: positional arguments for ``fn``.
         **kwargs: keyword arguments for ``fn``.
 
     Returns:
-        A :class:`ReachedOps`: a list of ``torch._ops.OpOverload`` with a
-        ``refused`` dict (qualified name -> reason).
+        A :class:`ReachedOps`: a list of ``torch._ops.OpOverload`` that
+        :func:`aoti_eager.enable` takes, with ``names`` (their qualified
+        names) and a ``refused`` dict (qualified name -> reason).
 
-    Example::
+    Examples::
 
         >>> import torch, aoti_eager
         >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16))

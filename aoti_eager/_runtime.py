@@ -120,10 +120,8 @@ Decision = Union[UseKernel, RunEagerly, RetryLater]
 
 # How long the calls of a signature that compiles in the background run the
 # original kernel before one asks whether its kernel is ready. Asking on every
-# call made each one cost 87 times eager's (abs of 128 floats on CPU: 242 us
-# against 2.8 us, scripts/bench_background.py) and a GPT-2 forward on the H100
-# 8 times eager's while the kernels compiled; a kernel now takes over at most
-# this much later.
+# call made a tiny call cost tens of times eager's (BENCHMARKS.md, "Background
+# compiles"); a kernel takes over at most this much later.
 BACKGROUND_RETRY_SECONDS = 0.1
 
 

@@ -15,9 +15,9 @@ override then sees them move too.
 
 A child compiles one entry after another (entries as JSON lines on its stdin,
 outcomes as JSON lines on its stdout), so that only its first entry pays for
-starting Python, torch and Inductor: 4-6 s on a CPU machine, more than a CUDA
-signature's whole compile. A child that dies takes only its current entry
-with it; the next entry starts a new one.
+starting Python, torch and Inductor, which takes longer than a further
+signature's whole compile (BENCHMARKS.md, "Prewarm"). A child that dies takes
+only its current entry with it; the next entry starts a new one.
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ def default_jobs() -> int:
 def compile_threads(jobs: int) -> int:
     """Inductor's compile threads for each of ``jobs`` workers: their share of
     the cores. Inductor's default is a pool of one process per core (up to
-    32), each importing torch, in every worker: on the 16-core H100 host, 16
-    workers started 256 of them, and a worker's first CUDA compile took 26 s
-    instead of 9.5 s (BENCHMARKS.md, "A model's first forward")."""
+    32), each importing torch, in every worker: 16 workers on a 16-core host
+    would start 256 of them, and their first compiles take several times as
+    long (BENCHMARKS.md, "A model's first forward")."""
     return max(1, _cores() // max(1, jobs))
 
 
@@ -258,9 +258,9 @@ def _environment(jobs: int) -> dict[str, str]:
     records), with its share of the cores for Inductor's compile threads, and
     CUDA contexts of one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS``,
     unless set): a worker runs one stream, and the driver creates contexts
-    one at a time. On the H100 host 15 processes forked at once had their
-    contexts after 2.5-2.9 s with CUDA's default of 8 queues, after 1.0-1.3 s
-    with one (BENCHMARKS.md, "A model's first forward")."""
+    one at a time: processes forked at once get their contexts in about half
+    the time with one queue than with CUDA's default of 8 (BENCHMARKS.md, "A
+    model's first forward")."""
     env = {k: v for k, v in os.environ.items() if k != settings.record.name}
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(compile_threads(jobs)))
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")

@@ -1,28 +1,20 @@
 """One process that imports torch and Inductor once, and forks compile workers.
 
 A worker of :mod:`aoti_eager._worker` started anew imports torch, Inductor and
-Triton, then initializes much of Inductor within its first compile. On the
-16-core H100 host, 16 workers started at once reached their first compile
-after 9-10 s and spent 15-17 s in it; forked from this process, which had
-imported once (8.7 s), they initialized CUDA in 2 s and spent 4-6 s in their
-first compile: 23 signatures compiled by 19.6 s instead of 28.9 s (a machine
-without ``.pyc`` files for torch). GPT-2's first forward had every kernel in
-use after 12.6-13.8 s instead of 13.0-16.0 s, the forwards meanwhile at 2.5
-times eager's time instead of 3.4 (BENCHMARKS.md, "Workers forked from one
-process").
+Triton, then initializes much of Inductor within its first compile; many
+workers started at once pay that side by side, and compete with the program
+for the cores. Forked from this process, which imported once, they only
+initialize CUDA and compile (BENCHMARKS.md, "A model's first forward").
 
 Beyond the imports it does once what each worker's first compile would do for
 itself (:func:`_warm`): Inductor's code generators, its and Triton's
 source hashes, the recorded precompiled-header checks, where an NVIDIA GPU is,
-Triton's compiler and driver and CUDA's pattern tables (a forked worker's
-first CUDA compile of ``gelu`` on H100 hosts: 2.5-2.65 s before the driver and
-the tables were built here, 1.6-2.5 s after), and last the sympy modules that
-a first dynamic-shape compile imports. On the 2-core CPU machine a forked
-worker's first compile took 2.7 s without the warming and 1.9 s with it, when
-the warming also built Inductor's pattern tables, which a compile of one op no
-longer builds
-(:func:`aoti_eager.kernels.compile._without_whole_graph_patterns`). Background
-compiles start it at ``enable()`` (:func:`aoti_eager._worker.prestart`), so
+Triton's compiler and driver and CUDA's pattern tables, and last the sympy
+modules that a first dynamic-shape compile imports: each a large share of a
+forked worker's first compile where it is not done here. (Inductor's
+whole-graph pattern tables are not built: a compile of one op no longer
+builds them, :func:`aoti_eager.kernels.compile._without_whole_graph_patterns`.)
+Background compiles start it at ``enable()`` (:func:`aoti_eager._worker.prestart`), so
 that all this runs while the program builds its model, not after its first
 miss; Triton's part runs in a thread beside the imports. A fork asked for
 sooner stops the warming, and each worker does the rest for itself while
@@ -66,8 +58,8 @@ import warnings
 from typing import Callable
 
 _SERVE = "import sys; from aoti_eager._zygote import serve; sys.exit(serve())"
-# The longest a request waits: the first waits for the imports, which took 8.7 s
-# on the H100 host and up to a minute on a machine whose disk cache is cold.
+# The longest a request waits: the first waits for the imports, which take
+# seconds, and up to a minute on a machine whose disk cache is cold.
 ANSWER_SECONDS = 300.0
 # A zygote holds torch and Inductor in memory: without a request for this long,
 # and with no child of its own running, it ends.
@@ -182,8 +174,7 @@ def _preload(requests: socket.socket) -> None:
 
     until = lambda: select.select([requests], [], [], 0)[0] != []  # noqa: E731
     # Triton's source hash and first compile are mostly out of the GIL (hashing,
-    # LLVM, ptxas): beside the imports, the zygote was ready 0.8-1.1 s sooner
-    # on an H100 host (5.8-6.25 s after its start, against 6.9-7.0 s; a probe).
+    # LLVM, ptxas), so beside the imports they make the zygote ready sooner.
     # Joined before anything else: no thread may run at a fork.
     beside = threading.Thread(target=_warm, args=(_TRITON_STEPS, until), name="aoti_eager-triton-warming")
     beside.start()
@@ -225,8 +216,8 @@ def warm_beside_cuda(device: str) -> None:
     """In a worker whose first entry is for ``device`` (a CUDA device): starts
     CUDA there in a thread, and meanwhile takes the warming steps that the
     zygote had not taken when it forked (all of them in a worker started
-    anew). On an H100 host 15 workers forked at once took 1.8-2.3 s for both
-    instead of 2.5-3.1 s one after the other (a probe). Header checks wait for
+    anew): side by side, both take less than one after the other, since
+    CUDA's start in many workers at once is slow. Header checks wait for
     the compile: they set environment variables, which CUDA's start reads."""
     import torch
 
@@ -241,10 +232,9 @@ def warm_beside_cuda(device: str) -> None:
 
 
 def _set_triton_up(until: Callable[[], bool]) -> None:
-    """Triton's first compile in a process sets its compiler up: 1.1 s on the
-    H100 host, against 0.06 s for the next kernel (a probe, neither with a
-    CUDA context); and its first kernel launcher builds the CUDA driver's C
-    utilities (0.37 s of a forked worker's first compile, ``cProfile``). Both
+    """Triton's first compile in a process sets its compiler up, many times
+    what the next kernel takes; and its first kernel launcher builds the CUDA
+    driver's C utilities, a share of a forked worker's first compile. Both
     done here for the first GPU, which NVML names without starting CUDA, in a
     scratch directory instead of Triton's cache (the loaded module stays);
     without an NVIDIA GPU, nothing. Sets no environment variable: it runs
@@ -282,8 +272,8 @@ _triton_set_up = False
 
 def _cuda_pattern_tables(until: Callable[[], bool]) -> None:
     """Inductor's post-grad pattern tables, which CUDA compiles build once per
-    process (:func:`aoti_eager.kernels.compile._without_whole_graph_patterns`):
-    0.45 s of a forked worker's first compile on the H100 host. Built with
+    process (:func:`aoti_eager.kernels.compile._without_whole_graph_patterns`),
+    a share of a forked worker's first compile. Built with
     CPU tensors; where no NVIDIA GPU is, CPU compiles skip them, and so does
     this."""
     if _first_gpu_target() is not None:
@@ -322,7 +312,7 @@ _TRITON_STEPS: list[Step] = [
     _set_triton_up,
 ]
 # The header checks first: a worker forked before them checks for itself
-# (0.4-0.5 s on H100 hosts) before its compile, not beside CUDA's start as it
+# before its compile, not beside CUDA's start as it
 # takes the other steps (see warm_beside_cuda).
 _WARMING_STEPS: list[Step] = [
     _check_recorded_headers,
@@ -330,9 +320,8 @@ _WARMING_STEPS: list[Step] = [
     lambda until: importlib.import_module("torch._inductor.codecache").torch_key(),
     _cuda_pattern_tables,
     # sympy's simplify() imports it within a process's first dynamic-shape
-    # compile: 0.29-0.41 s of a forked worker's compile of BERT's add with
-    # every dim a symbol on H100 hosts (cProfile, two hosts). Last: only
-    # dynamic-shape compiles need it.
+    # compile, a share of that compile. Last: only dynamic-shape compiles
+    # need it.
     lambda until: importlib.import_module("sympy.physics.units"),
 ]
 

@@ -33,7 +33,8 @@ def _size(text: str) -> int:
 
 
 def _duration(text: str) -> float:
-    """``"30d"``, ``"12h"``, ``"90m"``, ``"45s"``, ``"3600"`` -> seconds."""
+    """A duration in seconds: a number with a unit of ``s``, ``m``, ``h``, ``d`` or
+    ``w`` (``"30d"``, ``"12h"``, ``"90m"``), or a bare number of seconds (``"3600"``)."""
     match = re.fullmatch(r"(\d+(?:\.\d+)?)([smhdw]?)", text.strip().lower())
     if match is None:
         raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 30d, 12h, 90m, 3600)")

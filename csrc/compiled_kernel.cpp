@@ -42,11 +42,12 @@ struct RunnerInternals : AOTIModelContainerRunner {
 };
 
 // AOTInductor's shim allocates a CUDA tensor through at::empty_strided, a
-// dispatcher round trip that took about 2.7 us of a 64x64 add's 10 us on an
-// H100. Eager's CUDA kernels take their outputs straight from the caching
-// allocator, and so does this, as at::detail::empty_strided_cuda does. A CPU
-// tensor comes from the pool of small blocks (csrc/cpu_output_pool.h), as
-// at::detail::empty_strided_cpu makes it otherwise. Every other case is the
+// dispatcher round trip that was a large share of a tiny CUDA call
+// (BENCHMARKS.md, "Per-call dispatch"). Eager's CUDA kernels take their
+// outputs straight from the caching allocator, and so does this, as
+// at::detail::empty_strided_cuda does. A CPU tensor comes from the pool of
+// small blocks (csrc/cpu_output_pool.h), as at::detail::empty_strided_cpu
+// makes it otherwise. Every other case is the
 // shim's, as is deterministic mode, which fills new memory.
 AOTITorchError empty_strided(
     int64_t ndim,

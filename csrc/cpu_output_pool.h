@@ -3,11 +3,10 @@
 // Memory for the outputs and buffers of CPU kernels: a few freed blocks of
 // each small size are kept for the next allocation of that size.
 //
-// A 64x64 float add spent about 200 ns of its 1.3 us in glibc's memalign and
-// free (chunk consolidation included) and c10's profiler checks; from here its
-// compiled kernel took 710-740 ns instead of 920 (scripts/profile_hit_path.py,
-// 2-core AMD EPYC, torch 2.13; BENCHMARKS.md, "A pool for small CPU
-// outputs"). Eager pays glibc for every output.
+// A tiny call spent a large share of its time in glibc's memalign and free
+// (chunk consolidation included) and c10's profiler checks, which blocks from
+// here skip (BENCHMARKS.md, "Per-call dispatch"). Eager pays glibc for every
+// output.
 //
 // Blocks up to 64 KiB, in classes four to a doubling (a block is 256 bytes,
 // or at most a quarter larger than asked), two kept per class: at most 830

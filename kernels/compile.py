@@ -280,8 +280,9 @@ def _without_whole_graph_patterns(device_type: str) -> Iterator[None]:
     graph does not have; on CPU, the post-grad ones fuse oneDNN calls on
     prepacked weights, which only freezing a model makes. CUDA's post-grad
     tables stay: their online softmax rewrites softmax's own decomposition.
-    Building the tables skipped here was 0.5 s of a process's first compile on
-    the 2-core CPU, and each CUDA worker built them with CUDA tensors.
+    Building the tables skipped here was a large share of a process's first
+    compile, and each CUDA worker built them with CUDA tensors
+    (BENCHMARKS.md, "Compile time of a new signature").
 
     A ``torch.compile`` later in the process builds them as usual; tables one
     built earlier apply to the op's graph as to any other.

@@ -3,8 +3,8 @@
 Before it builds a library, AOTInductor makes sure that the precompiled
 headers it builds with (the wrapper's and, on CPU, the kernels') are current:
 it preprocesses each header and hashes the text, once per process, one header
-after the other, after the lowering. On the 2-core CPU that was 0.26 s and
-0.35 s of a process's first compile.
+after the other, after the lowering: a share of a process's first compile
+(BENCHMARKS.md, "Compile time of a new signature").
 
 The arguments of each check are kept beside the environment's shared wrapper
 part; a process's first compile starts Inductor's own check with them in a
@@ -17,7 +17,8 @@ where the thread sees the compile's Inductor settings and no others (see
 Where compiles run in workers forked from one process (:mod:`aoti_eager._zygote`),
 that process makes the recorded checks before its first fork
 (:func:`check_recorded`), one after the other, and each worker inherits
-Inductor's answers: 0.3-0.5 s of every worker's first compile on an H100 host.
+Inductor's answers, which every worker's first compile would otherwise make
+(BENCHMARKS.md, "A model's first forward").
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def _settings_per_context() -> bool:
     thread patches meanwhile (torch 2.13). Torch 2.11 keeps them in module
     globals: there, on the H100, checks ahead named other precompiled headers
     than Inductor's own, and a first compile rebuilt a header and the shared
-    wrapper part (10 s)."""
+    wrapper part."""
     from torch._inductor import config as inductor_config
 
     return isinstance(getattr(inductor_config, "_hash_dirty_var", None), contextvars.ContextVar)
@@ -218,8 +219,8 @@ class _WouldBuild(Exception):
 @contextlib.contextmanager
 def _nothing_built() -> Iterator[None]:
     """Within the block, Inductor's check of a header that is not built yet
-    raises :class:`_WouldBuild` instead of building it (5 s on the H100 host,
-    which a process about to fork must not spend; a worker builds it under
+    raises :class:`_WouldBuild` instead of building it (seconds of a
+    compiler, which a process about to fork must not spend; a worker builds it under
     Inductor's lock while the others go on). Inductor memoizes no answer then."""
     from torch._inductor import codecache
 

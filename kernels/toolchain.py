@@ -123,8 +123,8 @@ def cpp_compiler() -> str:
 def linker() -> str | None:
     """The linker kernel libraries are linked with (``-fuse-ld``): ``gold``
     where the system has it, else None, the compiler's default (GNU ld). A
-    library links against libtorch_cpu.so (430 MB), whose symbols GNU ld
-    reads in 0.6 s of CPU and gold in 0.2 s (2 cores)."""
+    library links against libtorch_cpu.so (hundreds of MB), whose symbols gold
+    reads in about a third of GNU ld's time."""
     return "gold" if shutil.which("ld.gold") else None
 
 
@@ -156,10 +156,10 @@ def known_vec_isas(usable: dict[str, list[str]] | None) -> Iterator[None]:
     the vector ISAs this CPU runs, instead of probing again.
 
     Inductor's probe builds a test program per ISA and loads each in a new
-    Python process that imports torch: 1-2 s on a CPU machine, about 45 s on a
-    CUDA machine, paid by the first compile of every process (a CUDA wrapper is
-    C++ too). The ISA a CPU kernel is built for is probed again the same way
-    when its code is generated (0.3-0.7 s on 2 cores), unless Inductor is told
+    Python process that imports torch: seconds on a CPU machine, up to a
+    minute on a many-core GPU host, paid by the first compile of every process
+    (a CUDA wrapper is C++ too). The ISA a CPU kernel is built for is probed
+    again the same way when its code is generated, unless Inductor is told
     that ISAs are usable (``cpp.vec_isa_ok``), which ``usable`` says for each of
     them. Without ``usable``, or where they are not this torch's ISAs,
     Inductor probes.
@@ -167,7 +167,7 @@ def known_vec_isas(usable: dict[str, list[str]] | None) -> Iterator[None]:
     The extensions are set on the ISAs as the probe would have set them: the
     process that probed and every later one then compile with the same flags.
     (Without them an H100 host's second process built its precompiled header
-    and the shared wrapper parts again, without -mavx512bf16: 14 s.)
+    and the shared wrapper parts again, without -mavx512bf16.)
     """
     from torch._inductor import config as inductor_config
     from torch._inductor import cpu_vec_isa

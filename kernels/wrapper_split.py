@@ -1,7 +1,7 @@
 """Builds AOTInductor's wrapper in two parts, and the part every op shares once.
 
-Of the ~10 s a CPU signature takes to compile on two cores, ~8 s go to the
-generated ``*.wrapper.cpp``, and little of that is the op: the file opens with
+Most of what a CPU signature takes to compile goes to the generated
+``*.wrapper.cpp``, and little of that is the op: the file opens with
 the C interface of the model container (``extern "C" { ... }``), whose code
 and the ``AOTInductorModelBase<AOTInductorModel>`` it instantiates are the same
 text for every signature. So while a compile runs, Inductor's build of that
@@ -12,9 +12,9 @@ file is replaced by:
   cache root uses it). It also holds the model's constructor, which
   constructs the base (see ``_MODEL_PARTS``);
 - the op's part, compiled with ``extern template`` for the base and without
-  the interface's headers, so that it only generates its own code (1.2 s of
-  the 2-core machine's 2.2 s went to the base's constructor and those
-  headers). It runs while Inductor compiles the kernel file;
+  the interface's headers, so that it only generates its own code (the
+  base's constructor and those headers were over half of its compile). It
+  runs while Inductor compiles the kernel file;
 - a relocatable link of the two into the object Inductor expects, before
   Inductor links the library as usual.
 
@@ -91,9 +91,9 @@ static inline AOTITorchError aoti_eager_empty_strided(
 }
 
 // A runtime number (csrc/op_override.cpp) is a 0-d CPU tensor that the runtime
-// made: read in place, instead of through the dispatcher's item(), which cost
-// about 150 ns of a 64x64 add's 1.3 us (alpha=2.5, CPU). Any other tensor is
-// the shim's.
+// made: read in place, instead of through the dispatcher's item(), a
+// dispatcher call on every call (BENCHMARKS.md, "Per-call dispatch"). Any
+// other tensor is the shim's.
 template <class T>
 static inline AOTITorchError aoti_eager_item(
     AtenTensorHandle tensor, int32_t dtype, T* value, AOTITorchError (*item)(AtenTensorHandle, T*)) {
@@ -170,8 +170,8 @@ extern "C" __attribute__((visibility("default"))) AOTIRuntimeError aoti_eager_ru
 }
 """
 # The model's constructor, split in two. Its base class's constructor (the
-# same for every op) is most of what the op's part took to compile: 0.8 s of
-# 2.2 s on two cores, the device-string regex it parses with included. So the
+# same for every op) is most of what the op's part took to compile, the
+# device-string regex it parses with included. So the
 # shared part constructs the base, from numbers the op's part defines, and calls
 # the op's part for the rest. The op's part is reached through an explicit
 # specialization of a member template that AOTInductorModel declares (the
@@ -239,7 +239,7 @@ _DEVICE_HEADER = "#include <torch/csrc/inductor/aoti_include/"
 # The regex parts of libstdc++ that the model's header instantiates for
 # parse_device_str(), an inline function of every wrapper. GCC leaves what a
 # precompiled header would instantiate to each file that includes it, so every
-# op's part instantiated them again: 0.45 s of its 1.25 s on 2 cores. The op's
+# op's part instantiated them again, over a third of its compile. The op's
 # part never calls the function; the shared part does, and holds them. They
 # are declared ahead of the header in a precompiled header of the op's part's
 # own (see _OpPartHeader); where these names are not the compiler's library
@@ -335,8 +335,8 @@ def _shared_head(head: str) -> str:
     """The wrapper's text up to the interface's end, as the shared part takes it:
     with the first device header only. A CUDA wrapper that reads a runtime
     number also includes the CPU header (for the number's 0-d tensor), which
-    the interface does not use; kept, it made a second shared part (6.3 s of
-    an H100 compile of ``mul(x, 0.5)``)."""
+    the interface does not use; kept, it made a second shared part, built
+    by a compile of ``mul(x, 0.5)`` on CUDA."""
     lines = head.split("\n")
     device = [i for i, line in enumerate(lines) if line.startswith(_DEVICE_HEADER)]
     return "\n".join(line for i, line in enumerate(lines) if i not in device[1:])
