@@ -10,7 +10,6 @@ things, and never counted, entered, moved or removed through.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ from typing import Any, Iterator
 from filelock import Timeout
 
 from aoti_eager.cache import layout
+from aoti_eager.cache.files import load_json, read_capped
 from aoti_eager.cache.store import (
     ENTRY_FILE,
     TEMPORARY_PREFIX,
@@ -56,7 +56,7 @@ class Listing:
     def metadata(self) -> dict[str, Any]:
         """``entry.json``, or {} where it cannot be read."""
         try:
-            data = json.loads((self.directory / ENTRY_FILE).read_text())
+            data = load_json(read_capped(self.directory / ENTRY_FILE))
         except (OSError, ValueError):
             return {}
         return data if isinstance(data, dict) else {}

@@ -24,9 +24,7 @@ that a signature is compiled once by the whole fleet.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -36,13 +34,14 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, ContextManager, Iterator
 
 import torch
 from filelock import FileLock, Timeout
 
 from aoti_eager import settings
-from aoti_eager.cache import layout
+from aoti_eager.cache import files as cache_files
+from aoti_eager.cache import layout, signing
 from aoti_eager.cache.entry_store import Entry, EntryStore, RemoteTier, metadata_digest
 
 log = logging.getLogger("aoti_eager")
@@ -53,16 +52,15 @@ LIBRARY_FILE = "kernel.so"
 SIDECAR_FILES = ("kernel.json",)
 # What an entry directory may hold.
 ENTRY_FILES = (ENTRY_FILE, LIBRARY_FILE, *SIDECAR_FILES)
+# In a shared cache: the publisher's signature of the entry's files (see read_entry).
+ENTRY_SIGNATURE = "entry.sig"
 # Directories being assembled or removed; never an entry.
 TEMPORARY_PREFIX = ".tmp-"
 
 
 def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    with cache_files.open_regular_file(path) as f:
+        return cache_files.copy_hashed(f)["sha256"]
 
 
 class UntrustedEntry(Exception):
@@ -73,15 +71,17 @@ class DamagedEntry(Exception):
     """An entry that is incomplete or does not match its recorded sha256."""
 
 
-def check_trusted(path: Path, root: Path) -> None:
+def check_trusted(path: Path, root: Path) -> int:
     """Raises UntrustedEntry unless ``path`` and every directory between it and
     ``root`` could only have been written by this user (or, in a shared cache,
     by the shared group: ``$AOTI_EAGER_CACHE_GROUP``), and none of them is
-    a symbolic link (the root itself may be one)."""
+    a symbolic link (the root itself may be one). Returns the owner of ``path``."""
     group = settings.cache_group.get()
     current = path
+    owner = None
     while True:
         st = current.stat() if current == root else current.lstat()
+        owner = st.st_uid if owner is None else owner
         if stat.S_ISLNK(st.st_mode):
             raise UntrustedEntry(f"{current} is a symbolic link: nothing in the cache is reached through a link")
         shared = group is not None and st.st_gid == group
@@ -91,45 +91,136 @@ def check_trusted(path: Path, root: Path) -> None:
             who = "others" if shared else "group or others"
             raise UntrustedEntry(f"{current} is writable by {who} (mode {st.st_mode & 0o777:o})")
         if current == root or current.parent == current:
-            return
+            return owner
         current = current.parent
 
 
-def read_entry(directory: Path, root: Path) -> Entry | None:
+def check_parents(root: Path) -> None:
+    """Raises UntrustedEntry unless every directory above ``root`` (on the
+    path it is named by and on its real path) belongs to root or this user
+    (in a shared cache, or to the shared group) and is writable by others
+    only with the sticky bit: nobody else can move the cache away and put
+    another in its place."""
+    group = settings.cache_group.get()
+    for parent in {*Path(os.path.abspath(root)).parents, *Path(os.path.realpath(root)).parents}:
+        try:
+            st = parent.stat()
+        except FileNotFoundError:
+            continue  # made by this user with the cache
+        if st.st_uid not in (0, os.getuid()) and not (group is not None and st.st_gid == group):
+            raise UntrustedEntry(f"{parent}, above the cache {root}, belongs to uid {st.st_uid}, "
+                                 "who could put another cache in its place")
+        if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+            raise UntrustedEntry(f"{parent}, above the cache {root}, is writable by others without the sticky "
+                                 f"bit (mode {st.st_mode & 0o7777:o}): anyone could put another cache in its place")
+
+
+def read_entry(directory: Path, root: Path, copy_into: Path | None = None) -> Entry | None:
     """The entry published in ``directory``, its artifact verified against its
     sha256; None if there is none.
+
+    With ``copy_into`` (a private directory), the library and its sidecar
+    files are copied there from the descriptors they are hashed through, and
+    the entry's ``library`` is the copy: what is loaded is exactly what was
+    verified, whatever happens to the cache meanwhile. An entry that another
+    user wrote (a shared cache's) must be signed by a trusted key (see
+    :func:`check_signed`).
 
     Raises UntrustedEntry (see :func:`check_trusted`) or DamagedEntry.
     """
     try:
-        check_trusted(directory, root)
-        for path in directory.iterdir():
-            check_trusted(path, directory)
+        owners = {check_trusted(directory, root), *(check_trusted(path, directory) for path in directory.iterdir())}
     except FileNotFoundError:
         return None  # none, or removed meanwhile
     try:
-        data = json.loads((directory / ENTRY_FILE).read_text())
+        raw = cache_files.read_capped(directory / ENTRY_FILE)
+        data = cache_files.load_json(raw)
     except FileNotFoundError:
         if not directory.exists():
             return None
         raise DamagedEntry(f"{ENTRY_FILE} is missing") from None
     except (OSError, ValueError) as e:
         raise DamagedEntry(f"unreadable {ENTRY_FILE}: {e}") from None
+    digests = {ENTRY_FILE: signing.file_digest(raw)}
     try:
         entry = Entry(**{**data, "library": None})
         if data["library"] is not None:
             if data["library"] != LIBRARY_FILE:
                 raise DamagedEntry(f"{ENTRY_FILE} names the library {data['library']!r}, not {LIBRARY_FILE!r}")
-            entry.library = directory / LIBRARY_FILE
-            if sha256_of(entry.library) != entry.sha256:
+            digests.update(_read_library(directory, copy_into))
+            if digests[LIBRARY_FILE]["sha256"] != entry.sha256:
                 raise DamagedEntry("artifact does not match its recorded sha256")
+            entry.library = (copy_into or directory) / LIBRARY_FILE
     except (OSError, TypeError, KeyError) as e:
         raise DamagedEntry(f"incomplete entry: {type(e).__name__}: {e}") from None
     if entry.metadata_sha256 != metadata_digest(data):
         raise DamagedEntry(f"{ENTRY_FILE} does not match its recorded digest (edited, or written by an older version)")
     if entry.library is not None:
         check_output_counts(entry.op, entry.output_counts)
+    if owners != {os.getuid()}:
+        check_signed(directory, digests, max(owners - {os.getuid()}))
     return entry
+
+
+def _read_library(directory: Path, copy_into: Path | None) -> dict[str, dict]:
+    """The digests (:func:`signing.file_digest`) of the library and its sidecar
+    files, each hashed through the descriptor it was opened with, and copied
+    from it into ``copy_into`` if given."""
+    digests = {}
+    for name in (LIBRARY_FILE, *SIDECAR_FILES):
+        try:
+            with cache_files.open_regular_file(directory / name) as source, \
+                    (open(copy_into / name, "xb") if copy_into else contextlib.nullcontext()) as target:
+                digests[name] = cache_files.copy_hashed(source, target)
+        except FileNotFoundError:
+            if name == LIBRARY_FILE:
+                raise
+    return digests
+
+
+def _member(directory: Path, name: str) -> str:
+    """A file's name in an entry's manifest, as bundles and the fleet cache
+    name it (``<environment>/<op>/<signature>/<file>``): bound to its key."""
+    return "/".join((*directory.parts[-3:], name))
+
+
+def check_signed(directory: Path, digests: dict[str, dict], owner: int) -> None:
+    """Raises UntrustedEntry unless the entry in ``directory``, whose files
+    have ``digests``, is signed (:data:`ENTRY_SIGNATURE`) by a key of
+    ``$AOTI_EAGER_TRUSTED_KEYS``: in a shared cache, what another member
+    (``owner``) wrote is native code that nobody here checked."""
+    members = {_member(directory, name): digest for name, digest in digests.items()}
+    try:
+        try:
+            signature = cache_files.read_capped(directory / ENTRY_SIGNATURE)
+        except FileNotFoundError:
+            signature = None
+        signing.trusted_signer(signing.manifest_of(members), signature, settings.trusted_keys.get())
+    except (OSError, signing.SignatureError, signing.KeyFileError) as e:
+        raise UntrustedEntry(
+            f"{directory} was written by uid {owner}, another user, and {e}: a shared cache's entry that another "
+            f"member wrote is loaded only when a key of ${settings.trusted_keys.name} signed it (its publisher sets "
+            f"${settings.signing_key.name})") from None
+
+
+def sign_entry(directory: Path, place: Path) -> None:
+    """In a shared cache, with ``$AOTI_EAGER_SIGNING_KEY`` set, signs the
+    entry assembled in ``directory`` for its ``place`` (see :func:`check_signed`)."""
+    key = settings.signing_key.get()
+    if settings.cache_group.get() is None or key is None:
+        return
+    members = {}
+    for name in ENTRY_FILES:
+        if (directory / name).exists():
+            with cache_files.open_regular_file(directory / name) as f:
+                members[_member(place, name)] = cache_files.copy_hashed(f)
+    try:
+        signature = signing.sign(signing.manifest_of(members), key)
+    except signing.KeyFileError as e:
+        log.warning("aoti_eager: the entry %s is published unsigned, which other members of the shared cache "
+                    "will not load: %s", place, e)
+        return
+    (directory / ENTRY_SIGNATURE).write_bytes(signature)
 
 
 def received_entry(op: str, files: dict[str, Path], library_sha256: str | None) -> tuple[Entry, dict[str, Path]]:
@@ -143,7 +234,7 @@ def received_entry(op: str, files: dict[str, Path], library_sha256: str | None) 
     """
     files = dict(files)
     try:
-        data = json.loads(files.pop(ENTRY_FILE).read_bytes())
+        data = cache_files.load_json(cache_files.read_capped(files.pop(ENTRY_FILE)))
         entry = Entry(**{**data, "library": None})
     except (KeyError, ValueError, TypeError, OSError) as e:
         raise DamagedEntry(f"no readable {ENTRY_FILE}: {e}") from None
@@ -283,25 +374,100 @@ def _lock_file(path: Path, timeout: float = -1) -> FileLock:
     return FileLock(str(path), timeout=timeout, mode=_lock_mode())
 
 
+def _open_lock(path: Path) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, _lock_mode())
+    with contextlib.suppress(PermissionError):  # another member's lock file
+        os.fchmod(fd, _lock_mode())  # whatever the umask
+    return fd
+
+
+def _wait_flock(fd: int, operation: int, path: Path, deadline: float | None) -> None:
+    """Takes an flock on ``fd``; raises filelock.Timeout once ``deadline``
+    (time.monotonic) has passed (None: waits forever)."""
+    while True:
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if deadline is not None and deadline <= time.monotonic():
+                raise Timeout(str(path)) from None
+            time.sleep(0.05)
+
+
+def _deadline(timeout: float) -> float | None:
+    return None if timeout < 0 else time.monotonic() + timeout
+
+
 @contextlib.contextmanager
 def _shared_flock(path: Path, timeout: float = -1) -> Iterator[None]:
     """A shared flock on the lock file ``path``, which only a cleanup or the
     command line holds exclusively; raises filelock.Timeout after ``timeout``
     seconds (< 0: waits forever)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, _lock_mode())
+    fd = _open_lock(path)
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if 0 <= timeout and deadline <= time.monotonic():
-                    raise Timeout(str(path)) from None
-                time.sleep(0.05)
+        _wait_flock(fd, fcntl.LOCK_SH, path, _deadline(timeout))
         yield
     finally:
         os.close(fd)
+
+
+def _is_at(fd: int, path: Path) -> bool:
+    """Whether ``path`` is still the file open as ``fd``."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+
+@contextlib.contextmanager
+def _removed_lock(path: Path, timeout: float = -1) -> Iterator[None]:
+    """An exclusive flock on the lock file ``path``, which is removed when it
+    is released, so that locks of signatures done with do not pile up.
+
+    Whoever removes the file holds its lock; whoever takes the lock checks
+    that the file is still at ``path`` and otherwise locks the new one, so
+    two holders never hold "the" lock through two files. Raises
+    filelock.Timeout after ``timeout`` seconds (< 0: waits forever).
+    """
+    deadline = _deadline(timeout)
+    while True:
+        fd = _open_lock(path)
+        try:
+            _wait_flock(fd, fcntl.LOCK_EX, path, deadline)
+        except BaseException:
+            os.close(fd)
+            raise
+        if _is_at(fd, path):
+            break
+        os.close(fd)  # removed by its holder meanwhile
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # while held: a waiting process then finds it gone
+        os.close(fd)
+
+
+def remove_idle_locks(op_dir: Path) -> None:
+    """Removes the signature locks of ``op_dir`` that nobody holds (those a
+    killed process left), as :func:`_removed_lock` does."""
+    for path in op_dir.glob(f"{SIGNATURE_LOCK_PREFIX}*"):
+        with contextlib.suppress(OSError, Timeout), _removed_lock(path, timeout=0):
+            pass
+
+
+@contextlib.contextmanager
+def _load_directory() -> Iterator[Path]:
+    """A new directory of the user's private one, removed after the block:
+    where a verified library is copied to be loaded."""
+    path = layout.private_directory("load") / f"{os.getpid()}-{uuid.uuid4().hex}"
+    path.mkdir(mode=0o700)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def op_lock(op_dir: Path, timeout: float = -1) -> FileLock:
@@ -366,26 +532,39 @@ class KernelCache(EntryStore):
                     with self.behind.lock_signature(op, signature_key, timeout):
                         yield
 
-    def signature_lock(self, op: str, signature_key: str, timeout: float = -1) -> FileLock:
-        """The lock that orders the compiles of one signature (see :meth:`lock_signature`)."""
-        op_dir = self._op_dir(op)
-        layout.make_cache_dirs(op_dir)
-        return _lock_file(op_dir / f"{SIGNATURE_LOCK_PREFIX}{signature_key}", timeout)
+    def signature_lock(self, op: str, signature_key: str, timeout: float = -1) -> ContextManager[None]:
+        """The lock that orders the compiles of one signature (see
+        :meth:`lock_signature`); its file goes when it is released."""
+        return _removed_lock(self._made_op_dir(op) / f"{SIGNATURE_LOCK_PREFIX}{signature_key}", timeout)
 
     def lock(self, op: str, timeout: float = -1) -> FileLock:
         """The op's lock, exclusively: while it is held no compile of the op
         is under way, and none starts (see :meth:`lock_signature`)."""
-        op_dir = self._op_dir(op)
-        layout.make_cache_dirs(op_dir)
-        return op_lock(op_dir, timeout)
+        return op_lock(self._made_op_dir(op), timeout)
 
     def temporary_directory(self, op: str) -> tempfile.TemporaryDirectory:
         """A directory in which an entry of ``op`` is assembled (an import),
         made under :meth:`lock`: if the process is killed, :meth:`remove_abandoned`
         removes it."""
-        op_dir = self._op_dir(op)
+        return tempfile.TemporaryDirectory(prefix=TEMPORARY_PREFIX, dir=self._made_op_dir(op))
+
+    def _check_op_dir(self, op: str) -> Path:
+        """The op's directory; UntrustedEntry first if the root's parents, or
+        what exists of the way from the root to it, others could write: a
+        miss never makes anything in a cache that it refuses."""
+        check_parents(self.root)
+        existing = self._op_dir(op)
+        while not existing.exists() and existing != self.root:
+            existing = existing.parent
+        if existing.exists():
+            check_trusted(existing, self.root)
+        return self._op_dir(op)
+
+    def _made_op_dir(self, op: str) -> Path:
+        """The op's directory (see :meth:`_check_op_dir`), made where missing."""
+        op_dir = self._check_op_dir(op)
         layout.make_cache_dirs(op_dir)
-        return tempfile.TemporaryDirectory(prefix=TEMPORARY_PREFIX, dir=op_dir)
+        return op_dir
 
     def shared_directory(self) -> Path:
         """Build products that every compile of this environment shares (see
@@ -407,6 +586,7 @@ class KernelCache(EntryStore):
             for tmp in self._op_dir(op).glob(f"{TEMPORARY_PREFIX}*"):
                 log.info("aoti_eager: removing %s, left by a process that died while compiling or publishing", tmp)
                 remove_tree(self.root, tmp)
+            remove_idle_locks(self._op_dir(op))
         finally:
             lock.release()
 
@@ -419,28 +599,30 @@ class KernelCache(EntryStore):
 
     @contextlib.contextmanager
     def hold(self, op: str, signature_key: str) -> Iterator[Entry | None]:
-        """:meth:`lookup` under :meth:`in_use`; a DamagedEntry raised in the block is set aside."""
-        with self.in_use(op, signature_key):
-            entry = self.lookup(op, signature_key)
+        """:meth:`lookup` under :meth:`in_use`, the entry's library a private
+        copy of the bytes that were verified (see :func:`read_entry`), removed
+        after the block; a DamagedEntry raised in the block is set aside."""
+        with self.in_use(op, signature_key), _load_directory() as private:
+            entry = self.lookup(op, signature_key, copy_into=private)
             try:
                 yield entry
             except DamagedEntry as e:
                 set_aside(self.root, self.entry_dir(op, signature_key), str(e))
                 raise
 
-    def lookup(self, op: str, signature_key: str) -> Entry | None:
+    def lookup(self, op: str, signature_key: str, copy_into: Path | None = None) -> Entry | None:
         """The published entry, or None; a damaged entry is set aside.
+        ``copy_into``: see :func:`read_entry`.
 
         Raises UntrustedEntry for an entry that someone else could have written.
         A found entry's last use is recorded (its directory's mtime): once per
         process and entry, as a process remembers what it found.
         """
         directory = self.entry_dir(op, signature_key)
-        if self._op_dir(op).exists():
-            # Even on a miss: a kernel is never compiled into a directory others could write.
-            check_trusted(self._op_dir(op), self.root)
+        # Even on a miss: a kernel is never compiled into a directory others could write.
+        self._check_op_dir(op)
         try:
-            entry = read_entry(directory, self.root)
+            entry = read_entry(directory, self.root, copy_into)
         except DamagedEntry as e:
             set_aside(self.root, directory, str(e))
             return None
@@ -450,10 +632,10 @@ class KernelCache(EntryStore):
             except OSError:
                 pass  # another member's entry in a shared cache: its last use stays as it was
         elif self.behind is not None:
-            entry = self._materialize(op, signature_key)
+            entry = self._materialize(op, signature_key, copy_into)
         return entry
 
-    def _materialize(self, op: str, signature_key: str) -> Entry | None:
+    def _materialize(self, op: str, signature_key: str, copy_into: Path | None) -> Entry | None:
         """The entry of the tier behind, published here and read back; None if it has none."""
         with self.temporary_directory(op) as workdir:
             fetched = self.behind.fetch(op, signature_key, Path(workdir))
@@ -462,7 +644,7 @@ class KernelCache(EntryStore):
             entry, files = fetched
             self.publish(signature_key, entry, files, offer=False)
         try:
-            return read_entry(self.entry_dir(op, signature_key), self.root)
+            return read_entry(self.entry_dir(op, signature_key), self.root, copy_into)
         except DamagedEntry as e:
             set_aside(self.root, self.entry_dir(op, signature_key), str(e))
             return None
@@ -503,8 +685,7 @@ class KernelCache(EntryStore):
         Returns the entry as published; if another process published the same
         signature first, its entry wins and is returned.
         """
-        op_dir = self._op_dir(entry.op)
-        layout.make_cache_dirs(op_dir)
+        op_dir = self._made_op_dir(entry.op)
         tmp = op_dir / f"{TEMPORARY_PREFIX}{uuid.uuid4().hex}"
         tmp.mkdir(mode=0o700)
         try:
@@ -516,11 +697,12 @@ class KernelCache(EntryStore):
             metadata = entry.to_json()
             entry.metadata_sha256 = metadata["metadata_sha256"]
             (tmp / ENTRY_FILE).write_text(json.dumps(metadata, indent=1))
+            final = self.entry_dir(entry.op, signature_key)
+            sign_entry(tmp, final)
             if settings.cache_group.get() is not None:
                 for path in tmp.iterdir():
                     os.chmod(path, 0o640)
                 os.chmod(tmp, 0o2770)  # so that any member may evict it
-            final = self.entry_dir(entry.op, signature_key)
             try:
                 os.rename(tmp, final)
             except OSError:
