@@ -334,3 +334,57 @@ def test_a_shared_cache_trusts_the_group_it_names(cache, tmp_path, monkeypatch):
     with pytest.raises(UntrustedEntry, match="writable by others"):
         cache.lookup("aten::abs", "sig")
 
+
+
+def _signature_locks(cache) -> list[str]:
+    return sorted(p.name for p in cache.directory.rglob(".lock-*"))
+
+
+def test_signature_lock_files_go_when_their_compiles_end(cache, tmp_path):
+    for n in range(50):
+        with cache.lock_signature("aten::abs", f"junk-{n}"):
+            assert _signature_locks(cache) == [f".lock-junk-{n}"]
+    assert _signature_locks(cache) == []
+    # One that a killed process left goes with the next compile of the op.
+    (cache.directory / "aten.abs" / ".lock-left-by-a-killed-process").touch()
+    with cache.lock_signature("aten::abs", "next"):
+        pass
+    assert _signature_locks(cache) == []
+
+
+def test_a_removed_lock_file_still_lets_one_holder_at_a_time(cache):
+    held = []
+
+    def waiter():
+        # Opens the file the first holder removes on release, then locks the new one.
+        with cache.lock_signature("aten::abs", "sig", timeout=30):
+            held.append("waiter")
+            with pytest.raises(filelock.Timeout):
+                with cache.lock_signature("aten::abs", "sig", timeout=0.2):
+                    pass
+
+    with cache.lock_signature("aten::abs", "sig"):
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        thread.join(0.3)
+        assert held == []
+    thread.join()
+    assert held == ["waiter"] and _signature_locks(cache) == []
+
+
+@pytest.mark.parametrize("refused", ["group-writable root", "parent writable by all"])
+def test_a_miss_makes_nothing_in_a_root_it_refuses(tmp_path, refused):
+    parent = tmp_path / "parent"
+    root = parent / "cache"
+    root.mkdir(parents=True)
+    os.chmod(*((root, 0o775) if refused == "group-writable root" else (parent, 0o777)))
+    cache = KernelCache(root, "cpu-environment")
+    with pytest.raises(UntrustedEntry, match="writable by"):
+        cache.lookup("aten::abs", "sig")
+    with pytest.raises(UntrustedEntry, match="writable by"):
+        with cache.lock_signature("aten::abs", "sig"):
+            pass
+    assert list(root.iterdir()) == []
+    # The sticky bit (as on /tmp) keeps others from moving what they do not own.
+    os.chmod(*((root, 0o700) if refused == "group-writable root" else (parent, 0o1777)))
+    assert cache.lookup("aten::abs", "sig") is None
