@@ -14,7 +14,10 @@ import json
 import logging
 import os
 import shutil
+import socket
 import stat
+import subprocess
+import sys
 import threading
 
 import filelock
@@ -388,3 +391,15 @@ def test_a_miss_makes_nothing_in_a_root_it_refuses(tmp_path, refused):
     # The sticky bit (as on /tmp) keeps others from moving what they do not own.
     os.chmod(*((root, 0o700) if refused == "group-writable root" else (parent, 0o1777)))
     assert cache.lookup("aten::abs", "sig") is None
+
+
+def test_a_library_is_loaded_from_a_private_copy_that_goes_after_the_load(cache, tmp_path, private_root):
+    publish_kernel(cache, tmp_path, content=b"\x7fELF verified")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = private_root / "load" / f"{socket.gethostname()}-{dead.stdout.strip()}-0123"
+    left.mkdir(parents=True)  # as a process killed while loading leaves it
+    with cache.hold("aten::abs", "sig") as entry:
+        assert entry.library.parent.parent == private_root / "load"
+        assert entry.library.read_bytes() == b"\x7fELF verified"
+        assert stat.S_IMODE(entry.library.parent.stat().st_mode) == 0o700
+    assert list((private_root / "load").iterdir()) == []
