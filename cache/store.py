@@ -29,7 +29,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import stat
 import tempfile
 import time
@@ -459,26 +458,13 @@ def remove_idle_locks(op_dir: Path) -> None:
             pass
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
-
-
 @contextlib.contextmanager
 def _load_directory() -> Iterator[Path]:
     """A new directory of the user's private one, removed after the block:
     where a verified library is copied to be loaded. Those that killed
     processes of this host left are removed first."""
-    parent, mine = layout.private_directory("load"), f"{socket.gethostname()}-"
-    for left in parent.glob(f"{mine}*"):
-        pid = left.name[len(mine):].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(left, ignore_errors=True)
+    parent, mine = layout.private_directory("load"), layout.process_prefix("load")
+    layout.remove_left_by_dead_processes(parent, mine)
     path = parent / f"{mine}{os.getpid()}-{uuid.uuid4().hex}"
     path.mkdir(mode=0o700)
     try:

@@ -14,7 +14,6 @@ import json
 import logging
 import os
 import shutil
-import socket
 import stat
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import threading
 import filelock
 import pytest
 
-from aoti_eager.cache import DamagedEntry, Entry, KernelCache, UntrustedEntry, inventory
+from aoti_eager.cache import DamagedEntry, Entry, KernelCache, UntrustedEntry, inventory, layout
 from aoti_eager.cache.entry_store import EntryStore
 from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE, TEMPORARY_PREFIX, received_entry
 from helpers import SIGNATURE, edit_entry_json, publish_kernel
@@ -396,7 +395,7 @@ def test_a_miss_makes_nothing_in_a_root_it_refuses(tmp_path, refused):
 def test_a_library_is_loaded_from_a_private_copy_that_goes_after_the_load(cache, tmp_path, private_root):
     publish_kernel(cache, tmp_path, content=b"\x7fELF verified")
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    left = private_root / "load" / f"{socket.gethostname()}-{dead.stdout.strip()}-0123"
+    left = private_root / "load" / f"{layout.process_prefix('load')}{dead.stdout.strip()}-0123"
     left.mkdir(parents=True)  # as a process killed while loading leaves it
     with cache.hold("aten::abs", "sig") as entry:
         assert entry.library.parent.parent == private_root / "load"
