@@ -67,6 +67,11 @@ class UntrustedEntry(Exception):
     """An entry that someone else could have written: it is never loaded."""
 
 
+class UnsignedEntry(UntrustedEntry):
+    """A shared cache's entry that another member wrote and no trusted key
+    signed: not loaded here, and left in place for the members who trust it."""
+
+
 class DamagedEntry(Exception):
     """An entry that is incomplete or does not match its recorded sha256."""
 
@@ -197,7 +202,7 @@ def check_signed(directory: Path, digests: dict[str, dict], owner: int) -> None:
             signature = None
         signing.trusted_signer(signing.manifest_of(members), signature, settings.trusted_keys.get())
     except (OSError, signing.SignatureError, signing.KeyFileError) as e:
-        raise UntrustedEntry(
+        raise UnsignedEntry(
             f"{directory} was written by uid {owner}, another user, and {e}: a shared cache's entry that another "
             f"member wrote is loaded only when a key of ${settings.trusted_keys.name} signed it (its publisher sets "
             f"${settings.signing_key.name})") from None

@@ -24,7 +24,7 @@ import pytest
 
 from aoti_eager.cache import DamagedEntry, Entry, KernelCache, UntrustedEntry, inventory, layout
 from aoti_eager.cache.entry_store import EntryStore
-from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE, TEMPORARY_PREFIX, received_entry
+from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE, TEMPORARY_PREFIX, UnsignedEntry, received_entry
 from helpers import SIGNATURE, edit_entry_json, publish_kernel
 
 
@@ -402,3 +402,17 @@ def test_a_library_is_loaded_from_a_private_copy_that_goes_after_the_load(cache,
         assert entry.library.read_bytes() == b"\x7fELF verified"
         assert stat.S_IMODE(entry.library.parent.stat().st_mode) == 0o700
     assert list((private_root / "load").iterdir()) == []
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="an entry written by another user is made with chown, which needs root")
+def test_verify_reports_another_members_unsigned_entry_and_leaves_it_to_those_who_trust_it(cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("AOTI_EAGER_CACHE_GROUP", str(os.getgid()))
+    publish_kernel(cache, tmp_path)
+    directory = cache.entry_dir("aten::abs", "sig")
+    for path in [directory, *directory.iterdir()]:
+        os.chown(path, 65534, -1)
+    with pytest.raises(UnsignedEntry, match="written by uid 65534, another user, and it is not signed"):
+        cache.lookup("aten::abs", "sig")
+    problems = inventory.verify(cache.root, quarantine=True)
+    assert [p.path for p in problems] == [directory] and "AOTI_EAGER_TRUSTED_KEYS" in problems[0].problem
+    assert directory.exists() and inventory.quarantined(cache.root) == []
