@@ -23,6 +23,7 @@ that a signature is compiled once by the whole fleet.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import fcntl
 import json
@@ -120,14 +121,15 @@ def check_parents(root: Path) -> None:
                                  f"bit (mode {st.st_mode & 0o7777:o}): anyone could put another cache in its place")
 
 
-def read_entry(directory: Path, root: Path, copy_into: Path | None = None) -> Entry | None:
+def read_entry(directory: Path, root: Path, copy_as: Path | None = None) -> Entry | None:
     """The entry published in ``directory``, its artifact verified against its
     sha256; None if there is none.
 
-    With ``copy_into`` (a private directory), the library and its sidecar
-    files are copied there from the descriptors they are hashed through, and
-    the entry's ``library`` is the copy: what is loaded is exactly what was
-    verified, whatever happens to the cache meanwhile. An entry that another
+    With ``copy_as`` (a new path in a private directory, see
+    :func:`_copied_name`), the library and its sidecar files are copied there
+    from the descriptors they are hashed through, and the entry's ``library``
+    is the copy: what is loaded is exactly what was verified, whatever
+    happens to the cache meanwhile. An entry that another
     user wrote (a shared cache's) must be signed by a trusted key (see
     :func:`check_signed`).
 
@@ -152,10 +154,10 @@ def read_entry(directory: Path, root: Path, copy_into: Path | None = None) -> En
         if data["library"] is not None:
             if data["library"] != LIBRARY_FILE:
                 raise DamagedEntry(f"{ENTRY_FILE} names the library {data['library']!r}, not {LIBRARY_FILE!r}")
-            digests.update(_read_library(directory, copy_into))
+            digests.update(_read_library(directory, copy_as))
             if digests[LIBRARY_FILE]["sha256"] != entry.sha256:
                 raise DamagedEntry("artifact does not match its recorded sha256")
-            entry.library = (copy_into or directory) / LIBRARY_FILE
+            entry.library = copy_as or directory / LIBRARY_FILE
     except (OSError, TypeError, KeyError) as e:
         raise DamagedEntry(f"incomplete entry: {type(e).__name__}: {e}") from None
     if entry.metadata_sha256 != metadata_digest(data):
@@ -167,15 +169,22 @@ def read_entry(directory: Path, root: Path, copy_into: Path | None = None) -> En
     return entry
 
 
-def _read_library(directory: Path, copy_into: Path | None) -> dict[str, dict]:
+def _copied_name(copy_as: Path, name: str) -> Path:
+    """Where the entry's file ``name`` is copied when its library is copied
+    to ``copy_as``: beside it, with the same stem, as AOTInductor's runner
+    looks for its JSON file (``kernel.json`` -> ``<stem>.json``)."""
+    return copy_as.with_suffix(Path(name).suffix)
+
+
+def _read_library(directory: Path, copy_as: Path | None) -> dict[str, dict]:
     """The digests (:func:`signing.file_digest`) of the library and its sidecar
     files, each hashed through the descriptor it was opened with, and copied
-    from it into ``copy_into`` if given."""
+    from it (see :func:`_copied_name`) if ``copy_as`` is given."""
     digests = {}
     for name in (LIBRARY_FILE, *SIDECAR_FILES):
         try:
             with cache_files.open_regular_file(directory / name) as source, \
-                    (open(copy_into / name, "xb") if copy_into else contextlib.nullcontext()) as target:
+                    (open(_copied_name(copy_as, name), "xb") if copy_as else contextlib.nullcontext()) as target:
                 digests[name] = cache_files.copy_hashed(source, target)
         except FileNotFoundError:
             if name == LIBRARY_FILE:
@@ -463,19 +472,36 @@ def remove_idle_locks(op_dir: Path) -> None:
             pass
 
 
+# pid -> this process's directory of library copies (see _load_copy).
+_load_directories: dict[int, Path] = {}
+
+
+def _load_directory() -> Path:
+    """This process's directory in the user's private one, where verified
+    libraries are copied to be loaded; made once per process (those that
+    killed processes of this host left are removed then) and removed at exit."""
+    path = _load_directories.get(os.getpid())
+    if path is None or not path.is_dir():
+        parent, mine = layout.private_directory("load"), layout.process_prefix("load")
+        layout.remove_left_by_dead_processes(parent, mine)
+        path = parent / f"{mine}{os.getpid()}-{uuid.uuid4().hex}"
+        path.mkdir(mode=0o700)
+        _load_directories[os.getpid()] = path
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 @contextlib.contextmanager
-def _load_directory() -> Iterator[Path]:
-    """A new directory of the user's private one, removed after the block:
-    where a verified library is copied to be loaded. Those that killed
-    processes of this host left are removed first."""
-    parent, mine = layout.private_directory("load"), layout.process_prefix("load")
-    layout.remove_left_by_dead_processes(parent, mine)
-    path = parent / f"{mine}{os.getpid()}-{uuid.uuid4().hex}"
-    path.mkdir(mode=0o700)
+def _load_copy() -> Iterator[Path]:
+    """A new name in :func:`_load_directory` for one library's copy; the
+    copy and its sidecar files are removed after the block (a loaded library
+    stays mapped)."""
+    copy_as = _load_directory() / f"{uuid.uuid4().hex}.so"
     try:
-        yield path
+        yield copy_as
     finally:
-        shutil.rmtree(path, ignore_errors=True)
+        for name in (LIBRARY_FILE, *SIDECAR_FILES):
+            _copied_name(copy_as, name).unlink(missing_ok=True)
 
 
 def op_lock(op_dir: Path, timeout: float = -1) -> FileLock:
@@ -610,17 +636,17 @@ class KernelCache(EntryStore):
         """:meth:`lookup` under :meth:`in_use`, the entry's library a private
         copy of the bytes that were verified (see :func:`read_entry`), removed
         after the block; a DamagedEntry raised in the block is set aside."""
-        with self.in_use(op, signature_key), _load_directory() as private:
-            entry = self.lookup(op, signature_key, copy_into=private)
+        with self.in_use(op, signature_key), _load_copy() as copy_as:
+            entry = self.lookup(op, signature_key, copy_as=copy_as)
             try:
                 yield entry
             except DamagedEntry as e:
                 set_aside(self.root, self.entry_dir(op, signature_key), str(e))
                 raise
 
-    def lookup(self, op: str, signature_key: str, copy_into: Path | None = None) -> Entry | None:
+    def lookup(self, op: str, signature_key: str, copy_as: Path | None = None) -> Entry | None:
         """The published entry, or None; a damaged entry is set aside.
-        ``copy_into``: see :func:`read_entry`.
+        ``copy_as``: see :func:`read_entry`.
 
         Raises UntrustedEntry for an entry that someone else could have written.
         A found entry's last use is recorded (its directory's mtime): once per
@@ -630,7 +656,7 @@ class KernelCache(EntryStore):
         # Even on a miss: a kernel is never compiled into a directory others could write.
         self._check_op_dir(op)
         try:
-            entry = read_entry(directory, self.root, copy_into)
+            entry = read_entry(directory, self.root, copy_as)
         except DamagedEntry as e:
             set_aside(self.root, directory, str(e))
             return None
@@ -640,10 +666,10 @@ class KernelCache(EntryStore):
             except OSError:
                 pass  # another member's entry in a shared cache: its last use stays as it was
         elif self.behind is not None:
-            entry = self._materialize(op, signature_key, copy_into)
+            entry = self._materialize(op, signature_key, copy_as)
         return entry
 
-    def _materialize(self, op: str, signature_key: str, copy_into: Path | None) -> Entry | None:
+    def _materialize(self, op: str, signature_key: str, copy_as: Path | None) -> Entry | None:
         """The entry of the tier behind, published here and read back; None if it has none."""
         with self.temporary_directory(op) as workdir:
             fetched = self.behind.fetch(op, signature_key, Path(workdir))
@@ -652,7 +678,7 @@ class KernelCache(EntryStore):
             entry, files = fetched
             self.publish(signature_key, entry, files, offer=False)
         try:
-            return read_entry(self.entry_dir(op, signature_key), self.root, copy_into)
+            return read_entry(self.entry_dir(op, signature_key), self.root, copy_as)
         except DamagedEntry as e:
             set_aside(self.root, self.entry_dir(op, signature_key), str(e))
             return None

@@ -23,6 +23,7 @@ import filelock
 import pytest
 
 from aoti_eager.cache import DamagedEntry, Entry, KernelCache, UntrustedEntry, inventory, layout
+from aoti_eager.cache import store as store_module
 from aoti_eager.cache.entry_store import EntryStore
 from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE, TEMPORARY_PREFIX, UnsignedEntry, received_entry
 from helpers import SIGNATURE, edit_entry_json, publish_kernel
@@ -392,16 +393,19 @@ def test_a_miss_makes_nothing_in_a_root_it_refuses(tmp_path, refused):
     assert cache.lookup("aten::abs", "sig") is None
 
 
-def test_a_library_is_loaded_from_a_private_copy_that_goes_after_the_load(cache, tmp_path, private_root):
+def test_a_library_is_loaded_from_a_private_copy_that_goes_after_the_load(cache, tmp_path, private_root, monkeypatch):
     publish_kernel(cache, tmp_path, content=b"\x7fELF verified")
+    (cache.entry_dir("aten::abs", "sig") / "kernel.json").write_text("{}")  # what the runner looks for beside it
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     left = private_root / "load" / f"{layout.process_prefix('load')}{dead.stdout.strip()}-0123"
-    left.mkdir(parents=True)  # as a process killed while loading leaves it
+    left.mkdir(parents=True)  # as a killed process leaves it
+    monkeypatch.setattr(store_module, "_load_directories", {})
     with cache.hold("aten::abs", "sig") as entry:
-        assert entry.library.parent.parent == private_root / "load"
+        mine = entry.library.parent
+        assert mine.parent == private_root / "load" and stat.S_IMODE(mine.stat().st_mode) == 0o700
         assert entry.library.read_bytes() == b"\x7fELF verified"
-        assert stat.S_IMODE(entry.library.parent.stat().st_mode) == 0o700
-    assert list((private_root / "load").iterdir()) == []
+        assert entry.library.with_suffix(".json").read_text() == "{}"
+    assert list((private_root / "load").iterdir()) == [mine] and list(mine.iterdir()) == []
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="an entry written by another user is made with chown, which needs root")
