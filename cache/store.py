@@ -101,6 +101,10 @@ def check_trusted(path: Path, root: Path) -> int:
         current = current.parent
 
 
+# (root, shared group) whose parents check_parents found sound in this process.
+_parents_checked: set[tuple[Path, int | None]] = set()
+
+
 def check_parents(root: Path) -> None:
     """Raises UntrustedEntry unless every directory above ``root`` (on the
     path it is named by and on its real path) belongs to root or this user
@@ -108,6 +112,8 @@ def check_parents(root: Path) -> None:
     only with the sticky bit: nobody else can move the cache away and put
     another in its place."""
     group = settings.cache_group.get()
+    if (root, group) in _parents_checked:
+        return  # only root, or their owner, could change them since
     for parent in {*Path(os.path.abspath(root)).parents, *Path(os.path.realpath(root)).parents}:
         try:
             st = parent.stat()
@@ -119,6 +125,7 @@ def check_parents(root: Path) -> None:
         if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
             raise UntrustedEntry(f"{parent}, above the cache {root}, is writable by others without the sticky "
                                  f"bit (mode {st.st_mode & 0o7777:o}): anyone could put another cache in its place")
+    _parents_checked.add((root, group))
 
 
 def read_entry(directory: Path, root: Path, copy_as: Path | None = None) -> Entry | None:
