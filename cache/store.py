@@ -158,15 +158,16 @@ def read_entry(directory: Path, root: Path, copy_as: Path | None = None) -> Entr
     digests = {ENTRY_FILE: signing.file_digest(raw)}
     try:
         entry = Entry(**{**data, "library": None})
-        if data["library"] is not None:
-            if data["library"] != LIBRARY_FILE:
-                raise DamagedEntry(f"{ENTRY_FILE} names the library {data['library']!r}, not {LIBRARY_FILE!r}")
-            digests.update(_read_library(directory, copy_as))
-            if digests[LIBRARY_FILE]["sha256"] != entry.sha256:
-                raise DamagedEntry("artifact does not match its recorded sha256")
-            entry.library = copy_as or directory / LIBRARY_FILE
-    except (OSError, TypeError, KeyError) as e:
+        library = data["library"]
+    except (TypeError, KeyError) as e:
         raise DamagedEntry(f"incomplete entry: {type(e).__name__}: {e}") from None
+    if library is not None:
+        if library != LIBRARY_FILE:
+            raise DamagedEntry(f"{ENTRY_FILE} names the library {library!r}, not {LIBRARY_FILE!r}")
+        digests.update(_read_library(directory, copy_as))
+        if digests[LIBRARY_FILE]["sha256"] != entry.sha256:
+            raise DamagedEntry("artifact does not match its recorded sha256")
+        entry.library = copy_as or directory / LIBRARY_FILE
     if entry.metadata_sha256 != metadata_digest(data):
         raise DamagedEntry(f"{ENTRY_FILE} does not match its recorded digest (edited, or written by an older version)")
     if entry.library is not None:
@@ -186,16 +187,25 @@ def _copied_name(copy_as: Path, name: str) -> Path:
 def _read_library(directory: Path, copy_as: Path | None) -> dict[str, dict]:
     """The digests (:func:`signing.file_digest`) of the library and its sidecar
     files, each hashed through the descriptor it was opened with, and copied
-    from it (see :func:`_copied_name`) if ``copy_as`` is given."""
+    from it (see :func:`_copied_name`) if ``copy_as`` is given.
+
+    Raises DamagedEntry for files that cannot be opened; an OSError while
+    copying is the copy's (its disk is full, say), not the entry's.
+    """
     digests = {}
-    for name in (LIBRARY_FILE, *SIDECAR_FILES):
-        try:
-            with cache_files.open_regular_file(directory / name) as source, \
-                    (open(_copied_name(copy_as, name), "xb") if copy_as else contextlib.nullcontext()) as target:
-                digests[name] = cache_files.copy_hashed(source, target)
-        except FileNotFoundError:
-            if name == LIBRARY_FILE:
-                raise
+    with contextlib.ExitStack() as opened:
+        sources = {}
+        for name in (LIBRARY_FILE, *SIDECAR_FILES):
+            try:
+                sources[name] = opened.enter_context(cache_files.open_regular_file(directory / name))
+            except FileNotFoundError as e:
+                if name == LIBRARY_FILE:
+                    raise DamagedEntry(f"incomplete entry: FileNotFoundError: {e}") from None
+            except OSError as e:
+                raise DamagedEntry(f"unreadable {name}: {e}") from None
+        for name, source in sources.items():
+            target = opened.enter_context(open(_copied_name(copy_as, name), "xb")) if copy_as else None
+            digests[name] = cache_files.copy_hashed(source, target)
     return digests
 
 

@@ -10,6 +10,7 @@ their files, damage set aside, who may have written an entry, and the op lock.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -420,3 +421,20 @@ def test_verify_reports_another_members_unsigned_entry_and_leaves_it_to_those_wh
     problems = inventory.verify(cache.root, quarantine=True)
     assert [p.path for p in problems] == [directory] and "AOTI_EAGER_TRUSTED_KEYS" in problems[0].problem
     assert directory.exists() and inventory.quarantined(cache.root) == []
+
+
+def test_a_copy_that_does_not_fit_leaves_the_entry_in_place(cache, tmp_path, monkeypatch):
+    publish_kernel(cache, tmp_path)
+    copy_hashed = store_module.cache_files.copy_hashed
+
+    def private_disk_full(source, target=None):
+        if target is not None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return copy_hashed(source, target)
+
+    monkeypatch.setattr(store_module.cache_files, "copy_hashed", private_disk_full)
+    with pytest.raises(OSError) as raised:
+        with cache.hold("aten::abs", "sig"):
+            pass
+    assert raised.value.errno == errno.ENOSPC and not isinstance(raised.value, DamagedEntry)
+    assert cache.lookup("aten::abs", "sig") is not None and inventory.quarantined(cache.root) == []
