@@ -7,8 +7,12 @@ temporary name inside the op's directory and published with one ``rename``, so
 a reader sees either no entry or a complete one; ``entry.json`` carries the
 artifact's sha256 and a digest of its own fields, both checked before the
 library is loaded, and what the C++ side takes from it is checked against the
-op's schema. Removal is a rename
-to a temporary name too, and leaves alone an entry that a process is loading.
+op's schema. The library is loaded from a private copy made from the very
+descriptor that was hashed (:meth:`KernelCache.hold`), so a file swapped
+after the check never runs; in a shared cache, an entry that another member
+wrote is loaded only when a trusted key signed it (:func:`check_signed`).
+Removal is a rename to a temporary name too, and leaves alone an entry that a
+process is loading.
 
 A remote tier plugs in as ``KernelCache.behind``, a
 :class:`~aoti_eager.cache.entry_store.RemoteTier` (the fleet cache,

@@ -429,3 +429,18 @@ def test_a_full_cache_disk_is_named_and_the_signature_compiles_once_space_is_fre
     said = [r.getMessage() for r in caplog.records if "full" in r.getMessage()]
     assert len(said) == 1 and f"the cache at {tmp_path} is full" in said[0], caplog.text
     assert not any(source in said[0] for source in sources), said
+
+
+def test_a_call_makes_nothing_in_a_cache_root_it_refuses(tmp_path, monkeypatch, caplog):
+    root = tmp_path / "cache"
+    root.mkdir()
+    os.chmod(root, 0o775)
+    monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: pytest.fail("must not compile into a refused root"))
+    with caplog.at_level(logging.WARNING, logger="aoti_eager"), \
+            aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=root):
+        results = [torch.abs(X) for _ in range(3)]
+        stats = aoti_eager.stats()["aten::abs"]
+    for result in results:
+        assert_same_as_eager(result, X.abs())
+    assert list(root.iterdir()) == [], "a refused root was written"
+    assert stats["misses"] == 1 and "writable by group or others" in stats["fallback_reason"], stats
