@@ -508,8 +508,13 @@ def _load_directory() -> Path:
         path = parent / f"{mine}{os.getpid()}-{uuid.uuid4().hex}"
         path.mkdir(mode=0o700)
         _load_directories[os.getpid()] = path
-        atexit.register(shutil.rmtree, path, ignore_errors=True)
+        atexit.register(_remove_load_directory, os.getpid(), path)
     return path
+
+
+def _remove_load_directory(pid: int, path: Path) -> None:
+    if os.getpid() == pid:  # not a forked child's exit: the directory is its parent's
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @contextlib.contextmanager
