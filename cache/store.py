@@ -485,12 +485,11 @@ def _removed_lock(path: Path, timeout: float = -1) -> Iterator[None]:
         os.close(fd)
 
 
-def remove_idle_locks(op_dir: Path) -> None:
-    """Removes the signature locks of ``op_dir`` that nobody holds (those a
+def remove_idle_lock(path: Path) -> None:
+    """Removes the signature lock ``path`` unless someone holds it (one a
     killed process left), as :func:`_removed_lock` does."""
-    for path in op_dir.glob(f"{SIGNATURE_LOCK_PREFIX}*"):
-        with contextlib.suppress(OSError, Timeout), _removed_lock(path, timeout=0):
-            pass
+    with contextlib.suppress(OSError, Timeout), _removed_lock(path, timeout=0):
+        pass
 
 
 # pid -> this process's directory of library copies (see _load_copy).
@@ -643,10 +642,12 @@ class KernelCache(EntryStore):
         except (Timeout, OSError):
             return  # the next compile cleans up
         try:
-            for tmp in self._op_dir(op).glob(f"{TEMPORARY_PREFIX}*"):
-                log.info("aoti_eager: removing %s, left by a process that died while compiling or publishing", tmp)
-                remove_tree(self.root, tmp)
-            remove_idle_locks(self._op_dir(op))
+            for left in self._op_dir(op).glob(".*-*"):  # one pass over what may be many entries
+                if left.name.startswith(TEMPORARY_PREFIX):
+                    log.info("aoti_eager: removing %s, left by a process that died while compiling or publishing", left)
+                    remove_tree(self.root, left)
+                elif left.name.startswith(SIGNATURE_LOCK_PREFIX):
+                    remove_idle_lock(left)
         finally:
             lock.release()
 

@@ -26,7 +26,7 @@ import pytest
 from aoti_eager.cache import DamagedEntry, Entry, KernelCache, UntrustedEntry, inventory, layout
 from aoti_eager.cache import store as store_module
 from aoti_eager.cache.entry_store import EntryStore
-from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE, TEMPORARY_PREFIX, UnsignedEntry, received_entry
+from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE, TEMPORARY_PREFIX, received_entry
 from helpers import SIGNATURE, edit_entry_json, publish_kernel
 
 
@@ -416,7 +416,7 @@ def test_verify_reports_another_members_unsigned_entry_and_leaves_it_to_those_wh
     directory = cache.entry_dir("aten::abs", "sig")
     for path in [directory, *directory.iterdir()]:
         os.chown(path, 65534, -1)
-    with pytest.raises(UnsignedEntry, match="written by uid 65534, another user, and it is not signed"):
+    with pytest.raises(UntrustedEntry, match="written by uid 65534, another user, and it is not signed"):
         cache.lookup("aten::abs", "sig")
     problems = inventory.verify(cache.root, quarantine=True)
     assert [p.path for p in problems] == [directory] and "AOTI_EAGER_TRUSTED_KEYS" in problems[0].problem
