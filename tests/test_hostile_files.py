@@ -11,7 +11,6 @@ import threading
 import pytest
 import torch
 
-from aoti_eager import settings
 from aoti_eager.cache import KernelCache, files, inventory, signing
 from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE
 from aoti_eager.cli import main
@@ -145,7 +144,3 @@ def test_an_oversized_entry_json_is_not_read_whole(cache, tmp_path, caplog):
     assert cache.lookup("aten::abs", "huge") is None
     assert any(f"more than {files.MAX_JSON_BYTES} bytes" in r.getMessage() for r in caplog.records), caplog.text
 
-
-def test_settings_used_here_are_defaults():
-    # The fleet fixtures set keys through the environment; nothing else leaks in.
-    assert settings.cache_group.get() is None
