@@ -149,6 +149,7 @@ def enable(
     global _root
     if compile not in ("now", "background", "never"):
         raise ValueError(f'aoti_eager: compile is "now", "background" or "never", not {compile!r}')
+    settings.check_all()
     if remote is not None:
         try:
             remote = settings.URL.parse(str(remote))

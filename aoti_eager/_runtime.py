@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import itertools
 import logging
+import os
 import re
 import threading
 from dataclasses import dataclass, field
@@ -123,6 +125,11 @@ Decision = Union[UseKernel, RunEagerly, RetryLater]
 # call made a tiny call cost tens of times eager's (BENCHMARKS.md, "Background
 # compiles"); a kernel takes over at most this much later.
 BACKGROUND_RETRY_SECONDS = 0.1
+
+# How long the calls of a signature whose kernel did not fit on the cache's
+# disk run the original kernel before one looks whether space was freed.
+DISK_FULL_RETRY_SECONDS = 10.0
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
 @dataclass
@@ -378,6 +385,8 @@ class Override:
                         return self._remember(signature, RunEagerly("compile='never'"))
                     if self.compile == "background":
                         return self._queue(signature, missed)
+                    if (still_full := _still_full(self.root)) is not None:
+                        return still_full
                     with _compile_lock, cache.lock_signature(self.name, signature.key, timeout=settings.lock_timeout.get()):
                         # Another process may have compiled it while we waited.
                         decision = self._from_cache(cache, signature) or self._from_family(cache, signature)
@@ -391,6 +400,11 @@ class Override:
                 self._log(reason)
                 return RetryLater(reason)
             except OSError as e:  # after TimeoutError, which is one
+                if e.errno in _DISK_FULL:
+                    reason = _disk_full(self.root)
+                    self.stats.last_fallback_reason = reason
+                    self._log(reason)
+                    return RetryLater(reason, retry_after=DISK_FULL_RETRY_SECONDS)
                 return self._eager(_unusable_cache(self.root, e), signature)
 
     def _from_cache(self, cache: EntryStore, signature: CallSignature) -> Decision | None:
@@ -683,6 +697,50 @@ def _unusable_cache(root: Path, error: OSError) -> str:
         f"the cache at {root} cannot be used ({error.strerror or error}{where}); make it writable, "
         "or give enable(cache_dir=...) or AOTI_EAGER_CACHE_DIR a directory of your own"
     )
+
+
+# Cache roots whose disk was found full -> the bytes free then: a miss there
+# compiles again only once more is free.
+_full_disks: dict[Path, int] = {}
+
+
+def _free_bytes(root: Path) -> int:
+    try:
+        st = os.statvfs(root)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def _mount_point(path: Path) -> Path:
+    path = Path(os.path.realpath(path))
+    device = path.stat().st_dev
+    while path.parent != path and path.parent.stat().st_dev == device:
+        path = path.parent
+    return path
+
+
+def _disk_full(root: Path) -> str:
+    """Why a kernel could not be published into the cache at ``root``: its
+    disk is full (not the compile's scratch, which the error names)."""
+    _full_disks[root] = free = _free_bytes(root)
+    try:
+        where = f"the file system mounted at {_mount_point(root)}"
+    except OSError:
+        where = "its file system"
+    return (f"the cache at {root} is full ({where} has {free} bytes free); calls run eagerly, and the kernel is "
+            f"compiled again once space is freed (`aoti-eager cache prune`, or a smaller {settings.cache_size.name})")
+
+
+def _still_full(root: Path) -> RetryLater | None:
+    """RetryLater while the disk of the cache at ``root``, found full, has no more space free than then."""
+    full_at = _full_disks.get(root)
+    if full_at is None:
+        return None
+    if _free_bytes(root) <= full_at:
+        return RetryLater(f"the cache at {root} is still full", retry_after=DISK_FULL_RETRY_SECONDS)
+    del _full_disks[root]
+    return None
 
 
 # (op, device, reason) already logged: one line per process, not per call.

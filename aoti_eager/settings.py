@@ -20,6 +20,8 @@ and ``kernels/``, which must not import the runtime.
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -87,6 +89,15 @@ def parse_size(text: str) -> int:
     return int(float(match[1]) * _SIZE_UNITS[match[2]])
 
 
+def _seconds(text: str, positive: bool) -> float:
+    """A finite number of seconds, 0 or more (more than 0 if ``positive``):
+    nan, inf and negative values break every timeout they reach."""
+    seconds = float(text)
+    if not math.isfinite(seconds) or seconds < 0 or (positive and seconds == 0):
+        raise ValueError(text)
+    return seconds
+
+
 def _count(text: str) -> int:
     count = int(text)
     if count < 0:
@@ -136,7 +147,11 @@ def _group_id(text: str) -> int | None:
 
 
 SIZE = Type("size", parse_size, "a size (e.g. 10GiB, 500M, 4096)")
-SECONDS = Type("seconds", float, "a number of seconds (e.g. 900, 0.5)")
+SECONDS = Type("seconds", functools.partial(_seconds, positive=False),
+               "a number of seconds, finite and 0 or more (e.g. 900, 0.5)")
+# Where 0 would mean giving up at once (a timeout) or a lock that is never held (its lifetime).
+POSITIVE_SECONDS = Type("seconds", functools.partial(_seconds, positive=True),
+                        "a number of seconds, finite and more than 0 (e.g. 30, 0.5)")
 COUNT = Type("count", _count, "a count (a whole number, 0 or more)")
 BOOLEAN = Type("boolean", _boolean, "a boolean (1 or 0)")
 PATH = Type("path", _path, "a path")
@@ -180,13 +195,13 @@ trusted_keys = Setting("AOTI_EAGER_TRUSTED_KEYS", PATHS, "",
                        "separated by `:`")
 remote = Setting("AOTI_EAGER_REMOTE", URL, "",
                  "the fleet cache: a Redis server behind the local cache (unset: local only)")
-remote_connect_timeout = Setting("AOTI_EAGER_REMOTE_CONNECT_TIMEOUT", SECONDS, "0.1",
+remote_connect_timeout = Setting("AOTI_EAGER_REMOTE_CONNECT_TIMEOUT", POSITIVE_SECONDS, "0.1",
                                  "how long connecting to the fleet cache's server may take")
-remote_timeout = Setting("AOTI_EAGER_REMOTE_TIMEOUT", SECONDS, "1",
+remote_timeout = Setting("AOTI_EAGER_REMOTE_TIMEOUT", POSITIVE_SECONDS, "1",
                          "how long one command to the fleet cache's server may take (an entry's transfer included)")
 remote_retry = Setting("AOTI_EAGER_REMOTE_RETRY", SECONDS, "60",
                        "after the fleet cache's server fails, how long a process runs local-only before trying it again")
-remote_lock_ttl = Setting("AOTI_EAGER_REMOTE_LOCK_TTL", SECONDS, "30",
+remote_lock_ttl = Setting("AOTI_EAGER_REMOTE_LOCK_TTL", POSITIVE_SECONDS, "30",
                           "the fleet-wide compile lock's lifetime, renewed while its holder compiles: how soon a dead "
                           "holder's lock is taken over")
 verbose_build = Setting("AOTI_EAGER_VERBOSE_BUILD", BOOLEAN, "0",
@@ -195,3 +210,10 @@ verbose_build = Setting("AOTI_EAGER_VERBOSE_BUILD", BOOLEAN, "0",
 # Every setting, in the order declared above: the README's table and
 # `aoti-eager doctor` list them so.
 ALL: list[Setting] = [value for value in dict(globals()).values() if isinstance(value, Setting)]
+
+
+def check_all() -> None:
+    """Raises ValueError for the first setting whose value is refused, so
+    that a bad value is told once, up front, not as a failure of each call."""
+    for setting in ALL:
+        setting.get()

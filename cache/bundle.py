@@ -30,9 +30,10 @@ import tarfile
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO, Iterable, Iterator
+from typing import BinaryIO, Iterable
 
 from aoti_eager.cache import signing
+from aoti_eager.cache.files import MAX_JSON_BYTES, copy_hashed, open_regular_file
 from aoti_eager.cache.inventory import entries
 from aoti_eager.cache.store import (
     ENTRY_FILE,
@@ -53,8 +54,6 @@ MANIFEST_FORMAT = signing.MANIFEST_FORMAT
 # The largest member a bundle may hold: a kernel library, and any JSON
 # (entry.json, kernel.json, the manifest of every member).
 MAX_LIBRARY_BYTES = 512 << 20
-MAX_JSON_BYTES = 16 << 20
-_CHUNK = 1 << 20
 _NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*")
 
 
@@ -75,19 +74,6 @@ class Transfer:
     signed_by: str | None = None
     # Why an import taken with allow_unsigned is not trusted.
     untrusted_because: str | None = None
-
-
-@contextlib.contextmanager
-def _open_regular_file(path: Path, follow_link: bool = False) -> Iterator[BinaryIO]:
-    """``path`` opened for reading; OSError unless it is a regular file (not
-    a directory, a device or a pipe, which could block or never end; nor a
-    symbolic link unless ``follow_link``)."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | (0 if follow_link else os.O_NOFOLLOW))
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(f"{path} is not a regular file (a directory, device or pipe)")
-    with os.fdopen(fd, "rb") as f:
-        yield f
 
 
 class _Hashing:
@@ -133,7 +119,7 @@ def export_bundle(root: Path, path: Path, signing_key: Path | None = None) -> Tr
                     # All of an entry's files are opened before any is added:
                     # an entry is in the bundle whole or not at all.
                     with contextlib.ExitStack() as opened:
-                        files = {file: opened.enter_context(_open_regular_file(listing.directory / file))
+                        files = {file: opened.enter_context(open_regular_file(listing.directory / file))
                                  for file in ENTRY_FILES if os.path.lexists(listing.directory / file)}
                         for file, source in files.items():
                             members[f"{name}/{file}"] = _add(tar, f"{name}/{file}", source, os.fstat(source.fileno()).st_size)
@@ -197,11 +183,7 @@ def _check_member(member: tarfile.TarInfo) -> list[str]:
 
 def _copy(tar: tarfile.TarFile, member: tarfile.TarInfo, target: BinaryIO | None) -> dict:
     """Streams ``member`` into ``target`` (or nowhere); its sha256 and size."""
-    hashing = _Hashing(tar.extractfile(member))
-    while chunk := hashing.read(_CHUNK):
-        if target is not None:
-            target.write(chunk)
-    return hashing.digest()
+    return copy_hashed(tar.extractfile(member), target)
 
 
 def _scan(tar: tarfile.TarFile) -> _Contents:
@@ -243,7 +225,7 @@ def import_bundle(
     before writing anything, for a bundle that is refused.
     """
     transfer = Transfer()
-    with _open_regular_file(path, follow_link=True) as file:
+    with open_regular_file(path, follow_link=True) as file:
         try:
             with tarfile.open(fileobj=file, mode="r:*") as tar:
                 contents = _scan(tar)

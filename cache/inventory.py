@@ -10,7 +10,6 @@ things, and never counted, entered, moved or removed through.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from pathlib import Path
@@ -19,10 +18,12 @@ from typing import Any, Iterator
 from filelock import Timeout
 
 from aoti_eager.cache import layout
+from aoti_eager.cache.files import load_json, read_capped
 from aoti_eager.cache.store import (
     ENTRY_FILE,
     TEMPORARY_PREFIX,
     DamagedEntry,
+    UnsignedEntry,
     UntrustedEntry,
     op_lock,
     op_of_dirname,
@@ -56,7 +57,7 @@ class Listing:
     def metadata(self) -> dict[str, Any]:
         """``entry.json``, or {} where it cannot be read."""
         try:
-            data = json.loads((self.directory / ENTRY_FILE).read_text())
+            data = load_json(read_capped(self.directory / ENTRY_FILE))
         except (OSError, ValueError):
             return {}
         return data if isinstance(data, dict) else {}
@@ -230,7 +231,8 @@ class Problem:
 def verify(root: Path, quarantine: bool = False) -> list[Problem]:
     """Re-hashes every entry; returns the bad ones, and symbolic links, with
     what is wrong. With ``quarantine``, bad entries are moved to the
-    quarantine and links removed (never their targets)."""
+    quarantine (not another member's that this user does not trust, see
+    UnsignedEntry) and links removed (never their targets)."""
     found = walk(root)
     problems = []
     for listing in found.entries:
@@ -238,7 +240,7 @@ def verify(root: Path, quarantine: bool = False) -> list[Problem]:
             read_entry(listing.directory, root)
         except (DamagedEntry, UntrustedEntry) as e:
             problems.append(Problem(listing.directory, listing.op, str(e)))
-            if quarantine:
+            if quarantine and not isinstance(e, UnsignedEntry):
                 set_aside(root, listing.directory, str(e))
     for link in found.links:
         problems.append(Problem(link, _op_of_link(root, link), f"a symbolic link (to {os.readlink(link)}), not part of the cache"))

@@ -25,12 +25,15 @@ about kernels::
     <private>/shared/<environment>/                       what every compile of an environment shares (kernels/wrapper_split.py)
     <private>/extension/torch-<version>-<digest>/_C.so    the C++ extension, built once per torch build (aoti_eager/_extension.py)
     <private>/scratch/compile-<host>-<pid>-*/             compiles in progress (kernels/scratch.py)
+    <private>/load/load-<host>-<pid>-*/                   a verified library's copy while it is loaded (cache/store.py)
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
+import socket
 import stat
 from pathlib import Path
 
@@ -110,6 +113,31 @@ def make_cache_dirs(path: Path) -> None:
             os.chown(directory, -1, group)
             # setgid: what is created inside belongs to the group too.
             os.chmod(directory, 0o2770)
+
+
+def process_prefix(kind: str) -> str:
+    """``<kind>-<host>-``: names of directories that one process of this host
+    uses, followed by its pid (see :func:`remove_left_by_dead_processes`)."""
+    return f"{kind}-{safe_name(socket.gethostname())[:32]}-"
+
+
+def remove_left_by_dead_processes(directory: Path, prefix: str) -> None:
+    """Removes the subdirectories ``<prefix><pid>-*`` of ``directory`` whose
+    process, of this host (see :func:`process_prefix`), no longer runs."""
+    for path in directory.glob(f"{prefix}*"):
+        pid = path.name[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process, with a pid this user's once had
+    return True
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -31,6 +31,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from aoti_eager.cache.files import load_json
+
 
 # Bundles wrote it first; the fleet cache's entries carry the same format.
 MANIFEST_FORMAT = "aoti_eager bundle 1"
@@ -110,7 +112,7 @@ def sign(manifest: bytes, private_key: Path) -> bytes:
 
 def _parse(signature: bytes) -> tuple[Ed25519PublicKey, bytes]:
     try:
-        record = json.loads(signature)
+        record = load_json(signature)
         signer = Ed25519PublicKey.from_public_bytes(base64.b64decode(record["public_key"], validate=True))
         return signer, base64.b64decode(record["signature"], validate=True)
     except (ValueError, TypeError, KeyError) as e:
@@ -164,7 +166,7 @@ def check_manifest(manifest: bytes | None, signature: bytes | None, members: dic
         raise SignatureError("it is not signed (no manifest)")
     signed_by = trusted_signer(manifest, signature, trusted)
     try:
-        record = json.loads(manifest)
+        record = load_json(manifest)
         listed = record["members"] if record["format"] == MANIFEST_FORMAT else None
         if not isinstance(listed, dict):
             raise ValueError(f"format {record['format']!r}, not {MANIFEST_FORMAT!r}")

@@ -7,8 +7,12 @@ temporary name inside the op's directory and published with one ``rename``, so
 a reader sees either no entry or a complete one; ``entry.json`` carries the
 artifact's sha256 and a digest of its own fields, both checked before the
 library is loaded, and what the C++ side takes from it is checked against the
-op's schema. Removal is a rename
-to a temporary name too, and leaves alone an entry that a process is loading.
+op's schema. The library is loaded from a private copy made from the very
+descriptor that was hashed (:meth:`KernelCache.hold`), so a file swapped
+after the check never runs; in a shared cache, an entry that another member
+wrote is loaded only when a trusted key signed it (:func:`check_signed`).
+Removal is a rename to a temporary name too, and leaves alone an entry that a
+process is loading.
 
 A remote tier plugs in as ``KernelCache.behind``, a
 :class:`~aoti_eager.cache.entry_store.RemoteTier` (the fleet cache,
@@ -23,10 +27,9 @@ that a signature is compiled once by the whole fleet.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
-import dataclasses
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -36,13 +39,14 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, ContextManager, Iterator
 
 import torch
 from filelock import FileLock, Timeout
 
 from aoti_eager import settings
-from aoti_eager.cache import layout
+from aoti_eager.cache import files as cache_files
+from aoti_eager.cache import layout, signing
 from aoti_eager.cache.entry_store import Entry, EntryStore, RemoteTier, metadata_digest
 
 log = logging.getLogger("aoti_eager")
@@ -53,35 +57,41 @@ LIBRARY_FILE = "kernel.so"
 SIDECAR_FILES = ("kernel.json",)
 # What an entry directory may hold.
 ENTRY_FILES = (ENTRY_FILE, LIBRARY_FILE, *SIDECAR_FILES)
+# In a shared cache: the publisher's signature of the entry's files (see read_entry).
+ENTRY_SIGNATURE = "entry.sig"
 # Directories being assembled or removed; never an entry.
 TEMPORARY_PREFIX = ".tmp-"
 
 
 def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    with cache_files.open_regular_file(path) as f:
+        return cache_files.copy_hashed(f)["sha256"]
 
 
 class UntrustedEntry(Exception):
     """An entry that someone else could have written: it is never loaded."""
 
 
+class UnsignedEntry(UntrustedEntry):
+    """A shared cache's entry that another member wrote and no trusted key
+    signed: not loaded here, and left in place for the members who trust it."""
+
+
 class DamagedEntry(Exception):
     """An entry that is incomplete or does not match its recorded sha256."""
 
 
-def check_trusted(path: Path, root: Path) -> None:
+def check_trusted(path: Path, root: Path) -> int:
     """Raises UntrustedEntry unless ``path`` and every directory between it and
     ``root`` could only have been written by this user (or, in a shared cache,
     by the shared group: ``$AOTI_EAGER_CACHE_GROUP``), and none of them is
-    a symbolic link (the root itself may be one)."""
+    a symbolic link (the root itself may be one). Returns the owner of ``path``."""
     group = settings.cache_group.get()
     current = path
+    owner = None
     while True:
         st = current.stat() if current == root else current.lstat()
+        owner = st.st_uid if owner is None else owner
         if stat.S_ISLNK(st.st_mode):
             raise UntrustedEntry(f"{current} is a symbolic link: nothing in the cache is reached through a link")
         shared = group is not None and st.st_gid == group
@@ -91,45 +101,161 @@ def check_trusted(path: Path, root: Path) -> None:
             who = "others" if shared else "group or others"
             raise UntrustedEntry(f"{current} is writable by {who} (mode {st.st_mode & 0o777:o})")
         if current == root or current.parent == current:
-            return
+            return owner
         current = current.parent
 
 
-def read_entry(directory: Path, root: Path) -> Entry | None:
+# (root, shared group) whose parents check_parents found sound in this process.
+_parents_checked: set[tuple[Path, int | None]] = set()
+
+
+def check_parents(root: Path) -> None:
+    """Raises UntrustedEntry unless every directory above ``root`` (on the
+    path it is named by and on its real path) belongs to root or this user
+    (in a shared cache, or to the shared group) and is writable by others
+    only with the sticky bit: nobody else can move the cache away and put
+    another in its place."""
+    group = settings.cache_group.get()
+    if (root, group) in _parents_checked:
+        return  # only root, or their owner, could change them since
+    for parent in {*Path(os.path.abspath(root)).parents, *Path(os.path.realpath(root)).parents}:
+        try:
+            st = parent.stat()
+        except FileNotFoundError:
+            continue  # made by this user with the cache
+        if st.st_uid not in (0, os.getuid()) and not (group is not None and st.st_gid == group):
+            raise UntrustedEntry(f"{parent}, above the cache {root}, belongs to uid {st.st_uid}, "
+                                 "who could put another cache in its place")
+        if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+            raise UntrustedEntry(f"{parent}, above the cache {root}, is writable by others without the sticky "
+                                 f"bit (mode {st.st_mode & 0o7777:o}): anyone could put another cache in its place")
+    _parents_checked.add((root, group))
+
+
+def read_entry(directory: Path, root: Path, copy_as: Path | None = None) -> Entry | None:
     """The entry published in ``directory``, its artifact verified against its
     sha256; None if there is none.
+
+    With ``copy_as`` (a new path in a private directory, see
+    :func:`_copied_name`), the library and its sidecar files are copied there
+    from the descriptors they are hashed through, and the entry's ``library``
+    is the copy: what is loaded is exactly what was verified, whatever
+    happens to the cache meanwhile. An entry that another
+    user wrote (a shared cache's) must be signed by a trusted key (see
+    :func:`check_signed`).
 
     Raises UntrustedEntry (see :func:`check_trusted`) or DamagedEntry.
     """
     try:
-        check_trusted(directory, root)
-        for path in directory.iterdir():
-            check_trusted(path, directory)
+        owners = {check_trusted(directory, root), *(check_trusted(path, directory) for path in directory.iterdir())}
     except FileNotFoundError:
         return None  # none, or removed meanwhile
     try:
-        data = json.loads((directory / ENTRY_FILE).read_text())
+        raw = cache_files.read_capped(directory / ENTRY_FILE)
+        data = cache_files.load_json(raw)
     except FileNotFoundError:
         if not directory.exists():
             return None
         raise DamagedEntry(f"{ENTRY_FILE} is missing") from None
     except (OSError, ValueError) as e:
         raise DamagedEntry(f"unreadable {ENTRY_FILE}: {e}") from None
+    digests = {ENTRY_FILE: signing.file_digest(raw)}
     try:
         entry = Entry(**{**data, "library": None})
-        if data["library"] is not None:
-            if data["library"] != LIBRARY_FILE:
-                raise DamagedEntry(f"{ENTRY_FILE} names the library {data['library']!r}, not {LIBRARY_FILE!r}")
-            entry.library = directory / LIBRARY_FILE
-            if sha256_of(entry.library) != entry.sha256:
-                raise DamagedEntry("artifact does not match its recorded sha256")
-    except (OSError, TypeError, KeyError) as e:
+        library = data["library"]
+    except (TypeError, KeyError) as e:
         raise DamagedEntry(f"incomplete entry: {type(e).__name__}: {e}") from None
+    if library is not None:
+        if library != LIBRARY_FILE:
+            raise DamagedEntry(f"{ENTRY_FILE} names the library {library!r}, not {LIBRARY_FILE!r}")
+        digests.update(_read_library(directory, copy_as))
+        if digests[LIBRARY_FILE]["sha256"] != entry.sha256:
+            raise DamagedEntry("artifact does not match its recorded sha256")
+        entry.library = copy_as or directory / LIBRARY_FILE
     if entry.metadata_sha256 != metadata_digest(data):
         raise DamagedEntry(f"{ENTRY_FILE} does not match its recorded digest (edited, or written by an older version)")
     if entry.library is not None:
         check_output_counts(entry.op, entry.output_counts)
+    if owners != {os.getuid()}:
+        check_signed(directory, digests, max(owners - {os.getuid()}))
     return entry
+
+
+def _copied_name(copy_as: Path, name: str) -> Path:
+    """Where the entry's file ``name`` is copied when its library is copied
+    to ``copy_as``: beside it, with the same stem, as AOTInductor's runner
+    looks for its JSON file (``kernel.json`` -> ``<stem>.json``)."""
+    return copy_as.with_suffix(Path(name).suffix)
+
+
+def _read_library(directory: Path, copy_as: Path | None) -> dict[str, dict]:
+    """The digests (:func:`signing.file_digest`) of the library and its sidecar
+    files, each hashed through the descriptor it was opened with, and copied
+    from it (see :func:`_copied_name`) if ``copy_as`` is given.
+
+    Raises DamagedEntry for files that cannot be opened; an OSError while
+    copying is the copy's (its disk is full, say), not the entry's.
+    """
+    digests = {}
+    with contextlib.ExitStack() as opened:
+        sources = {}
+        for name in (LIBRARY_FILE, *SIDECAR_FILES):
+            try:
+                sources[name] = opened.enter_context(cache_files.open_regular_file(directory / name))
+            except FileNotFoundError as e:
+                if name == LIBRARY_FILE:
+                    raise DamagedEntry(f"incomplete entry: FileNotFoundError: {e}") from None
+            except OSError as e:
+                raise DamagedEntry(f"unreadable {name}: {e}") from None
+        for name, source in sources.items():
+            target = opened.enter_context(open(_copied_name(copy_as, name), "xb")) if copy_as else None
+            digests[name] = cache_files.copy_hashed(source, target)
+    return digests
+
+
+def _member(directory: Path, name: str) -> str:
+    """A file's name in an entry's manifest, as bundles and the fleet cache
+    name it (``<environment>/<op>/<signature>/<file>``): bound to its key."""
+    return "/".join((*directory.parts[-3:], name))
+
+
+def check_signed(directory: Path, digests: dict[str, dict], owner: int) -> None:
+    """Raises UntrustedEntry unless the entry in ``directory``, whose files
+    have ``digests``, is signed (:data:`ENTRY_SIGNATURE`) by a key of
+    ``$AOTI_EAGER_TRUSTED_KEYS``: in a shared cache, what another member
+    (``owner``) wrote is native code that nobody here checked."""
+    members = {_member(directory, name): digest for name, digest in digests.items()}
+    try:
+        try:
+            signature = cache_files.read_capped(directory / ENTRY_SIGNATURE)
+        except FileNotFoundError:
+            signature = None
+        signing.trusted_signer(signing.manifest_of(members), signature, settings.trusted_keys.get())
+    except (OSError, signing.SignatureError, signing.KeyFileError) as e:
+        raise UnsignedEntry(
+            f"{directory} was written by uid {owner}, another user, and {e}: a shared cache's entry that another "
+            f"member wrote is loaded only when a key of ${settings.trusted_keys.name} signed it (its publisher sets "
+            f"${settings.signing_key.name})") from None
+
+
+def sign_entry(directory: Path, place: Path) -> None:
+    """In a shared cache, with ``$AOTI_EAGER_SIGNING_KEY`` set, signs the
+    entry assembled in ``directory`` for its ``place`` (see :func:`check_signed`)."""
+    key = settings.signing_key.get()
+    if settings.cache_group.get() is None or key is None:
+        return
+    members = {}
+    for name in ENTRY_FILES:
+        if (directory / name).exists():
+            with cache_files.open_regular_file(directory / name) as f:
+                members[_member(place, name)] = cache_files.copy_hashed(f)
+    try:
+        signature = signing.sign(signing.manifest_of(members), key)
+    except signing.KeyFileError as e:
+        log.warning("aoti_eager: the entry %s is published unsigned, which other members of the shared cache "
+                    "will not load: %s", place, e)
+        return
+    (directory / ENTRY_SIGNATURE).write_bytes(signature)
 
 
 def received_entry(op: str, files: dict[str, Path], library_sha256: str | None) -> tuple[Entry, dict[str, Path]]:
@@ -143,7 +269,7 @@ def received_entry(op: str, files: dict[str, Path], library_sha256: str | None) 
     """
     files = dict(files)
     try:
-        data = json.loads(files.pop(ENTRY_FILE).read_bytes())
+        data = cache_files.load_json(cache_files.read_capped(files.pop(ENTRY_FILE)))
         entry = Entry(**{**data, "library": None})
     except (KeyError, ValueError, TypeError, OSError) as e:
         raise DamagedEntry(f"no readable {ENTRY_FILE}: {e}") from None
@@ -283,25 +409,124 @@ def _lock_file(path: Path, timeout: float = -1) -> FileLock:
     return FileLock(str(path), timeout=timeout, mode=_lock_mode())
 
 
+def _open_lock(path: Path) -> int:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, _lock_mode())
+    with contextlib.suppress(PermissionError):  # another member's lock file
+        os.fchmod(fd, _lock_mode())  # whatever the umask
+    return fd
+
+
+def _wait_flock(fd: int, operation: int, path: Path, deadline: float | None) -> None:
+    """Takes an flock on ``fd``; raises filelock.Timeout once ``deadline``
+    (time.monotonic) has passed (None: waits forever)."""
+    while True:
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if deadline is not None and deadline <= time.monotonic():
+                raise Timeout(str(path)) from None
+            time.sleep(0.05)
+
+
+def _deadline(timeout: float) -> float | None:
+    return None if timeout < 0 else time.monotonic() + timeout
+
+
 @contextlib.contextmanager
 def _shared_flock(path: Path, timeout: float = -1) -> Iterator[None]:
     """A shared flock on the lock file ``path``, which only a cleanup or the
     command line holds exclusively; raises filelock.Timeout after ``timeout``
     seconds (< 0: waits forever)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, _lock_mode())
+    fd = _open_lock(path)
     try:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if 0 <= timeout and deadline <= time.monotonic():
-                    raise Timeout(str(path)) from None
-                time.sleep(0.05)
+        _wait_flock(fd, fcntl.LOCK_SH, path, _deadline(timeout))
         yield
     finally:
         os.close(fd)
+
+
+def _is_at(fd: int, path: Path) -> bool:
+    """Whether ``path`` is still the file open as ``fd``."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
+
+@contextlib.contextmanager
+def _removed_lock(path: Path, timeout: float = -1) -> Iterator[None]:
+    """An exclusive flock on the lock file ``path``, which is removed when it
+    is released, so that locks of signatures done with do not pile up.
+
+    Whoever removes the file holds its lock; whoever takes the lock checks
+    that the file is still at ``path`` and otherwise locks the new one, so
+    two holders never hold "the" lock through two files. Raises
+    filelock.Timeout after ``timeout`` seconds (< 0: waits forever).
+    """
+    deadline = _deadline(timeout)
+    while True:
+        fd = _open_lock(path)
+        try:
+            _wait_flock(fd, fcntl.LOCK_EX, path, deadline)
+        except BaseException:
+            os.close(fd)
+            raise
+        if _is_at(fd, path):
+            break
+        os.close(fd)  # removed by its holder meanwhile
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # while held: a waiting process then finds it gone
+        os.close(fd)
+
+
+def remove_idle_lock(path: Path) -> None:
+    """Removes the signature lock ``path`` unless someone holds it (one a
+    killed process left), as :func:`_removed_lock` does."""
+    with contextlib.suppress(OSError, Timeout), _removed_lock(path, timeout=0):
+        pass
+
+
+# pid -> this process's directory of library copies (see _load_copy).
+_load_directories: dict[int, Path] = {}
+
+
+def _load_directory() -> Path:
+    """This process's directory in the user's private one, where verified
+    libraries are copied to be loaded; made once per process (those that
+    killed processes of this host left are removed then) and removed at exit."""
+    path = _load_directories.get(os.getpid())
+    if path is None or not path.is_dir():
+        parent, mine = layout.private_directory("load"), layout.process_prefix("load")
+        layout.remove_left_by_dead_processes(parent, mine)
+        path = parent / f"{mine}{os.getpid()}-{uuid.uuid4().hex}"
+        path.mkdir(mode=0o700)
+        _load_directories[os.getpid()] = path
+        atexit.register(_remove_load_directory, os.getpid(), path)
+    return path
+
+
+def _remove_load_directory(pid: int, path: Path) -> None:
+    if os.getpid() == pid:  # not a forked child's exit: the directory is its parent's
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _load_copy() -> Iterator[Path]:
+    """A new name in :func:`_load_directory` for one library's copy; the
+    copy and its sidecar files are removed after the block (a loaded library
+    stays mapped)."""
+    copy_as = _load_directory() / f"{uuid.uuid4().hex}.so"
+    try:
+        yield copy_as
+    finally:
+        for name in (LIBRARY_FILE, *SIDECAR_FILES):
+            _copied_name(copy_as, name).unlink(missing_ok=True)
 
 
 def op_lock(op_dir: Path, timeout: float = -1) -> FileLock:
@@ -366,26 +591,39 @@ class KernelCache(EntryStore):
                     with self.behind.lock_signature(op, signature_key, timeout):
                         yield
 
-    def signature_lock(self, op: str, signature_key: str, timeout: float = -1) -> FileLock:
-        """The lock that orders the compiles of one signature (see :meth:`lock_signature`)."""
-        op_dir = self._op_dir(op)
-        layout.make_cache_dirs(op_dir)
-        return _lock_file(op_dir / f"{SIGNATURE_LOCK_PREFIX}{signature_key}", timeout)
+    def signature_lock(self, op: str, signature_key: str, timeout: float = -1) -> ContextManager[None]:
+        """The lock that orders the compiles of one signature (see
+        :meth:`lock_signature`); its file goes when it is released."""
+        return _removed_lock(self._made_op_dir(op) / f"{SIGNATURE_LOCK_PREFIX}{signature_key}", timeout)
 
     def lock(self, op: str, timeout: float = -1) -> FileLock:
         """The op's lock, exclusively: while it is held no compile of the op
         is under way, and none starts (see :meth:`lock_signature`)."""
-        op_dir = self._op_dir(op)
-        layout.make_cache_dirs(op_dir)
-        return op_lock(op_dir, timeout)
+        return op_lock(self._made_op_dir(op), timeout)
 
     def temporary_directory(self, op: str) -> tempfile.TemporaryDirectory:
         """A directory in which an entry of ``op`` is assembled (an import),
         made under :meth:`lock`: if the process is killed, :meth:`remove_abandoned`
         removes it."""
-        op_dir = self._op_dir(op)
+        return tempfile.TemporaryDirectory(prefix=TEMPORARY_PREFIX, dir=self._made_op_dir(op))
+
+    def _check_op_dir(self, op: str) -> Path:
+        """The op's directory; UntrustedEntry first if the root's parents, or
+        what exists of the way from the root to it, others could write: a
+        miss never makes anything in a cache that it refuses."""
+        check_parents(self.root)
+        existing = self._op_dir(op)
+        while not existing.exists() and existing != self.root:
+            existing = existing.parent
+        if existing.exists():
+            check_trusted(existing, self.root)
+        return self._op_dir(op)
+
+    def _made_op_dir(self, op: str) -> Path:
+        """The op's directory (see :meth:`_check_op_dir`), made where missing."""
+        op_dir = self._check_op_dir(op)
         layout.make_cache_dirs(op_dir)
-        return tempfile.TemporaryDirectory(prefix=TEMPORARY_PREFIX, dir=op_dir)
+        return op_dir
 
     def shared_directory(self) -> Path:
         """Build products that every compile of this environment shares (see
@@ -404,9 +642,12 @@ class KernelCache(EntryStore):
         except (Timeout, OSError):
             return  # the next compile cleans up
         try:
-            for tmp in self._op_dir(op).glob(f"{TEMPORARY_PREFIX}*"):
-                log.info("aoti_eager: removing %s, left by a process that died while compiling or publishing", tmp)
-                remove_tree(self.root, tmp)
+            for left in self._op_dir(op).glob(".*-*"):  # one pass over what may be many entries
+                if left.name.startswith(TEMPORARY_PREFIX):
+                    log.info("aoti_eager: removing %s, left by a process that died while compiling or publishing", left)
+                    remove_tree(self.root, left)
+                elif left.name.startswith(SIGNATURE_LOCK_PREFIX):
+                    remove_idle_lock(left)
         finally:
             lock.release()
 
@@ -419,28 +660,30 @@ class KernelCache(EntryStore):
 
     @contextlib.contextmanager
     def hold(self, op: str, signature_key: str) -> Iterator[Entry | None]:
-        """:meth:`lookup` under :meth:`in_use`; a DamagedEntry raised in the block is set aside."""
-        with self.in_use(op, signature_key):
-            entry = self.lookup(op, signature_key)
+        """:meth:`lookup` under :meth:`in_use`, the entry's library a private
+        copy of the bytes that were verified (see :func:`read_entry`), removed
+        after the block; a DamagedEntry raised in the block is set aside."""
+        with self.in_use(op, signature_key), _load_copy() as copy_as:
+            entry = self.lookup(op, signature_key, copy_as=copy_as)
             try:
                 yield entry
             except DamagedEntry as e:
                 set_aside(self.root, self.entry_dir(op, signature_key), str(e))
                 raise
 
-    def lookup(self, op: str, signature_key: str) -> Entry | None:
+    def lookup(self, op: str, signature_key: str, copy_as: Path | None = None) -> Entry | None:
         """The published entry, or None; a damaged entry is set aside.
+        ``copy_as``: see :func:`read_entry`.
 
         Raises UntrustedEntry for an entry that someone else could have written.
         A found entry's last use is recorded (its directory's mtime): once per
         process and entry, as a process remembers what it found.
         """
         directory = self.entry_dir(op, signature_key)
-        if self._op_dir(op).exists():
-            # Even on a miss: a kernel is never compiled into a directory others could write.
-            check_trusted(self._op_dir(op), self.root)
+        # Even on a miss: a kernel is never compiled into a directory others could write.
+        self._check_op_dir(op)
         try:
-            entry = read_entry(directory, self.root)
+            entry = read_entry(directory, self.root, copy_as)
         except DamagedEntry as e:
             set_aside(self.root, directory, str(e))
             return None
@@ -450,10 +693,10 @@ class KernelCache(EntryStore):
             except OSError:
                 pass  # another member's entry in a shared cache: its last use stays as it was
         elif self.behind is not None:
-            entry = self._materialize(op, signature_key)
+            entry = self._materialize(op, signature_key, copy_as)
         return entry
 
-    def _materialize(self, op: str, signature_key: str) -> Entry | None:
+    def _materialize(self, op: str, signature_key: str, copy_as: Path | None) -> Entry | None:
         """The entry of the tier behind, published here and read back; None if it has none."""
         with self.temporary_directory(op) as workdir:
             fetched = self.behind.fetch(op, signature_key, Path(workdir))
@@ -462,7 +705,7 @@ class KernelCache(EntryStore):
             entry, files = fetched
             self.publish(signature_key, entry, files, offer=False)
         try:
-            return read_entry(self.entry_dir(op, signature_key), self.root)
+            return read_entry(self.entry_dir(op, signature_key), self.root, copy_as)
         except DamagedEntry as e:
             set_aside(self.root, self.entry_dir(op, signature_key), str(e))
             return None
@@ -503,8 +746,7 @@ class KernelCache(EntryStore):
         Returns the entry as published; if another process published the same
         signature first, its entry wins and is returned.
         """
-        op_dir = self._op_dir(entry.op)
-        layout.make_cache_dirs(op_dir)
+        op_dir = self._made_op_dir(entry.op)
         tmp = op_dir / f"{TEMPORARY_PREFIX}{uuid.uuid4().hex}"
         tmp.mkdir(mode=0o700)
         try:
@@ -516,11 +758,12 @@ class KernelCache(EntryStore):
             metadata = entry.to_json()
             entry.metadata_sha256 = metadata["metadata_sha256"]
             (tmp / ENTRY_FILE).write_text(json.dumps(metadata, indent=1))
+            final = self.entry_dir(entry.op, signature_key)
+            sign_entry(tmp, final)
             if settings.cache_group.get() is not None:
                 for path in tmp.iterdir():
                     os.chmod(path, 0o640)
                 os.chmod(tmp, 0o2770)  # so that any member may evict it
-            final = self.entry_dir(entry.op, signature_key)
             try:
                 os.rename(tmp, final)
             except OSError:

@@ -17,8 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shutil
-import socket
 import tempfile
 from functools import lru_cache
 from pathlib import Path
@@ -133,32 +131,14 @@ def _temporary() -> Path:
     return temporary
 
 
-def _host() -> str:
-    return layout.safe_name(socket.gethostname())[:32]
-
-
 def compile_directory() -> tempfile.TemporaryDirectory:
     """A new directory for one compile, removed when the returned object is
     cleaned up. Directories that dead processes of this host left are removed first."""
     scratch = root()
     remove_abandoned(scratch)
-    return tempfile.TemporaryDirectory(prefix=f"{_PREFIX}{_host()}-{os.getpid()}-", dir=scratch)
+    return tempfile.TemporaryDirectory(prefix=f"{layout.process_prefix('compile')}{os.getpid()}-", dir=scratch)
 
 
 def remove_abandoned(scratch: Path) -> None:
     """Removes the compile directories of this host's processes that no longer run."""
-    mine = f"{_PREFIX}{_host()}-"
-    for path in scratch.glob(f"{mine}*"):
-        pid = path.name[len(mine):].split("-", 1)[0]
-        if pid.isdigit() and not _running(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process, with a pid this user's once had
-    return True
+    layout.remove_left_by_dead_processes(scratch, layout.process_prefix("compile"))

@@ -3,6 +3,7 @@ loads it, says why in a log line, and the call still gives eager's result."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -15,10 +16,10 @@ import pytest
 import torch
 
 import aoti_eager
-from aoti_eager import cli
+from aoti_eager import _runtime, cli
 from aoti_eager._ops import qualified_name
-from aoti_eager.cache import KernelCache, inventory
-from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE, sha256_of
+from aoti_eager.cache import KernelCache, inventory, signing
+from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE, read_entry, sha256_of
 from aoti_eager.kernels import CallSignature, CompileError, load_probe, pipeline
 from aoti_eager.kernels.compile import compile_options
 from aoti_eager.kernels.toolchain import environment_name
@@ -326,3 +327,120 @@ def test_a_cache_that_cannot_be_written_serves_its_kernels_and_runs_misses_eager
     warnings = [r for r in caplog.records if "cannot be used" in r.getMessage()]
     assert sorted(r.getMessage().split()[1] for r in warnings) == ["aten::abs", "aten::neg"], caplog.text
     assert not any(r.exc_info for r in caplog.records), caplog.text
+
+
+def planted_library(directory, marker):
+    """A shared library whose constructor writes ``marker``: code that must never run."""
+    source = directory / "planted.c"
+    source.write_text('#include <stdio.h>\n__attribute__((constructor)) static void planted(void) '
+                      f'{{ FILE* f = fopen("{marker}", "w"); if (f) fclose(f); }}\n')
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(directory / "planted.so"), str(source)], check=True)
+    return directory / "planted.so"
+
+
+def test_a_library_swapped_between_its_check_and_its_load_never_runs(entry, tmp_path, tmp_path_factory, monkeypatch):
+    elsewhere = tmp_path_factory.mktemp("planted")
+    marker = elsewhere / "planted-code-ran"
+    planted = planted_library(elsewhere, marker)
+    check_loads = _runtime.check_loads
+
+    def swap_then_check(*args, **kwargs):
+        # The moment between the entry's check and its load: the cache's file is replaced.
+        if planted.exists():
+            os.replace(planted, entry / LIBRARY_FILE)
+        return check_loads(*args, **kwargs)
+
+    monkeypatch.setattr(_runtime, "check_loads", swap_then_check)
+    stats, compiles = run_abs(tmp_path, monkeypatch)
+    assert not planted.exists(), "the seam was not reached"
+    assert not marker.exists(), "the swapped-in library ran"
+    # What was loaded is what was verified: the kernel serves the calls.
+    assert (stats["cache_loads"], stats["hits"], compiles) == (1, 2, []), stats
+
+
+def _publish_as_another_member(compiled, root, key, monkeypatch):
+    """The compiled entry published into the team cache at ``root`` signed
+    with ``key`` (None: unsigned), then given to uid 65534 (nobody), as if
+    that member had published it."""
+    monkeypatch.setenv("AOTI_EAGER_CACHE_GROUP", str(os.getgid()))
+    if key is not None:
+        monkeypatch.setenv("AOTI_EAGER_SIGNING_KEY", str(key))
+    entry = read_entry(compiled, compiled.parents[3])
+    cache = KernelCache(root, compiled.parents[1].name)
+    files = {name: compiled / name for name in (LIBRARY_FILE, "kernel.json") if (compiled / name).exists()}
+    cache.publish(compiled.name, entry, files)
+    monkeypatch.delenv("AOTI_EAGER_SIGNING_KEY", raising=False)
+    directory = cache.entry_dir(entry.op, compiled.name)
+    for path in [directory, *directory.iterdir()]:
+        os.chown(path, 65534, -1)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="an entry written by another user is made with chown, which needs root")
+@pytest.mark.parametrize("signed_by, trusted, loaded", [
+    (None, "key", False), ("key", None, False), ("key", "other", False), ("key", "key", True),
+])
+def test_a_team_cache_loads_another_members_library_only_when_a_trusted_key_signed_it(
+        compiled_entry, tmp_path, tmp_path_factory, monkeypatch, caplog, signed_by, trusted, loaded):
+    keys = tmp_path_factory.mktemp("keys")
+    for name in ("key", "other"):
+        signing.generate_key_pair(keys / name)
+    _publish_as_another_member(compiled_entry, tmp_path, signed_by and keys / signed_by, monkeypatch)
+    if trusted is not None:
+        monkeypatch.setenv("AOTI_EAGER_TRUSTED_KEYS", str(keys / f"{trusted}.pub"))
+    with caplog.at_level(logging.WARNING, logger="aoti_eager"):
+        stats, compiles = run_abs(tmp_path, monkeypatch)
+    assert (stats["cache_loads"], stats["hits"]) == ((1, 2) if loaded else (0, 0)), stats
+    assert compiles == []  # refused, not compiled again over another member's entry
+    refused = [r.getMessage() for r in caplog.records if "another user" in r.getMessage()]
+    assert len(refused) == (0 if loaded else 1), caplog.text
+    if not loaded:
+        assert "AOTI_EAGER_TRUSTED_KEYS" in refused[0]
+
+
+def test_a_full_cache_disk_is_named_and_the_signature_compiles_once_space_is_freed(tmp_path, monkeypatch, caplog):
+    disk = {"full": True, "free": 4096}
+    sources = []
+    copyfile = shutil.copyfile
+
+    def copy_onto_a_full_disk(source, target, **kwargs):
+        if disk["full"] and str(target).startswith(str(tmp_path)):
+            sources.append(str(source))
+            error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            error.filename, error.filename2 = str(source), str(target)  # as sendfile reports it
+            raise error
+        return copyfile(source, target, **kwargs)
+
+    monkeypatch.setattr(shutil, "copyfile", copy_onto_a_full_disk)
+    monkeypatch.setattr(_runtime, "_free_bytes", lambda root: disk["free"])
+    monkeypatch.setattr(_runtime, "DISK_FULL_RETRY_SECONDS", 0.0)
+    compiles = []
+    monkeypatch.setattr(pipeline, "compile_call", counting(pipeline.compile_call, compiles))
+    other = torch.linspace(-2, 2, 100)
+    with caplog.at_level(logging.WARNING, logger="aoti_eager"), \
+            aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
+        results = [torch.abs(other), torch.abs(other)]  # the disk is full: eager, and not compiled again
+        assert len(compiles) == 1 and sources
+        disk.update(full=False, free=1 << 30)
+        results += [torch.abs(other) for _ in range(3)]
+        stats = aoti_eager.stats()["aten::abs"]
+    for result in results:
+        assert_same_as_eager(result, other.abs())
+    assert len(compiles) == 2 and (stats["compiles"], stats["hits"]) == (1, 2), stats
+    said = [r.getMessage() for r in caplog.records if "full" in r.getMessage()]
+    assert len(said) == 1 and f"the cache at {tmp_path} is full" in said[0], caplog.text
+    assert not any(source in said[0] for source in sources), said
+
+
+def test_a_call_makes_nothing_in_a_cache_root_it_refuses(tmp_path, monkeypatch, caplog):
+    root = tmp_path / "cache"
+    root.mkdir()
+    os.chmod(root, 0o775)
+    monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: pytest.fail("must not compile into a refused root"))
+    with caplog.at_level(logging.WARNING, logger="aoti_eager"), \
+            aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=root):
+        results = [torch.abs(X) for _ in range(3)]
+        stats = aoti_eager.stats()["aten::abs"]
+    for result in results:
+        assert_same_as_eager(result, X.abs())
+    assert list(root.iterdir()) == [], "a refused root was written"
+    assert stats["misses"] == 1 and "writable by group or others" in stats["fallback_reason"], stats

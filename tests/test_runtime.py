@@ -105,7 +105,7 @@ def test_a_runtime_that_crashes_on_load_leaves_kernels_eager(tmp_path, load_verd
 
 
 def test_untrusted_cache_entry_runs_eagerly(tmp_path, monkeypatch):
-    def untrusted(self, op, key):
+    def untrusted(self, op, key, copy_as=None):
         raise UntrustedEntry(f"{self.directory} is writable by group or others (mode 775)")
 
     monkeypatch.setattr(KernelCache, "lookup", untrusted)

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+from aoti_eager.cache import layout
 from aoti_eager.kernels import scratch
 
 
@@ -23,8 +24,7 @@ def test_compiles_run_at_a_path_without_spaces_even_when_the_private_directory_h
 
 def test_what_dead_compiles_left_is_removed_by_the_next_compile(private_root):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    host = scratch._host()
-    abandoned = scratch.root() / f"compile-{host}-{dead.stdout.strip()}-x1"
+    abandoned = scratch.root() / f"{layout.process_prefix('compile')}{dead.stdout.strip()}-x1"
     another_host = scratch.root() / f"compile-elsewhere-{dead.stdout.strip()}-x2"
     for directory in (abandoned, another_host):
         directory.mkdir()

@@ -90,7 +90,7 @@ def test_read_on_every_call(monkeypatch):
 @pytest.mark.parametrize("setting, text, message", [
     (settings.cache_size, "abc", "AOTI_EAGER_CACHE_SIZE='abc' is not a size (e.g. 10GiB, 500M, 4096)"),
     (settings.cache_size, "10 apples", "AOTI_EAGER_CACHE_SIZE='10 apples' is not a size (e.g. 10GiB, 500M, 4096)"),
-    (settings.lock_timeout, "soon", "AOTI_EAGER_LOCK_TIMEOUT='soon' is not a number of seconds (e.g. 900, 0.5)"),
+    (settings.lock_timeout, "soon", "AOTI_EAGER_LOCK_TIMEOUT='soon' is not a number of seconds, finite and 0 or more (e.g. 900, 0.5)"),
     (settings.max_value_variants, "2.5", "AOTI_EAGER_MAX_VALUE_VARIANTS='2.5' is not a count (a whole number, 0 or more)"),
     (settings.max_value_variants, "-1", "AOTI_EAGER_MAX_VALUE_VARIANTS='-1' is not a count (a whole number, 0 or more)"),
     (settings.keep_faster, "maybe", "AOTI_EAGER_KEEP_FASTER='maybe' is not a boolean (1 or 0)"),
@@ -104,6 +104,27 @@ def test_a_bad_value_names_the_variable_its_value_and_what_is_expected(monkeypat
     assert str(raised.value) == message
 
 
+@pytest.mark.parametrize("setting, text", [
+    (settings.remote_lock_ttl, "nan"), (settings.remote_lock_ttl, "0"), (settings.remote_lock_ttl, "-1"),
+    (settings.remote_timeout, "inf"), (settings.remote_timeout, "0"), (settings.remote_connect_timeout, "-0.5"),
+    (settings.lock_timeout, "nan"), (settings.lock_timeout, "-inf"), (settings.lock_timeout, "-1"),
+    (settings.remote_retry, "inf"),
+])
+def test_nan_inf_negatives_and_a_zero_timeout_are_refused_naming_the_range(monkeypatch, setting, text):
+    monkeypatch.setenv(setting.name, text)
+    with pytest.raises(ValueError) as raised:
+        setting.get()
+    allowed = "more than 0" if setting.type is settings.POSITIVE_SECONDS else "0 or more"
+    assert str(raised.value) == f"{setting.name}={text!r} is not a number of seconds, finite and {allowed} (e.g. " \
+        + ("30, 0.5)" if allowed == "more than 0" else "900, 0.5)")
+
+
+def test_zero_is_taken_where_it_means_something(monkeypatch):
+    monkeypatch.setenv("AOTI_EAGER_LOCK_TIMEOUT", "0")  # do not wait for another process's compile
+    monkeypatch.setenv("AOTI_EAGER_REMOTE_RETRY", "0")
+    assert settings.lock_timeout.get() == 0.0 and settings.remote_retry.get() == 0.0
+
+
 def test_set_to_restores_the_environment(monkeypatch):
     monkeypatch.delenv("AOTI_EAGER_RECORD", raising=False)
     with settings.record.set_to("misses.jsonl"):
@@ -113,3 +134,11 @@ def test_set_to_restores_the_environment(monkeypatch):
     with pytest.raises(KeyboardInterrupt), settings.record.set_to("other.jsonl"):
         raise KeyboardInterrupt
     assert os.environ["AOTI_EAGER_RECORD"] == "mine.jsonl"
+
+
+def test_enable_refuses_a_bad_setting_up_front_not_on_every_call(monkeypatch):
+    import aoti_eager
+
+    monkeypatch.setenv("AOTI_EAGER_REMOTE_LOCK_TTL", "nan")
+    with pytest.raises(ValueError, match=r"^AOTI_EAGER_REMOTE_LOCK_TTL='nan' is not a number of seconds, finite and more than 0"):
+        aoti_eager.enable(["aten::abs"], devices=["cpu"])

@@ -10,17 +10,21 @@ their files, damage set aside, who may have written an entry, and the op lock.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
 import shutil
 import stat
+import subprocess
+import sys
 import threading
 
 import filelock
 import pytest
 
-from aoti_eager.cache import DamagedEntry, Entry, KernelCache, UntrustedEntry, inventory
+from aoti_eager.cache import DamagedEntry, Entry, KernelCache, UntrustedEntry, inventory, layout
+from aoti_eager.cache import store as store_module
 from aoti_eager.cache.entry_store import EntryStore
 from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE, TEMPORARY_PREFIX, received_entry
 from helpers import SIGNATURE, edit_entry_json, publish_kernel
@@ -334,3 +338,103 @@ def test_a_shared_cache_trusts_the_group_it_names(cache, tmp_path, monkeypatch):
     with pytest.raises(UntrustedEntry, match="writable by others"):
         cache.lookup("aten::abs", "sig")
 
+
+
+def _signature_locks(cache) -> list[str]:
+    return sorted(p.name for p in cache.directory.rglob(".lock-*"))
+
+
+def test_signature_lock_files_go_when_their_compiles_end(cache, tmp_path):
+    for n in range(50):
+        with cache.lock_signature("aten::abs", f"junk-{n}"):
+            assert _signature_locks(cache) == [f".lock-junk-{n}"]
+    assert _signature_locks(cache) == []
+    # One that a killed process left goes with the next compile of the op.
+    (cache.directory / "aten.abs" / ".lock-left-by-a-killed-process").touch()
+    with cache.lock_signature("aten::abs", "next"):
+        pass
+    assert _signature_locks(cache) == []
+
+
+def test_a_removed_lock_file_still_lets_one_holder_at_a_time(cache):
+    held = []
+
+    def waiter():
+        # Opens the file the first holder removes on release, then locks the new one.
+        with cache.lock_signature("aten::abs", "sig", timeout=30):
+            held.append("waiter")
+            with pytest.raises(filelock.Timeout):
+                with cache.lock_signature("aten::abs", "sig", timeout=0.2):
+                    pass
+
+    with cache.lock_signature("aten::abs", "sig"):
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        thread.join(0.3)
+        assert held == []
+    thread.join()
+    assert held == ["waiter"] and _signature_locks(cache) == []
+
+
+@pytest.mark.parametrize("refused", ["group-writable root", "parent writable by all"])
+def test_a_miss_makes_nothing_in_a_root_it_refuses(tmp_path, refused):
+    parent = tmp_path / "parent"
+    root = parent / "cache"
+    root.mkdir(parents=True)
+    os.chmod(*((root, 0o775) if refused == "group-writable root" else (parent, 0o777)))
+    cache = KernelCache(root, "cpu-environment")
+    with pytest.raises(UntrustedEntry, match="writable by"):
+        cache.lookup("aten::abs", "sig")
+    with pytest.raises(UntrustedEntry, match="writable by"):
+        with cache.lock_signature("aten::abs", "sig"):
+            pass
+    assert list(root.iterdir()) == []
+    # The sticky bit (as on /tmp) keeps others from moving what they do not own.
+    os.chmod(*((root, 0o700) if refused == "group-writable root" else (parent, 0o1777)))
+    assert cache.lookup("aten::abs", "sig") is None
+
+
+def test_a_library_is_loaded_from_a_private_copy_that_goes_after_the_load(cache, tmp_path, private_root, monkeypatch):
+    publish_kernel(cache, tmp_path, content=b"\x7fELF verified")
+    (cache.entry_dir("aten::abs", "sig") / "kernel.json").write_text("{}")  # what the runner looks for beside it
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = private_root / "load" / f"{layout.process_prefix('load')}{dead.stdout.strip()}-0123"
+    left.mkdir(parents=True)  # as a killed process leaves it
+    monkeypatch.setattr(store_module, "_load_directories", {})
+    with cache.hold("aten::abs", "sig") as entry:
+        mine = entry.library.parent
+        assert mine.parent == private_root / "load" and stat.S_IMODE(mine.stat().st_mode) == 0o700
+        assert entry.library.read_bytes() == b"\x7fELF verified"
+        assert entry.library.with_suffix(".json").read_text() == "{}"
+    assert list((private_root / "load").iterdir()) == [mine] and list(mine.iterdir()) == []
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="an entry written by another user is made with chown, which needs root")
+def test_verify_reports_another_members_unsigned_entry_and_leaves_it_to_those_who_trust_it(cache, tmp_path, monkeypatch):
+    monkeypatch.setenv("AOTI_EAGER_CACHE_GROUP", str(os.getgid()))
+    publish_kernel(cache, tmp_path)
+    directory = cache.entry_dir("aten::abs", "sig")
+    for path in [directory, *directory.iterdir()]:
+        os.chown(path, 65534, -1)
+    with pytest.raises(UntrustedEntry, match="written by uid 65534, another user, and it is not signed"):
+        cache.lookup("aten::abs", "sig")
+    problems = inventory.verify(cache.root, quarantine=True)
+    assert [p.path for p in problems] == [directory] and "AOTI_EAGER_TRUSTED_KEYS" in problems[0].problem
+    assert directory.exists() and inventory.quarantined(cache.root) == []
+
+
+def test_a_copy_that_does_not_fit_leaves_the_entry_in_place(cache, tmp_path, monkeypatch):
+    publish_kernel(cache, tmp_path)
+    copy_hashed = store_module.cache_files.copy_hashed
+
+    def private_disk_full(source, target=None):
+        if target is not None:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return copy_hashed(source, target)
+
+    monkeypatch.setattr(store_module.cache_files, "copy_hashed", private_disk_full)
+    with pytest.raises(OSError) as raised:
+        with cache.hold("aten::abs", "sig"):
+            pass
+    assert raised.value.errno == errno.ENOSPC and not isinstance(raised.value, DamagedEntry)
+    assert cache.lookup("aten::abs", "sig") is not None and inventory.quarantined(cache.root) == []
