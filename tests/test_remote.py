@@ -24,6 +24,7 @@ import torch
 import aoti_eager
 from aoti_eager import settings
 from aoti_eager.cache import KernelCache, remote, signing
+from aoti_eager.cache.entry_store import LockedElsewhere
 from aoti_eager.cache.store import LIBRARY_FILE
 from aoti_eager.kernels.toolchain import environment_name
 from helpers import assert_same_as_eager, publish_kernel, run_shapes
@@ -137,16 +138,18 @@ def test_the_keys_of_an_ops_entries_are_listed_by_prefix(server, keys, tmp_path)
     assert tier.keys("aten::abs", "family-") == ["family-1", "family-2"]
     assert second.keys("aten::abs", "family-") == ["family-0", "family-1", "family-2"]  # the local ones first
     # What a server lists is a name, never a path: a key that is not a plain directory name is left out.
-    server.client.sadd(remote.keys_key(ENVIRONMENT, "aten::abs"), "family-/../../escape", "..")
+    server.client.zadd(remote.keys_key(ENVIRONMENT, "aten::abs"), {"family-/../../escape": 0, "..": 0})
     assert tier.keys("aten::abs", "") == ["family-1", "family-2", "other"]
 
 
-def test_publication_is_set_if_absent(server, keys, tmp_path):
+def test_a_verified_entry_is_replaced_only_by_a_newer_one(server, keys, tmp_path):
     first, second = machine(tmp_path / "a", server.url), machine(tmp_path / "b", server.url)
     publish_kernel(first, tmp_path, key="k", content=b"first")
-    publish_kernel(second, tmp_path, key="k", content=b"second")  # a local compile of the same key elsewhere
-    third = machine(tmp_path / "c", server.url)
-    assert third.lookup("aten::abs", "k").library.read_bytes() == b"first"
+    publish_kernel(second, tmp_path, key="k", content=b"second")  # a later compile of the same key elsewhere
+    assert machine(tmp_path / "c", server.url).lookup("aten::abs", "k").library.read_bytes() == b"second"
+    # The older one offered again (a push of an old cache) does not replace it.
+    assert not first.behind.offer("aten::abs", "k", first.entry_dir("aten::abs", "k"))
+    assert machine(tmp_path / "d", server.url).lookup("aten::abs", "k").library.read_bytes() == b"second"
 
 
 def test_nothing_is_published_without_a_signing_key(server, keys, tmp_path, monkeypatch, caplog):
@@ -317,9 +320,16 @@ def test_the_fleet_lock_is_held_by_one_and_released_only_by_its_holder(server, t
     lock = remote.lock_key(ENVIRONMENT, "aten::abs", "k")
     with first.behind.lock_signature("aten::abs", "k") as held:
         assert held and server.client.get(lock) is not None
+        # A call does not wait: it runs eagerly and asks again later.
+        with pytest.raises(LockedElsewhere, match="another machine is compiling it") as refused:
+            with second.behind.lock_signature("aten::abs", "k", timeout=900):
+                pass
+        assert refused.value.retry_after == remote.FLEET_RETRY_SECONDS
+        # A background compile waits, as long as its tier's wait.
+        second.behind.wait = 0.3
         started = time.monotonic()
-        with pytest.raises(TimeoutError, match="held the fleet cache's lock"):
-            with second.behind.lock_signature("aten::abs", "k", timeout=0.3):
+        with pytest.raises(LockedElsewhere):
+            with second.behind.lock_signature("aten::abs", "k", timeout=900):
                 pass
         assert 0.3 <= time.monotonic() - started < 1
         assert server.client.get(lock) is not None, "a waiter released the holder's lock"
@@ -335,6 +345,7 @@ def test_the_fleet_lock_is_renewed_while_held_and_a_dead_holders_expires(server,
         assert server.client.get(lock) is not None
     # A holder that died: its token stays until the TTL ends, then the next waiter takes it.
     server.client.set(lock, "dead holder", px=300)
+    second.behind.wait = 5
     started = time.monotonic()
     with second.behind.lock_signature("aten::abs", "k", timeout=5) as held:
         assert held and 0.1 < time.monotonic() - started < 1
@@ -342,6 +353,7 @@ def test_the_fleet_lock_is_renewed_while_held_and_a_dead_holders_expires(server,
 
 def test_a_waiter_stops_waiting_once_the_entry_is_published(server, keys, tmp_path):
     first, second = machine(tmp_path / "a", server.url), machine(tmp_path / "b", server.url)
+    second.behind.wait = 10
     with first.lock_signature("aten::abs", "k"):
         threading.Timer(0.3, lambda: publish_kernel(first, tmp_path, key="k")).start()
         started = time.monotonic()
