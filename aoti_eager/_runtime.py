@@ -395,7 +395,8 @@ class Override:
             except UntrustedEntry as e:
                 return self._eager(f"refused an untrusted cache entry: {e}", signature)
             except LockedElsewhere as e:
-                return RetryLater(str(e), retry_after=e.retry_after)
+                self.stats.last_fallback_reason = f"{e}; running eagerly meanwhile"
+                return RetryLater(self.stats.last_fallback_reason, retry_after=e.retry_after)
             except TimeoutError:
                 reason = f"waited over {settings.lock_timeout.get():.0f} s for another process's compile; running eagerly meanwhile"
                 self._log(reason)

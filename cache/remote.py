@@ -78,6 +78,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import threading
 import time
 import urllib.parse
@@ -216,7 +217,7 @@ class Server:
         self.said: set[str] = set()
 
     def client(self) -> resp.Connection:
-        if self._client is None:
+        if self._client is None or self._client.pid != os.getpid():
             self._client = resp.Connection(self.url, settings.remote_connect_timeout.get(),
                                            max_reply_bytes=settings.remote_max_entry.get() + (1 << 20))
         return self._client

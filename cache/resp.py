@@ -24,6 +24,7 @@ Standard library only (``ssl`` imported for ``rediss://`` URLs alone).
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -79,6 +80,8 @@ class Connection:
         self.connect_timeout = connect_timeout
         self.max_reply_bytes = max_reply_bytes
         self.lock = threading.RLock()
+        # A forked child makes its own: it must not speak on its parent's socket.
+        self.pid = os.getpid()
         self._sock: socket.socket | None = None
         self._buffer = bytearray()
         self._deadline = float("inf")
@@ -146,7 +149,7 @@ class Connection:
 
                 sock = ssl.create_default_context().wrap_socket(sock, server_hostname=parts.hostname)
         except socket.timeout:
-            raise Timeout(f"connecting took over {timeout:g} s") from None
+            raise ConnectError(f"no connection within {timeout:g} s") from None
         except OSError as e:
             raise ConnectError(str(e) or type(e).__name__) from None
         self._sock = sock
