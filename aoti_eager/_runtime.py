@@ -31,7 +31,7 @@ from torch._ops import OpOverload
 
 from aoti_eager import _background, _extension, settings
 from aoti_eager.cache import DamagedEntry, Entry, KernelCache, UntrustedEntry, inventory, remote
-from aoti_eager.cache.entry_store import EntryStore
+from aoti_eager.cache.entry_store import EntryStore, LockedElsewhere
 from aoti_eager.cache.store import TEMPORARY_PREFIX
 from aoti_eager.kernels import CallSignature, Unsupported
 from aoti_eager.kernels.compile import compile_options, flat_tensor_inputs
@@ -49,6 +49,11 @@ DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 # Inductor is not thread-safe: one compile at a time in a process (the cache's
 # file lock orders processes).
 _compile_lock = threading.Lock()
+
+# How long a miss waits for another machine's compile of its signature (the
+# fleet cache's lock): not at all in a user's process, whose calls run
+# eagerly meanwhile; a background worker waits (see _worker.warm).
+fleet_wait = 0.0
 
 
 class _CompilerFailures:
@@ -263,7 +268,7 @@ class Override:
             cache = KernelCache(self.root, environment_name(device, compile_options(device.type)))
             url = self.remote or settings.remote.get()
             if url is not None:
-                cache.behind = remote.tier(url, cache.directory.name)
+                cache.behind = remote.tier(url, cache.directory.name, wait=fleet_wait)
             self._caches[str(device)] = cache
         return self._caches[str(device)]
 
@@ -387,7 +392,8 @@ class Override:
                         return self._queue(signature, missed)
                     if (still_full := _still_full(self.root)) is not None:
                         return still_full
-                    with _compile_lock, cache.lock_signature(self.name, signature.key, timeout=settings.lock_timeout.get()):
+                    # Inductor's lock innermost: no other compile of this process waits on the caches' locks.
+                    with cache.lock_signature(self.name, signature.key, timeout=settings.lock_timeout.get()), _compile_lock:
                         # Another process may have compiled it while we waited.
                         decision = self._from_cache(cache, signature) or self._from_family(cache, signature)
                         if decision is None:
@@ -395,6 +401,9 @@ class Override:
                 return decision
             except UntrustedEntry as e:
                 return self._eager(f"refused an untrusted cache entry: {e}", signature)
+            except LockedElsewhere as e:
+                self.stats.last_fallback_reason = f"{e}; running eagerly meanwhile"
+                return RetryLater(self.stats.last_fallback_reason, retry_after=e.retry_after)
             except TimeoutError:
                 reason = f"waited over {settings.lock_timeout.get():.0f} s for another process's compile; running eagerly meanwhile"
                 self._log(reason)

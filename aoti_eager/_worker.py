@@ -97,6 +97,8 @@ def warm(entry: ManifestEntry, root: Path) -> Outcome:
     from aoti_eager.kernels.signature import CallSignature
     from aoti_eager.kernels.toolchain import environment_name
 
+    # A worker waits for another machine's compile of the entry (a user's call would run eagerly).
+    aoti_eager._runtime.fleet_wait = settings.lock_timeout.get()
     op = _ops.overload_named(entry.op)
     device = torch.device(entry.device)
     if device.type == "cuda":

@@ -276,7 +276,7 @@ def _fleet_server(args: argparse.Namespace) -> remote.Server:
     if url is None:
         raise ValueError(f"no fleet cache: set ${settings.remote.name}=redis://host:port/db or pass --url")
     server = remote.server(settings.URL.parse(url))
-    server.run(lambda client: client.ping())
+    server.call("PING")
     return server
 
 
@@ -316,7 +316,7 @@ def remote_push(root: Path, args: argparse.Namespace) -> int:
             continue
         tier = remote.RedisTier(server, listing.environment)
         published = tier.offer(listing.op, listing.directory.name, listing.directory)
-        server.run(lambda client: client.ping())  # a failure of the offer is the server's: say so
+        server.call("PING")  # a failure of the offer is the server's: say so
         (transfer.done if published else transfer.already_present).append(name)
     _report_transfer(transfer, "pushed", args)
     return 0
@@ -369,7 +369,7 @@ def _remote_report() -> tuple[dict[str, Any], list[str]]:
     if url is not None:
         started = time.perf_counter()
         try:
-            remote.server(url).run(lambda client: client.ping())
+            remote.server(url).call("PING")
             report["reachable"], report["ping_ms"] = True, round((time.perf_counter() - started) * 1000, 2)
         except remote.ServerUnavailable as e:
             report["reachable"], report["error"] = False, str(e)

@@ -199,6 +199,9 @@ remote_connect_timeout = Setting("AOTI_EAGER_REMOTE_CONNECT_TIMEOUT", POSITIVE_S
                                  "how long connecting to the fleet cache's server may take")
 remote_timeout = Setting("AOTI_EAGER_REMOTE_TIMEOUT", POSITIVE_SECONDS, "1",
                          "how long one command to the fleet cache's server may take (an entry's transfer included)")
+remote_max_entry = Setting("AOTI_EAGER_REMOTE_MAX_ENTRY", SIZE, "256MiB",
+                           "the largest fleet cache entry (its files together) that is fetched or published; larger "
+                           "ones are refused unread")
 remote_retry = Setting("AOTI_EAGER_REMOTE_RETRY", SECONDS, "60",
                        "after the fleet cache's server fails, how long a process runs local-only before trying it again")
 remote_lock_ttl = Setting("AOTI_EAGER_REMOTE_LOCK_TTL", POSITIVE_SECONDS, "30",

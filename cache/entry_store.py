@@ -61,6 +61,15 @@ def metadata_digest(data: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
+class LockedElsewhere(TimeoutError):
+    """Another machine holds the signature's compile lock: the call runs
+    eagerly, and the caches are asked again after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class EntryStore(Protocol):
     """The entries of one cache environment (one device kind, toolchain and
     set of compile options), keyed by op and signature key.
@@ -130,5 +139,6 @@ class RemoteTier(Protocol):
     def lock_signature(self, op: str, signature_key: str, timeout: float = -1) -> ContextManager[bool]:
         """Held while the signature is compiled, across machines; yields
         whether the lock is held (False: the entry was published meanwhile,
-        or the tier is unreachable). Raises ``TimeoutError`` after
-        ``timeout`` seconds (< 0: waits forever)."""
+        or the tier is unreachable). Raises :class:`LockedElsewhere` where
+        another machine holds it (after a wait of at most ``timeout``
+        seconds, where the tier waits at all)."""

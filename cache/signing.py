@@ -24,6 +24,7 @@ import base64
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 from typing import Iterable
 
@@ -149,9 +150,22 @@ def file_digest(data: bytes) -> dict:
     return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 
-def manifest_of(members: dict[str, dict]) -> bytes:
-    """The manifest listing ``members`` (name -> :func:`file_digest`), as it is signed."""
-    return json.dumps({"format": MANIFEST_FORMAT, "members": members}, indent=1, sort_keys=True).encode()
+def manifest_of(members: dict[str, dict], created: float | None = None) -> bytes:
+    """The manifest listing ``members`` (name -> :func:`file_digest`), as it
+    is signed, with the time its entries were created (now, if not given):
+    a receiver can then tell an older signed entry from a newer one."""
+    record = {"format": MANIFEST_FORMAT, "members": members, "created": time.time() if created is None else created}
+    return json.dumps(record, indent=1, sort_keys=True).encode()
+
+
+def manifest_created(manifest: bytes) -> float:
+    """The creation time a manifest records; 0 (older than any) for a
+    manifest written before manifests recorded one, which are accepted as
+    they were. Call it on a manifest :func:`check_manifest` accepted."""
+    created = load_json(manifest).get("created", 0.0)
+    if isinstance(created, bool) or not isinstance(created, (int, float)) or created != created:
+        raise SignatureError(f"its manifest's creation time {created!r} is not a time")
+    return float(created)
 
 
 def check_manifest(manifest: bytes | None, signature: bytes | None, members: dict[str, dict],

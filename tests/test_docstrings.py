@@ -16,7 +16,7 @@ import pytest
 import aoti_eager  # noqa: F401 - gives kernels/ the wrapped-number test that examples use
 
 # Modules whose examples stand alone. Those of aoti_eager, _prewarm,
-# load_probe and cache.{remote,signing,store} need a manifest, a server, a
+# load_probe and cache.{remote,resp,signing,store} need a manifest, a server, a
 # key or a library built first: they show use, and are not run.
 MODULES = [
     "aoti_eager._ops", "aoti_eager._reach", "aoti_eager.kernels.compile", "aoti_eager.kernels.dynamic",

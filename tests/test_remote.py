@@ -24,6 +24,7 @@ import torch
 import aoti_eager
 from aoti_eager import settings
 from aoti_eager.cache import KernelCache, remote, signing
+from aoti_eager.cache.entry_store import LockedElsewhere
 from aoti_eager.cache.store import LIBRARY_FILE
 from aoti_eager.kernels.toolchain import environment_name
 from helpers import assert_same_as_eager, publish_kernel, run_shapes
@@ -137,16 +138,18 @@ def test_the_keys_of_an_ops_entries_are_listed_by_prefix(server, keys, tmp_path)
     assert tier.keys("aten::abs", "family-") == ["family-1", "family-2"]
     assert second.keys("aten::abs", "family-") == ["family-0", "family-1", "family-2"]  # the local ones first
     # What a server lists is a name, never a path: a key that is not a plain directory name is left out.
-    server.client.sadd(remote.keys_key(ENVIRONMENT, "aten::abs"), "family-/../../escape", "..")
+    server.client.zadd(remote.keys_key(ENVIRONMENT, "aten::abs"), {"family-/../../escape": 0, "..": 0})
     assert tier.keys("aten::abs", "") == ["family-1", "family-2", "other"]
 
 
-def test_publication_is_set_if_absent(server, keys, tmp_path):
+def test_a_verified_entry_is_replaced_only_by_a_newer_one(server, keys, tmp_path):
     first, second = machine(tmp_path / "a", server.url), machine(tmp_path / "b", server.url)
     publish_kernel(first, tmp_path, key="k", content=b"first")
-    publish_kernel(second, tmp_path, key="k", content=b"second")  # a local compile of the same key elsewhere
-    third = machine(tmp_path / "c", server.url)
-    assert third.lookup("aten::abs", "k").library.read_bytes() == b"first"
+    publish_kernel(second, tmp_path, key="k", content=b"second")  # a later compile of the same key elsewhere
+    assert machine(tmp_path / "c", server.url).lookup("aten::abs", "k").library.read_bytes() == b"second"
+    # The older one offered again (a push of an old cache) does not replace it.
+    assert not first.behind.offer("aten::abs", "k", first.entry_dir("aten::abs", "k"))
+    assert machine(tmp_path / "d", server.url).lookup("aten::abs", "k").library.read_bytes() == b"second"
 
 
 def test_nothing_is_published_without_a_signing_key(server, keys, tmp_path, monkeypatch, caplog):
@@ -317,9 +320,16 @@ def test_the_fleet_lock_is_held_by_one_and_released_only_by_its_holder(server, t
     lock = remote.lock_key(ENVIRONMENT, "aten::abs", "k")
     with first.behind.lock_signature("aten::abs", "k") as held:
         assert held and server.client.get(lock) is not None
+        # A call does not wait: it runs eagerly and asks again later.
+        with pytest.raises(LockedElsewhere, match="another machine is compiling it") as refused:
+            with second.behind.lock_signature("aten::abs", "k", timeout=900):
+                pass
+        assert refused.value.retry_after == remote.FLEET_RETRY_SECONDS
+        # A background compile waits, as long as its tier's wait.
+        second.behind.wait = 0.3
         started = time.monotonic()
-        with pytest.raises(TimeoutError, match="held the fleet cache's lock"):
-            with second.behind.lock_signature("aten::abs", "k", timeout=0.3):
+        with pytest.raises(LockedElsewhere):
+            with second.behind.lock_signature("aten::abs", "k", timeout=900):
                 pass
         assert 0.3 <= time.monotonic() - started < 1
         assert server.client.get(lock) is not None, "a waiter released the holder's lock"
@@ -335,6 +345,7 @@ def test_the_fleet_lock_is_renewed_while_held_and_a_dead_holders_expires(server,
         assert server.client.get(lock) is not None
     # A holder that died: its token stays until the TTL ends, then the next waiter takes it.
     server.client.set(lock, "dead holder", px=300)
+    second.behind.wait = 5
     started = time.monotonic()
     with second.behind.lock_signature("aten::abs", "k", timeout=5) as held:
         assert held and 0.1 < time.monotonic() - started < 1
@@ -342,6 +353,7 @@ def test_the_fleet_lock_is_renewed_while_held_and_a_dead_holders_expires(server,
 
 def test_a_waiter_stops_waiting_once_the_entry_is_published(server, keys, tmp_path):
     first, second = machine(tmp_path / "a", server.url), machine(tmp_path / "b", server.url)
+    second.behind.wait = 10
     with first.lock_signature("aten::abs", "k"):
         threading.Timer(0.3, lambda: publish_kernel(first, tmp_path, key="k")).start()
         started = time.monotonic()
@@ -363,6 +375,11 @@ ready = pathlib.Path(sys.argv[6])
 while len(list(ready.iterdir())) < processes:  # everyone misses at once
     time.sleep(0.01)
 results = [torch.sigmoid(x) for _ in range(3)]
+# A machine that found another compiling runs eagerly meanwhile: calls until a kernel serves.
+deadline = time.monotonic() + 300
+while not sum(aoti_eager.stats()["aten::sigmoid"][k] for k in ("compiles", "cache_loads")) and time.monotonic() < deadline:
+    time.sleep(0.05)
+    results.append(torch.sigmoid(x))
 for r in results:
     torch.testing.assert_close(r, expected, rtol=0, atol=0)
 print(json.dumps(aoti_eager.stats()["aten::sigmoid"]))
@@ -407,9 +424,10 @@ def test_a_dynamic_kernel_compiled_on_one_machine_serves_a_new_shape_on_another(
 def test_eight_processes_on_two_machines_compile_once(server, keys, tmp_path):
     roots = [tmp_path / f"machine-{i % 2}" / "cache" for i in range(8)]
     stats = run_fleet(roots, server.url, 56, tmp_path / "ready")
-    assert sum(s["compiles"] for s in stats) == 1, stats
-    assert sum(s["cache_loads"] for s in stats) == 7, stats
-    assert sum(s["fallbacks"] for s in stats) == 0, stats
+    assert sum(s["compiles"] for s in stats) == 1, json.dumps(stats)
+    assert sum(s["cache_loads"] for s in stats) == 7, json.dumps(stats)
+    # Calls on the other machine ran eagerly while the kernel compiled, no other way.
+    assert all(s["fallbacks"] == 0 or "another machine is compiling it" in s["fallback_reason"] for s in stats), stats
 
 
 def test_calls_are_right_and_prompt_when_the_server_is_killed_mid_run(keys, tmp_path, monkeypatch, caplog):
@@ -528,3 +546,286 @@ def test_doctor_says_whether_the_server_answers_and_which_keys_are_trusted(serve
     report, problems = cli._remote_report()
     assert not report["reachable"] and "cannot connect" in problems[0]
     assert "does not answer" in cli._remote_line(report)
+
+
+# ---- whoever can write to the server, or answers in its place, cannot hold or flood a call ----
+
+def split_commands(data: bytes) -> tuple[list[list[bytes]], bytes]:
+    """The complete RESP commands at the start of ``data``, and what is left."""
+    commands = []
+    while data.startswith(b"*"):
+        try:
+            head, rest = data.split(b"\r\n", 1)
+            arguments = []
+            for _ in range(int(head[1:])):
+                size_line, rest = rest.split(b"\r\n", 1)
+                size = int(size_line[1:])
+                if len(rest) < size + 2:
+                    raise ValueError("incomplete")
+                arguments.append(rest[:size])
+                rest = rest[size + 2:]
+        except ValueError:
+            break
+        commands.append(arguments)
+        data = rest
+    return commands, data
+
+
+@contextlib.contextmanager
+def scripted_server(reply: bytes, byte_seconds: float = 0.0) -> Iterator[tuple[str, list[bytes]]]:
+    """A server on loopback answering every command with ``reply``, one byte
+    every ``byte_seconds``; yields its URL and the names of the commands it
+    received. A client's handshake (CLIENT, HELLO) is answered at once."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.settimeout(0.1)
+    stop, received, threads = threading.Event(), [], []
+
+    def answer(connection: socket.socket, data: bytes) -> None:
+        for i in range(len(data)):
+            if stop.is_set():
+                return
+            connection.sendall(data[i:i + 1])
+            stop.wait(byte_seconds)
+
+    def serve(connection: socket.socket) -> None:
+        pending = b""
+        with connection:
+            connection.settimeout(0.1)
+            while not stop.is_set():
+                try:
+                    data = connection.recv(1 << 16)
+                except socket.timeout:
+                    continue
+                except OSError:
+                    return
+                if not data:
+                    return
+                commands, pending = split_commands(pending + data)
+                for command in commands:
+                    name = command[0].upper()
+                    received.append(name)
+                    try:
+                        if name in (b"CLIENT", b"HELLO"):
+                            connection.sendall(b"+OK\r\n")
+                        else:
+                            answer(connection, reply)
+                    except OSError:
+                        return
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                connection, _ = listener.accept()
+            except OSError:
+                continue
+            threads.append(threading.Thread(target=serve, args=(connection,), daemon=True))
+            threads[-1].start()
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    try:
+        yield f"redis://127.0.0.1:{listener.getsockname()[1]}/0", received
+    finally:
+        stop.set()
+        acceptor.join()
+        for thread in threads:
+            thread.join()
+        listener.close()
+
+
+
+
+def test_a_server_that_trickles_its_reply_holds_a_call_one_deadline_then_is_not_asked(keys, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(remote, "_servers", {})
+    # A valid reply of 52 bytes, one byte every 0.5 s: 26 s; each read comes well within the 1 s socket timeout.
+    reply = b"*8\r\n" + b"$0\r\n\r\n" * 8
+    inputs = [torch.randn(size) for size in (5, 3, 7)]
+    expected = [torch.sigmoid(x) for x in inputs]
+    with scripted_server(reply, byte_seconds=0.5) as (url, received):
+        aoti_eager.enable(["aten::sigmoid"], devices=["cpu"], cache_dir=tmp_path / "cache", remote=url, compile="never")
+        started = time.monotonic()
+        assert_same_as_eager(torch.sigmoid(inputs[0]), expected[0])
+        # One command's deadline (connecting, then the command), and a margin for a loaded machine.
+        assert time.monotonic() - started < settings.remote_connect_timeout.get() + settings.remote_timeout.get() + 1.5
+        asked = len(received)
+        for x, eager in zip(inputs[1:], expected[1:]):
+            assert_same_as_eager(torch.sigmoid(x), eager)
+        assert len(received) == asked, "the server was asked again within the retry interval"
+    said = refusals(caplog)
+    assert len(said) == 1 and "no complete answer within" in said[0], said
+
+
+@pytest.mark.parametrize("reply", [b":1\r\n", b"+OK\r\n", b"*2\r\n:1\r\n*1\r\n:2\r\n", b"$3\r\nabc\r\n",
+                                   b"$999999999999\r\n", b"*1\r\n" * 100 + b":1\r\n"],
+                         ids=["integer", "status", "nested", "bulk", "announced-huge", "deeply-nested"])
+def test_a_reply_of_an_unexpected_type_trips_the_breaker(reply, keys, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(remote, "_servers", {})
+    inputs = [torch.randn(size) for size in (5, 9)]
+    expected = [torch.sigmoid(x) for x in inputs]
+    with scripted_server(reply) as (url, received):
+        aoti_eager.enable(["aten::sigmoid"], devices=["cpu"], cache_dir=tmp_path / "cache", remote=url, compile="never")
+        assert_same_as_eager(torch.sigmoid(inputs[0]), expected[0])
+        asked = len(received)
+        assert asked >= 1
+        assert_same_as_eager(torch.sigmoid(inputs[1]), expected[1])
+        assert len(received) == asked, "the server was asked again within the retry interval"
+    said = refusals(caplog)
+    assert len(said) == 1 and "not the reply expected" in said[0], said
+
+
+def test_an_oversized_entry_is_refused_without_being_read(server, keys, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("AOTI_EAGER_REMOTE_MAX_ENTRY", "1MiB")
+    publish_kernel(machine(tmp_path / "a", server.url), tmp_path, key="k")
+    big = os.urandom(4 << 20)
+    server.client.hset(_stored(server), mapping={LIBRARY_FILE: big, "entry.json": big, "kernel.json": big})
+    sent_before = int(server.client.info("stats")["total_net_output_bytes"])
+    assert machine(tmp_path / "b", server.url).lookup("aten::abs", "k") is None
+    assert int(server.client.info("stats")["total_net_output_bytes"]) - sent_before < 1 << 20
+    said = refusals(caplog)
+    assert len(said) == 1 and "over AOTI_EAGER_REMOTE_MAX_ENTRY" in said[0] and "refused unread" in said[0], said
+
+
+def test_a_miss_fetches_at_most_the_cap_of_a_familys_keys_however_many_are_planted(server, keys, tmp_path):
+    from aoti_eager.kernels import CallSignature
+    from aoti_eager.kernels.compile import compile_options
+    from aoti_eager.kernels.dynamic import family_key
+    from aoti_eager.kernels.signature import qualified_name
+
+    here, op = environment_name(torch.device("cpu"), compile_options("cpu")), torch.ops.aten.sigmoid.default
+    x = torch.randn(6)
+    expected = torch.sigmoid(x)
+    prefix = family_key(CallSignature.of(op, "cpu", [x])) + "-"
+    publisher = KernelCache(tmp_path / "a", here)
+    publisher.behind = remote.tier(server.url, here)
+    publish_kernel(publisher, tmp_path, key=prefix + "0" * 8, op=qualified_name(op))  # the op's index, as published
+    # Keys of the family planted in the index, as anyone who can write to the server could.
+    index, planted = remote.keys_key(here, qualified_name(op)), [f"{prefix}{i:08d}" for i in range(1, 20001)]
+    if server.client.type(index) == b"zset":
+        server.client.zadd(index, dict.fromkeys(planted, 0))
+    else:
+        server.client.sadd(index, *planted)
+    server.client.config_resetstat()
+    aoti_eager.enable(["aten::sigmoid"], devices=["cpu"], cache_dir=tmp_path / "b", remote=server.url, compile="never")
+    assert_same_as_eager(torch.sigmoid(x), expected)
+    stats = server.client.info("commandstats")
+    # Entries read: the signature's own, then at most the cap of its family's.
+    reads = sum(stats.get(f"cmdstat_{name}", {}).get("calls", 0) for name in ("eval", "evalsha", "hgetall"))
+    assert 1 <= reads <= 1 + remote.MAX_LISTED_KEYS, stats
+
+
+def test_an_entry_nobody_here_trusts_is_replaced_by_a_verified_one(server, keys, tmp_path, monkeypatch):
+    # First on the keys: an entry signed by a key that nobody trusts, and garbage.
+    signing.generate_key_pair(tmp_path / "stranger")
+    monkeypatch.setenv(settings.signing_key.name, str(tmp_path / "stranger"))
+    publish_kernel(machine(tmp_path / "x", server.url), tmp_path, key="k1", content=b"\x7fELF the stranger's")
+    server.client.hset(_stored(server, "k2"), mapping={LIBRARY_FILE: b"\x7fELF garbage", remote.SIGNATURE_FIELD: b"[[["})
+    monkeypatch.setenv(settings.signing_key.name, str(keys))
+    publisher = machine(tmp_path / "a", server.url)
+    for key in ("k1", "k2"):
+        publish_kernel(publisher, tmp_path, key=key, content=b"\x7fELF trusted")
+    for key in ("k1", "k2"):
+        assert machine(tmp_path / f"c-{key}", server.url).lookup("aten::abs", key).library.read_bytes() == b"\x7fELF trusted"
+
+
+def test_an_older_signed_entry_put_back_is_undone_by_the_next_publication(server, keys, tmp_path):
+    publish_kernel(machine(tmp_path / "a", server.url), tmp_path, key="k", content=b"\x7fELF old")
+    old = server.client.hgetall(_stored(server))
+    server.client.delete(_stored(server))  # evicted, or removed by hand; then compiled again
+    second = machine(tmp_path / "b", server.url)
+    publish_kernel(second, tmp_path, key="k", content=b"\x7fELF new")
+    server.client.delete(_stored(server))
+    server.client.hset(_stored(server), mapping=old)  # the old signed entry put back
+    # The next publication of the newer one (a push, or a compile after a lock expired) replaces it.
+    assert second.behind.offer("aten::abs", "k", second.entry_dir("aten::abs", "k"))
+    assert machine(tmp_path / "c", server.url).lookup("aten::abs", "k").library.read_bytes() == b"\x7fELF new"
+
+
+def test_a_manifest_without_a_creation_time_is_accepted_as_the_oldest(server, keys, tmp_path, monkeypatch):
+    with_time = signing.manifest_of
+    monkeypatch.setattr(signing, "manifest_of", lambda members, created=None: json.dumps(
+        {"format": signing.MANIFEST_FORMAT, "members": members}, indent=1, sort_keys=True).encode())
+    publish_kernel(machine(tmp_path / "a", server.url), tmp_path, key="k", content=b"\x7fELF from before")
+    monkeypatch.setattr(signing, "manifest_of", with_time)
+    assert machine(tmp_path / "b", server.url).lookup("aten::abs", "k").library.read_bytes() == b"\x7fELF from before"
+    assert signing.manifest_created(server.client.hget(_stored(server), remote.MANIFEST_FIELD)) == 0
+    publish_kernel(machine(tmp_path / "c", server.url), tmp_path, key="k", content=b"\x7fELF dated")
+    assert machine(tmp_path / "d", server.url).lookup("aten::abs", "k").library.read_bytes() == b"\x7fELF dated"
+
+
+def test_a_refused_publication_releases_the_fleet_lock(keys, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(remote, "_servers", {})
+    full = RedisServer(tmp_path, "--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
+    try:
+        cache = machine(tmp_path / "a", full.url)
+        lock = remote.lock_key(ENVIRONMENT, "aten::abs", "k")
+        with cache.lock_signature("aten::abs", "k"):
+            assert full.client.get(lock) is not None
+            publish_kernel(cache, tmp_path, key="k", content=os.urandom(4 << 20))  # out of memory: refused
+        assert full.client.get(lock) is None
+        said = refusals(caplog)
+        assert len(said) == 1 and "maxmemory" in said[0], said
+    finally:
+        full.stop()
+
+
+def test_a_lock_without_a_ttl_is_stale_after_the_lock_ttl(server, tmp_path, monkeypatch):
+    monkeypatch.setenv(settings.remote_lock_ttl.name, "0.5")
+    tier = machine(tmp_path / "a", server.url).behind
+    lock = remote.lock_key(ENVIRONMENT, "aten::abs", "k")
+    server.client.set(lock, "set by hand, with no TTL")
+    with pytest.raises(TimeoutError):
+        with tier.lock_signature("aten::abs", "k", timeout=0.2):
+            pass
+    assert 0 < server.client.pttl(lock) <= 500
+    time.sleep(0.6)
+    with tier.lock_signature("aten::abs", "k", timeout=0.2) as held:
+        assert held and server.client.get(lock) != b"set by hand, with no TTL"
+
+
+def _lock_of_a_sigmoid_call(server: RedisServer, x: torch.Tensor) -> str:
+    """Sets by hand, with no TTL, the fleet lock that a sigmoid call of ``x`` would take; returns its key."""
+    from aoti_eager.kernels import CallSignature
+    from aoti_eager.kernels.compile import compile_options
+
+    here = environment_name(torch.device("cpu"), compile_options("cpu"))
+    signature = CallSignature.of(torch.ops.aten.sigmoid.default, "cpu", [x])
+    lock = remote.lock_key(here, "aten::sigmoid", signature.key)
+    server.client.set(lock, "set by hand, with no TTL")
+    return lock
+
+
+def test_a_call_finding_the_fleet_lock_taken_runs_eagerly_without_waiting(server, keys, tmp_path, monkeypatch):
+    monkeypatch.setenv(settings.lock_timeout.name, "3")
+    x = torch.randn(10)
+    expected = torch.sigmoid(x)
+    lock = _lock_of_a_sigmoid_call(server, x)
+    aoti_eager.enable(["aten::sigmoid"], devices=["cpu"], cache_dir=tmp_path / "cache", remote=server.url)
+    started = time.monotonic()
+    for _ in range(3):
+        assert_same_as_eager(torch.sigmoid(x), expected)
+    assert time.monotonic() - started < 2, "a call waited for another machine's compile"
+    assert aoti_eager.stats()["aten::sigmoid"]["compiles"] == 0
+    assert 0 < server.client.pttl(lock) <= settings.remote_lock_ttl.get() * 1000
+
+
+def test_a_wait_for_the_fleet_lock_leaves_the_compile_lock_free(server, keys, tmp_path, monkeypatch):
+    from aoti_eager import _runtime
+
+    monkeypatch.setenv(settings.lock_timeout.name, "3")
+    monkeypatch.setattr(_runtime, "fleet_wait", 1.5, raising=False)  # as a background worker waits
+    x = torch.randn(10)
+    expected = torch.sigmoid(x)
+    _lock_of_a_sigmoid_call(server, x)
+    aoti_eager.enable(["aten::sigmoid"], devices=["cpu"], cache_dir=tmp_path / "cache", remote=server.url)
+    results = []
+    call = threading.Thread(target=lambda: results.append(torch.sigmoid(x)))
+    call.start()
+    time.sleep(0.3)  # the call is waiting for the fleet's lock
+    free = _runtime._compile_lock.acquire(timeout=0.5)
+    if free:
+        _runtime._compile_lock.release()
+    call.join()
+    assert free, "the process-wide compile lock was held while waiting for another machine"
+    assert_same_as_eager(results[0], expected)
