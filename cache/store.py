@@ -219,6 +219,12 @@ def _member(directory: Path, name: str) -> str:
     return "/".join((*directory.parts[-3:], name))
 
 
+def _entry_manifest(members: dict[str, dict]) -> bytes:
+    """The manifest an entry's signature covers: made again by every reader,
+    so with a fixed creation time (entry.json, a member, records the entry's)."""
+    return signing.manifest_of(members, created=0.0)
+
+
 def check_signed(directory: Path, digests: dict[str, dict], owner: int) -> None:
     """Raises UntrustedEntry unless the entry in ``directory``, whose files
     have ``digests``, is signed (:data:`ENTRY_SIGNATURE`) by a key of
@@ -230,7 +236,7 @@ def check_signed(directory: Path, digests: dict[str, dict], owner: int) -> None:
             signature = cache_files.read_capped(directory / ENTRY_SIGNATURE)
         except FileNotFoundError:
             signature = None
-        signing.trusted_signer(signing.manifest_of(members), signature, settings.trusted_keys.get())
+        signing.trusted_signer(_entry_manifest(members), signature, settings.trusted_keys.get())
     except (OSError, signing.SignatureError, signing.KeyFileError) as e:
         raise UnsignedEntry(
             f"{directory} was written by uid {owner}, another user, and {e}: a shared cache's entry that another "
@@ -250,7 +256,7 @@ def sign_entry(directory: Path, place: Path) -> None:
             with cache_files.open_regular_file(directory / name) as f:
                 members[_member(place, name)] = cache_files.copy_hashed(f)
     try:
-        signature = signing.sign(signing.manifest_of(members), key)
+        signature = signing.sign(_entry_manifest(members), key)
     except signing.KeyFileError as e:
         log.warning("aoti_eager: the entry %s is published unsigned, which other members of the shared cache "
                     "will not load: %s", place, e)
