@@ -44,6 +44,10 @@ class Entry:
     # A dynamic-shape kernel's dims and guards (kernels/dynamic.py: ShapeFamily.to_json).
     dynamic: dict[str, Any] | None = None
     created: float = dataclasses.field(default_factory=time.time)
+    # Where it was published (its op is ``op``): an entry moved to another key no longer matches.
+    signature_key: str | None = None
+    # The sha256 of each file beside the library (kernel.json), by name.
+    sidecar_sha256: dict[str, str] | None = None
     # Of every other field as written in entry.json (see metadata_digest).
     metadata_sha256: str | None = None
 

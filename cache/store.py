@@ -5,9 +5,10 @@ publication, removal (:class:`KernelCache`, an
 An entry is a directory named by its signature digest. It is assembled under a
 temporary name inside the op's directory and published with one ``rename``, so
 a reader sees either no entry or a complete one; ``entry.json`` carries the
-artifact's sha256 and a digest of its own fields, both checked before the
-library is loaded, and what the C++ side takes from it is checked against the
-op's schema. The library is loaded from a private copy made from the very
+sha256 of the library and of the files beside it, the op and key it was
+published for and a digest of its own fields, all checked before the library
+is loaded, and what the C++ side takes from it is checked against the op's
+schema. The library is loaded from a private copy made from the very
 descriptor that was hashed (:meth:`KernelCache.hold`), so a file swapped
 after the check never runs; in a shared cache, an entry that another member
 wrote is loaded only when a trusted key signed it (:func:`check_signed`).
@@ -174,11 +175,34 @@ def read_entry(directory: Path, root: Path, copy_as: Path | None = None) -> Entr
         entry.library = copy_as or directory / LIBRARY_FILE
     if entry.metadata_sha256 != metadata_digest(data):
         raise DamagedEntry(f"{ENTRY_FILE} does not match its recorded digest (edited, or written by an older version)")
+    check_recorded_place(directory, entry, digests)
     if entry.library is not None:
         check_output_counts(entry.op, entry.output_counts)
     if owners != {os.getuid()}:
         check_signed(directory, digests, max(owners - {os.getuid()}))
     return entry
+
+
+def check_recorded_place(directory: Path, entry: Entry, digests: dict[str, dict]) -> None:
+    """Raises DamagedEntry unless ``entry`` was published for the op and key of
+    ``directory`` (a member of a shared cache can rename a directory it did not
+    write) and the files beside its library are those it recorded.
+
+    An entry of an older version records neither: accepted in a private cache,
+    which only this user could have rearranged; damaged (compiled again) in a
+    shared one."""
+    if entry.signature_key is None:
+        if settings.cache_group.get() is not None:
+            raise DamagedEntry(f"{ENTRY_FILE} does not record the key it was published for (written by an older "
+                               "version): in a shared cache it could have been moved from another key")
+        return
+    if (op_dirname(entry.op), entry.signature_key) != (directory.parent.name, directory.name):
+        raise DamagedEntry(f"{ENTRY_FILE} was published for {entry.op} {entry.signature_key}, not for where it is")
+    if entry.library is not None:
+        found = {name: digests[name]["sha256"] for name in SIDECAR_FILES if name in digests}
+        if found != (entry.sidecar_sha256 or {}):
+            raise DamagedEntry(f"the files beside the library ({', '.join(SIDECAR_FILES)}) do not match their "
+                               "recorded sha256")
 
 
 def _copied_name(copy_as: Path, name: str) -> Path:
@@ -758,8 +782,10 @@ class KernelCache(EntryStore):
         try:
             for name, source in (files or {}).items():
                 shutil.copyfile(source, tmp / name)
+            entry.signature_key = signature_key
             if entry.library is not None:
                 entry.sha256 = sha256_of(tmp / LIBRARY_FILE)
+                entry.sidecar_sha256 = {name: sha256_of(tmp / name) for name in SIDECAR_FILES if (tmp / name).exists()}
                 entry.library = Path(LIBRARY_FILE)
             metadata = entry.to_json()
             entry.metadata_sha256 = metadata["metadata_sha256"]

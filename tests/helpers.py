@@ -16,12 +16,18 @@ from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE, metadata_digest
 SIGNATURE = [{"name": "self", "kind": "tensor", "dtype": "float32", "device": "cpu", "sizes": [4], "strides": [1], "aligned": True}]
 
 
-def publish_kernel(cache: KernelCache, tmp_path: Path, key: str = "sig", content: bytes = b"\x7fELF kernel", op: str = "aten::abs") -> Entry:
-    """Publishes a stand-in kernel (bytes, never loaded) under ``key``."""
+def publish_kernel(cache: KernelCache, tmp_path: Path, key: str = "sig", content: bytes = b"\x7fELF kernel",
+                   op: str = "aten::abs", sidecar: str | None = None) -> Entry:
+    """Publishes a stand-in kernel (bytes, never loaded) under ``key``, with
+    ``sidecar`` as its kernel.json if given."""
     library = tmp_path / f"built-{key}-{uuid.uuid4().hex}.so"
     library.write_bytes(content)
+    files = {LIBRARY_FILE: library}
+    if sidecar is not None:
+        files["kernel.json"] = library.with_suffix(".json")
+        files["kernel.json"].write_text(sidecar)
     entry = Entry(op=op, signature=SIGNATURE, output_counts=[-1], library=library, compile_seconds=1.5)
-    return cache.publish(key, entry, {LIBRARY_FILE: library})
+    return cache.publish(key, entry, files)
 
 
 def edit_entry_json(directory: Path, redigest: bool = False, **fields: Any) -> None:

@@ -395,8 +395,7 @@ def test_a_miss_makes_nothing_in_a_root_it_refuses(tmp_path, refused):
 
 
 def test_a_library_is_loaded_from_a_private_copy_that_goes_after_the_load(cache, tmp_path, private_root, monkeypatch):
-    publish_kernel(cache, tmp_path, content=b"\x7fELF verified")
-    (cache.entry_dir("aten::abs", "sig") / "kernel.json").write_text("{}")  # what the runner looks for beside it
+    publish_kernel(cache, tmp_path, content=b"\x7fELF verified", sidecar="{}")  # kernel.json: the runner looks beside it
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     left = private_root / "load" / f"{layout.process_prefix('load')}{dead.stdout.strip()}-0123"
     left.mkdir(parents=True)  # as a killed process leaves it
@@ -438,3 +437,60 @@ def test_a_copy_that_does_not_fit_leaves_the_entry_in_place(cache, tmp_path, mon
             pass
     assert raised.value.errno == errno.ENOSPC and not isinstance(raised.value, DamagedEntry)
     assert cache.lookup("aten::abs", "sig") is not None and inventory.quarantined(cache.root) == []
+
+
+def _team_cache(monkeypatch, shared: bool) -> None:
+    if shared:
+        monkeypatch.setenv("AOTI_EAGER_CACHE_GROUP", str(os.getgid()))
+    else:
+        monkeypatch.delenv("AOTI_EAGER_CACHE_GROUP", raising=False)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["private", "team"])
+@pytest.mark.parametrize("moved_to", ["another key", "another op"])
+def test_an_entry_moved_to_another_signatures_directory_is_not_loaded_there(cache, tmp_path, monkeypatch, caplog,
+                                                                             shared, moved_to):
+    # A team-cache member may rename a directory it did not write; the entry.json it carries is the publisher's.
+    _team_cache(monkeypatch, shared)
+    publish_kernel(cache, tmp_path, key="other", content=b"\x7fELF a kernel of another signature")
+    op = "aten::abs" if moved_to == "another key" else "aten::neg"
+    target = cache.entry_dir(op, "sig")
+    target.parent.mkdir(exist_ok=True)
+    os.rename(cache.entry_dir("aten::abs", "other"), target)
+    with caplog.at_level(logging.WARNING, logger="aoti_eager"):
+        assert cache.lookup(op, "sig") is None
+    assert "not for where it is" in caplog.text and not target.exists()
+    assert [path.name.rsplit("-", 1)[0] for path in inventory.quarantined(cache.root)] == ["sig"]
+
+
+def _as_an_older_version_wrote_it(directory) -> None:
+    data = json.loads((directory / ENTRY_FILE).read_text())
+    del data["signature_key"], data["sidecar_sha256"]
+    data["metadata_sha256"] = store_module.metadata_digest(data)
+    (directory / ENTRY_FILE).write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["private", "team"])
+def test_an_entry_that_does_not_record_its_key_is_loaded_only_from_a_private_cache(cache, tmp_path, monkeypatch, shared):
+    _team_cache(monkeypatch, shared)
+    publish_kernel(cache, tmp_path, content=b"\x7fELF older")
+    _as_an_older_version_wrote_it(cache.entry_dir("aten::abs", "sig"))
+    entry = cache.lookup("aten::abs", "sig")
+    if shared:
+        assert entry is None and len(inventory.quarantined(cache.root)) == 1
+    else:
+        assert entry is not None and entry.library.read_bytes() == b"\x7fELF older"
+
+
+@pytest.mark.parametrize("change", ["edited", "added", "removed"])
+def test_a_kernel_json_other_than_the_one_published_is_damage(cache, tmp_path, caplog, change):
+    publish_kernel(cache, tmp_path, sidecar=None if change == "added" else '{"ops": []}')
+    sidecar = cache.entry_dir("aten::abs", "sig") / "kernel.json"
+    if change == "removed":
+        sidecar.unlink()
+    else:
+        sidecar.write_text('{"ops": ["aten::something_else"]}')
+    with caplog.at_level(logging.WARNING, logger="aoti_eager"), cache.hold("aten::abs", "sig") as entry:
+        assert entry is None
+    assert "kernel.json) do not match their recorded sha256" in caplog.text
+    assert len(inventory.quarantined(cache.root)) == 1
