@@ -33,8 +33,11 @@ from typing import Any, Iterator, Sequence
 
 # Nesting of arrays in a reply (the fleet's deepest is 2: SCAN's).
 MAX_DEPTH = 4
-# Elements of one array: SCAN pages and key listings are far smaller.
-MAX_ELEMENTS = 1 << 20
+# Values in the replies of one call, arrays' elements included: the largest
+# the fleet asks for (a SCAN page, a listing's pipeline) are far fewer. Each
+# costs far more memory than its few bytes on the wire, so bytes alone do not
+# bound what a reply allocates.
+MAX_VALUES = 1 << 16
 
 
 class Error(Exception):
@@ -86,6 +89,7 @@ class Connection:
         self._buffer = bytearray()
         self._deadline = float("inf")
         self._read = 0
+        self._values = 0
 
     @contextlib.contextmanager
     def deadline(self, seconds: float) -> Iterator[None]:
@@ -102,10 +106,10 @@ class Connection:
         """The replies to ``commands``, sent together (a pipeline)."""
         with self.lock:
             try:
+                self._read = self._values = 0
                 if self._sock is None:
                     self._connect()
                 self._send(b"".join(pack(command) for command in commands))
-                self._read = 0
                 replies = [self._reply(0) for _ in commands]
             except ReplyError:
                 raise  # only from the handshake: the connection is closed already
@@ -139,15 +143,17 @@ class Connection:
         try:
             if parts.scheme == "unix":
                 sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                sock.settimeout(timeout)
-                sock.connect(parts.path)
+                with _closed_on_error(sock):
+                    sock.settimeout(timeout)
+                    sock.connect(parts.path)
             else:
-                sock = socket.create_connection((parts.hostname or "localhost", parts.port or 6379), timeout=timeout)
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock = _tcp(parts.hostname or "localhost", parts.port or 6379, time.monotonic() + timeout)
             if parts.scheme == "rediss":
                 import ssl
 
-                sock = ssl.create_default_context().wrap_socket(sock, server_hostname=parts.hostname)
+                with _closed_on_error(sock):
+                    sock.settimeout(self._remaining())  # the handshake, whole, within the command's deadline
+                    sock = ssl.create_default_context().wrap_socket(sock, server_hostname=parts.hostname)
         except socket.timeout:
             raise ConnectError(f"no connection within {timeout:g} s") from None
         except OSError as e:
@@ -213,6 +219,9 @@ class Connection:
         return data
 
     def _reply(self, depth: int) -> Any:
+        self._values += 1
+        if self._values > MAX_VALUES:
+            raise ProtocolError(f"replies of over {MAX_VALUES} values")
         line = self._line()
         kind, rest = line[:1], line[1:]
         try:
@@ -229,12 +238,69 @@ class Connection:
                 count = int(rest)
                 if count < 0:
                     return None
-                if depth >= MAX_DEPTH or count > MAX_ELEMENTS:
-                    raise ProtocolError(f"an array of {count} elements at depth {depth}")
+                if depth >= MAX_DEPTH or self._values + count > MAX_VALUES:
+                    raise ProtocolError(f"an array of {count} elements at depth {depth}: "
+                                        f"over {MAX_DEPTH} levels or {MAX_VALUES} values")
                 return [self._reply(depth + 1) for _ in range(count)]
         except ValueError:
             pass
         raise ProtocolError(f"not a RESP reply: {line[:40]!r}")
+
+
+def _resolve(host: str, port: int, deadline: float) -> list[tuple]:
+    """``getaddrinfo(host, port)`` by ``deadline``: the system's resolver has
+    no timeout of its own (an unanswering DNS server holds it for its retries),
+    so a host name is resolved in a thread that is left behind if late. A
+    numeric address needs no resolver."""
+    try:
+        return socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM, 0, socket.AI_NUMERICHOST)
+    except socket.gaierror:
+        pass  # a name
+    answer: list[Any] = []
+
+    def resolve() -> None:
+        try:
+            answer.append(socket.getaddrinfo(host, port, 0, socket.SOCK_STREAM))
+        except OSError as e:
+            answer.append(e)
+
+    thread = threading.Thread(target=resolve, name="aoti_eager-resolve", daemon=True)
+    thread.start()
+    thread.join(max(0.0, deadline - time.monotonic()))
+    if not answer:
+        raise socket.timeout(f"{host} not resolved in time")
+    if isinstance(answer[0], OSError):
+        raise answer[0]
+    return answer[0]
+
+
+def _tcp(host: str, port: int, deadline: float) -> socket.socket:
+    """A TCP connection to the first address of ``host`` that accepts one,
+    resolution included, by ``deadline`` (socket.timeout after it)."""
+    error: OSError = socket.timeout(f"no address of {host} accepted a connection in time")
+    for family, kind, proto, _, address in _resolve(host, port, deadline):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(left)
+            sock.connect(address)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        except OSError as e:
+            sock.close()
+            error = e
+    raise error
+
+
+@contextlib.contextmanager
+def _closed_on_error(sock: socket.socket) -> Iterator[None]:
+    try:
+        yield
+    except BaseException:
+        sock.close()
+        raise
 
 
 def _database(parts: urllib.parse.SplitResult) -> int:
