@@ -107,6 +107,10 @@ FLEET_RETRY_SECONDS = 0.5
 # The most signature keys of a shape family that one miss lists (each may be
 # fetched): whoever can write to the server can add keys, never work.
 MAX_LISTED_KEYS = 32
+# What a listing of the server's entries (:func:`entries`) holds at most, and
+# the SCAN pages it asks for: a server may answer with pages that never end.
+MAX_LISTED_ENTRIES = 1 << 20
+MAX_SCAN_PAGES = 1 << 16
 
 # An entry's fields, in FIELDS' order, unless it is larger than ARGV[1] bytes
 # in all: {number of fields, total bytes, field values...}; {0} for none.
@@ -335,21 +339,24 @@ def entries(server: Server, environment: str | None = None, op: str | None = Non
     ServerUnavailable."""
     # An op named without its overload (aten::add) stands for all of them.
     pattern = f"{NAMESPACE}:entry:{environment or '*'}:{op_dirname(op) + '*' if op else '*'}:*"
-    keys, cursor = [], b"0"
-    while True:  # a command per page: each has its deadline
+    wanted = op_dirname(op) if op is not None else None
+    listed, cursor = [], b"0"
+    for _ in range(MAX_SCAN_PAGES):  # a command per page: each has its deadline
         cursor, found = server.run(lambda client: _scan_page(client, cursor, pattern))
-        keys += found
+        listed += [parts for parts in map(_entry_of_key, found) if parts is not None
+                   and (wanted is None or parts[2] == wanted or parts[2].startswith(wanted + "."))]
+        if len(listed) > MAX_LISTED_ENTRIES:
+            raise ServerUnavailable(f"the fleet cache {redacted(server.url)} lists over {MAX_LISTED_ENTRIES} entries")
         if cursor == b"0":
             break
-    if op is not None:
-        wanted = op_dirname(op)
-        keys = [key for key in keys if key.split(":")[4] == wanted or key.split(":")[4].startswith(wanted + ".")]
-    for start in range(0, len(keys), 500):
-        chunk = keys[start:start + 500]
+    else:
+        raise ServerUnavailable(f"the fleet cache {redacted(server.url)}: its listing did not end after "
+                                f"{MAX_SCAN_PAGES} pages")
+    for start in range(0, len(listed), 500):
+        chunk = listed[start:start + 500]
         lengths = server.run(lambda client: [expect(n, int) for n in client.execute(
-            *[["HSTRLEN", key, field] for key in chunk for field in FIELDS])])
-        for i, key in enumerate(chunk):
-            _, _, _, env, op_dir, signature_key = key.split(":", 5)
+            *[["HSTRLEN", key, field] for key, *_ in chunk for field in FIELDS])])
+        for i, (_, env, op_dir, signature_key) in enumerate(chunk):
             size = sum(lengths[i * len(FIELDS):(i + 1) * len(FIELDS)])
             yield RemoteEntry(env, op_of_dirname(op_dir), signature_key, size)
 
@@ -358,6 +365,22 @@ def _scan_page(client: resp.Connection, cursor: bytes, pattern: str) -> tuple[by
     """One page of SCAN: the next cursor, and the keys."""
     following, found = expect(client.execute(["SCAN", cursor, "MATCH", pattern, "COUNT", 1000])[0], list)
     return expect(following, bytes), [expect(key, bytes).decode(errors="replace") for key in expect(found, list)]
+
+
+def _entry_of_key(key: str) -> tuple[str, str, str, str] | None:
+    """(key, environment, op directory, signature key) of an entry's key;
+    None for a key that no entry of this package has, whose parts could name
+    a path outside the cache (``..``, a ``/``)."""
+    parts = key.split(":")
+    if len(parts) != 6 or ":".join(parts[:3]) != f"{NAMESPACE}:entry" or not all(map(plain_name, parts[3:])):
+        return None
+    return key, parts[3], parts[4], parts[5]
+
+
+def plain_name(name: str) -> bool:
+    """Whether ``name`` could be a directory name this package gives: one
+    component, of safe characters (see :func:`layout.safe_name`)."""
+    return 0 < len(name) <= 255 and name not in (".", "..") and layout.safe_name(name) == name
 
 
 class RedisTier:
@@ -500,8 +523,7 @@ class RedisTier:
         except ServerUnavailable:
             return []
         found = {member.decode(errors="replace") for member in members if isinstance(member, bytes)}
-        return sorted(key for key in found
-                      if key.startswith(prefix) and key not in (".", "..") and layout.safe_name(key) == key)
+        return sorted(key for key in found if key.startswith(prefix) and plain_name(key))[:MAX_LISTED_KEYS]
 
     @contextlib.contextmanager
     def lock_signature(self, op: str, signature_key: str, timeout: float = -1) -> Iterator[bool]:

@@ -829,3 +829,33 @@ def test_a_wait_for_the_fleet_lock_leaves_the_compile_lock_free(server, keys, tm
     call.join()
     assert free, "the process-wide compile lock was held while waiting for another machine"
     assert_same_as_eager(results[0], expected)
+
+
+def test_a_listing_of_the_servers_entries_leaves_out_keys_that_no_entry_has(server, keys, tmp_path):
+    publish_kernel(machine(tmp_path / "a", server.url), tmp_path, key="k")
+    entry = f"{remote.NAMESPACE}:entry"
+    # Planted by anyone who can write to the server: names that climb out of a cache, or do not parse.
+    for planted in (f"{entry}:{ENVIRONMENT}:..:k", f"{entry}:{ENVIRONMENT}:aten.abs:../../../outside",
+                    f"{entry}:{ENVIRONMENT}:aten.abs:k:more", f"{entry}:short", f"{entry}:{ENVIRONMENT}:aten.abs:"):
+        server.client.hset(planted, LIBRARY_FILE, b"\x7fELF planted")
+    for op in (None, "aten::abs"):
+        listed = [(e.environment, e.op, e.signature_key) for e in remote.entries(remote.server(server.url), op=op)]
+        assert listed == [(ENVIRONMENT, "aten::abs", "k")]
+
+
+def test_a_scan_that_never_comes_back_to_its_start_is_given_up(keys, monkeypatch):
+    monkeypatch.setattr(remote, "_servers", {})
+    monkeypatch.setattr(remote, "MAX_SCAN_PAGES", 5)
+    with scripted_server(b"*2\r\n$1\r\n1\r\n*0\r\n") as (url, received):  # "more to come", forever
+        with pytest.raises(remote.ServerUnavailable, match="did not end after 5 pages"):
+            list(remote.entries(remote.server(url)))
+        assert received == [b"SCAN"] * 5
+
+
+def test_a_family_listing_holds_at_most_the_cap_whatever_the_server_answers(keys, monkeypatch):
+    monkeypatch.setattr(remote, "_servers", {})
+    members = [b"p-%02d" % i for i in range(remote.MAX_LISTED_KEYS + 8)]  # LIMIT ignored
+    reply = b"*%d\r\n" % len(members) + b"".join(b"$%d\r\n%s\r\n" % (len(m), m) for m in members)
+    with scripted_server(reply) as (url, _):
+        listed = remote.tier(url, ENVIRONMENT).keys("aten::abs", "p-")
+    assert listed == [m.decode() for m in members[:remote.MAX_LISTED_KEYS]]
