@@ -94,13 +94,17 @@ class Connection:
     @contextlib.contextmanager
     def deadline(self, seconds: float) -> Iterator[None]:
         """Every command in the block, connecting included, ends within
-        ``seconds`` of its start, or raises :class:`Timeout`."""
-        with self.lock:
-            self._deadline = time.monotonic() + seconds
-            try:
-                yield
-            finally:
-                self._deadline = float("inf")
+        ``seconds`` of its start, or raises :class:`Timeout`; so does the wait
+        for another thread's command on the connection (a lock's renewal)."""
+        deadline = time.monotonic() + seconds
+        if not self.lock.acquire(timeout=seconds):
+            raise Timeout("the connection was busy with another thread's command until the deadline")
+        try:
+            self._deadline = deadline
+            yield
+        finally:
+            self._deadline = float("inf")
+            self.lock.release()
 
     def execute(self, *commands: Sequence[Any]) -> list[Any]:
         """The replies to ``commands``, sent together (a pipeline)."""

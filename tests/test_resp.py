@@ -76,3 +76,27 @@ def test_a_host_name_the_resolver_does_not_answer_for_costs_at_most_the_connect_
         assert not answered.is_set(), "the call waited for the resolver"
     finally:
         release.set()
+
+
+def test_a_command_waiting_for_another_threads_ends_within_its_own_deadline():
+    # Another thread's command (a fleet lock's renewal) held up by a slow server holds the connection.
+    connection = resp.Connection("redis://127.0.0.1:1/0", connect_timeout=0.1)
+    busy, release, released = threading.Event(), threading.Event(), threading.Event()
+
+    def slow_command() -> None:
+        with connection.lock:
+            busy.set()
+            release.wait(5)
+        released.set()
+
+    other = threading.Thread(target=slow_command)
+    other.start()
+    busy.wait(5)
+    try:
+        with pytest.raises(resp.Timeout, match="busy with another thread's command"):
+            with connection.deadline(0.2):
+                connection.execute(["PING"])
+        assert not released.is_set(), "the command waited for the other thread's"
+    finally:
+        release.set()
+        other.join()
