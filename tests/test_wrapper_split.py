@@ -99,14 +99,20 @@ def test_compile_stages_are_timed(tmp_path, caplog):
         assert f"{stage} " in line, line
 
 
-def allocation_hooks(root, op_folder):
-    """The allocation hook of each of ``op_folder``'s libraries that is loaded."""
+def loaded_kernels() -> set[str]:
+    """The kernel libraries loaded in this process: each from its private copy,
+    removed once loaded (see aoti_eager.cache.store)."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split(maxsplit=5)[-1].strip().removesuffix(" (deleted)") for line in maps if "/" in line}
+    copies = layout.process_prefix("load")
+    return {path for path in paths if Path(path).parent.name.startswith(copies) and path.endswith(".so")}
+
+
+def allocation_hooks(libraries):
+    """The allocation hook of each of ``libraries`` (loaded in this process)."""
     hooks = []
-    for library in root.glob(f"{layout.LAYOUT_VERSION}/*/{op_folder}/*/kernel.so"):
-        try:
-            handle = ctypes.CDLL(str(library), mode=os.RTLD_NOW | os.RTLD_NOLOAD)
-        except OSError:
-            continue  # not loaded in this process
+    for library in libraries:
+        handle = ctypes.CDLL(library, mode=os.RTLD_NOW | os.RTLD_NOLOAD)
         hooks.append(ctypes.c_void_p.in_dll(handle, "aoti_eager_empty_strided_hook").value)
     return hooks
 
@@ -121,7 +127,7 @@ def test_split_kernels_allocate_through_the_runtimes_hook(shared_cache, device, 
     try:
         torch.use_deterministic_algorithms(deterministic)
         results = [torch.mul(x, y) for _ in range(2)]
-        hooks = allocation_hooks(shared_cache, "aten.mul.Tensor")
+        hooks = allocation_hooks(loaded_kernels())  # mul's among them, and every other this process loaded
         stats = aoti_eager.stats()["aten::mul.Tensor"]
     finally:
         torch.use_deterministic_algorithms(False)
