@@ -119,15 +119,21 @@ def allocation_hooks(libraries):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_split_kernels_allocate_through_the_runtimes_hook(shared_cache, device, deterministic):
+def test_split_kernels_allocate_through_the_runtimes_hook(shared_cache, tmp_path, device, deterministic):
     """On CUDA the hook allocates from the caching allocator, except in
     deterministic mode (which fills new memory); elsewhere it is the shim."""
     x, y = torch.randn(8, 9, device=device), torch.randn(8, 9, device=device)
-    aoti_eager.enable(["aten::mul.Tensor"], devices=[device], cache_dir=shared_cache)
+    with aoti_eager.enabled(["aten::mul.Tensor"], devices=[device], cache_dir=shared_cache):
+        torch.mul(x, y)  # compiled once in the session
+    # mul's entries alone in a new root: its kernel is loaded again, from a private copy of its own.
+    for op_folder in shared_cache.glob(f"{layout.LAYOUT_VERSION}/*/aten.mul.Tensor"):
+        shutil.copytree(op_folder, tmp_path / op_folder.relative_to(shared_cache))
+    loaded_before = loaded_kernels()
+    aoti_eager.enable(["aten::mul.Tensor"], devices=[device], cache_dir=tmp_path)
     try:
         torch.use_deterministic_algorithms(deterministic)
         results = [torch.mul(x, y) for _ in range(2)]
-        hooks = allocation_hooks(loaded_kernels())  # mul's among them, and every other this process loaded
+        hooks = allocation_hooks(loaded_kernels() - loaded_before)
         stats = aoti_eager.stats()["aten::mul.Tensor"]
     finally:
         torch.use_deterministic_algorithms(False)
