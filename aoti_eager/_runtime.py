@@ -94,10 +94,13 @@ class UseKernel:
 @dataclass(frozen=True)
 class RunEagerly:
     """Calls of the signature run the original kernel, for good in this
-    process; with ``dynamic``, every call of its shape family that it admits."""
+    process; with ``dynamic``, every call of its shape family that it admits;
+    with ``numbers`` (positions, as :attr:`CallSignature.runtime_arguments`
+    gives them), every call that differs from it only in their values."""
 
     reason: str
     dynamic: ShapeFamily | None = None
+    numbers: tuple[Position, ...] = ()
     kernel: ClassVar[None] = None
     remember: ClassVar[bool] = True
 
@@ -650,7 +653,7 @@ class Override:
         self._eager_faster.add(signature.decision_key)
         self.stats.last_fallback_reason = reason
         log.info("aoti_eager: %s on %s keeps eager for (%s): %s", self.name, self.device, signature.short(), reason)
-        return self._remember(signature, RunEagerly(reason))
+        return self._remember(signature, RunEagerly(reason, numbers=tuple(signature.runtime_arguments)))
 
     def _eager(self, reason: str, signature: CallSignature | None = None) -> RunEagerly:
         """Eager for the signature (remembered, if given) and logged, once."""

@@ -163,6 +163,37 @@ def runtime_number_input(value: int | float | torch.Tensor) -> torch.Tensor:
     return torch.tensor(float(value), dtype=torch.float64)
 
 
+def _per_item_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The ``.Scalar`` overload of a ``_foreach_*.ScalarList`` op, which
+    Inductor lowers (it has no lowering of a list of scalars, and leaves
+    such a call to a proxy executor that the runtime's kernels cannot call);
+    None for any other op."""
+    name = op._schema.name
+    if op._schema.overload_name != "ScalarList" or not name.startswith("aten::_foreach_"):
+        return None
+    return getattr(getattr(torch.ops.aten, name.removeprefix("aten::")), "Scalar", None)
+
+
+def traced_call(op: torch._ops.OpOverload, args: list[Any]) -> Any:
+    """Calls ``op`` as a kernel traces it: a ``_foreach_*.ScalarList`` op as
+    one call of its ``.Scalar`` overload per item, which computes what the
+    op's own CPU and CUDA kernels do for tensors of one dtype and device."""
+    per_item = _per_item_overload(op)
+    if per_item is None:
+        return call_op(op, args)
+    def nth(argument: torch._C.Argument, value: Any, item: int) -> Any:
+        if not isinstance(argument.type, torch._C.ListType):
+            return value
+        # A list of tensors stays a list (of one); the list of scalars gives its scalar.
+        return value[item] if isinstance(argument.type.getElementType(), torch._C.NumberType) else [value[item]]
+
+    results = [
+        call_op(per_item, [nth(a, value, item) for a, value in zip(op._schema.arguments, args)])
+        for item in range(len(args[0]))
+    ]
+    return [t for r in results for t in r] if op._schema.returns else None
+
+
 def _dense_order(t: Any) -> tuple[int, ...] | None:
     """The dims of ``t`` outermost first in memory, if it is dense (a
     permutation of a contiguous tensor); None for anything else."""
@@ -222,7 +253,7 @@ class _OpCall(torch.nn.Module):
         return [rebuild(v, d) for v, d in zip(self.signature.args, self.signature.described)]
 
     def forward(self, *tensors: torch.Tensor):
-        outputs = self._outputs(call_op(self.op, self._arguments(list(tensors))))
+        outputs = self._outputs(traced_call(self.op, self._arguments(list(tensors))))
         return tuple(_in_order(t, order) for t, order in zip(outputs, self.orders or itertools.repeat(None)))
 
     def _outputs(self, result: Any) -> list[Any]:

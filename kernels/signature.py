@@ -402,6 +402,27 @@ def _takes_runtime_number(argument: torch._C.Argument) -> bool:
     return isinstance(declared, (torch._C.NumberType, torch._C.TensorType))
 
 
+def _takes_runtime_numbers(argument: torch._C.Argument) -> bool:
+    """Whether the floats of a list given for ``argument`` can be kernel
+    inputs: a ``Scalar[]`` (the scalars of ``_foreach_div_.ScalarList``,
+    which an optimizer gives new values each step). Its length stays in the key."""
+    declared = argument.type
+    if isinstance(declared, torch._C.OptionalType):
+        declared = declared.getElementType()
+    return isinstance(declared, torch._C.ListType) and isinstance(declared.getElementType(), torch._C.NumberType)
+
+
+def _as_runtime_numbers(argument: torch._C.Argument, described: Arg) -> Arg:
+    """``described`` with the floats that a kernel may take as inputs (see
+    :func:`_takes_runtime_number`, :func:`_takes_runtime_numbers`) as runtime numbers."""
+    runtime = lambda d: RuntimeNumberArg(d) if isinstance(d, NumberArg) and d.can_be_runtime else d  # noqa: E731
+    if isinstance(described, NumberArg) and _takes_runtime_number(argument):
+        return runtime(described)
+    if isinstance(described, ListArg) and _takes_runtime_numbers(argument):
+        return ListArg(tuple(map(runtime, described.items)))
+    return described
+
+
 def _takes_runtime_int(op: torch._ops.OpOverload, position: Position) -> bool:
     """Whether an int at ``position`` in a call of ``op`` can be a kernel input
     once it moves: one given for an ``int``, ``SymInt`` or ``Scalar`` (a size,
@@ -469,10 +490,7 @@ class CallSignature:
         device = _call_device(device_type, args)
         described = tuple(_describe(a, device) for a in args)
         if runtime_numbers and device.type in _RUNTIME_NUMBER_DEVICES:
-            described = tuple(
-                RuntimeNumberArg(d) if isinstance(d, NumberArg) and d.can_be_runtime and _takes_runtime_number(arg) else d
-                for arg, d in zip(op._schema.arguments, described)
-            )
+            described = tuple(_as_runtime_numbers(arg, d) for arg, d in zip(op._schema.arguments, described))
         if op._schema.is_mutable and _share_memory(args, described):
             raise Unsupported("an op that writes into an argument, given arguments that share memory")
         return cls(op, device, tuple(args), described)

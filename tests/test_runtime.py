@@ -356,7 +356,8 @@ def test_an_override_of_the_op_that_makes_runtime_numbers_does_not_call_itself(s
         stats = aoti_eager.stats()["aten::scalar_tensor"]
     for result, value in zip(results, values):
         assert_same_as_eager(result, torch.scalar_tensor(value))
-    assert (stats["compiles"] + stats["cache_loads"], stats["hits"], stats["fallbacks"]) == (1, 1, 0), stats
+    # 0.25 is a hit too: the kernel's key leaves its runtime number's value out.
+    assert (stats["compiles"] + stats["cache_loads"], stats["hits"], stats["fallbacks"]) == (1, 2, 0), stats
 
 
 # Ops of the C++ signatures that get an unboxed override (csrc/op_override.cpp:
