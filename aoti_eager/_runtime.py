@@ -34,8 +34,10 @@ from aoti_eager.cache.store import TEMPORARY_PREFIX
 from aoti_eager.kernels import CallSignature, Unsupported
 from aoti_eager.kernels.compile import compile_options, flat_tensor_inputs
 from aoti_eager.kernels.load_probe import UnsafeToLoad, check_loads, runtime_crashes
-from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily, changed_dims, family_key, ints_key, kinds_key, tensor_args
-from aoti_eager.kernels.pipeline import NotCompiled, Outcome, compile_signature
+from aoti_eager.kernels.dynamic import (
+    NotDynamic, ShapeFamily, changed_dims, family_key, family_limit_key, ints_key, kinds_key, tensor_args,
+)
+from aoti_eager.kernels.pipeline import NotCompiled, Outcome, compile_signature, publish_verdict
 from aoti_eager.kernels.signature import Position, qualified_name
 from aoti_eager.kernels.toolchain import environment_name
 from aoti_eager.manifest import ManifestEntry, Recorder
@@ -340,8 +342,8 @@ class Override:
         kernel is used, unless nothing is compiled here or eager was measured
         faster (a kernel with the numbers compiled in would be no faster)."""
         return (
-            isinstance(decision, RunEagerly) and bool(signature.runtime_arguments) and self.compile != "never"
-            and signature.decision_key not in self._eager_faster
+            isinstance(decision, RunEagerly) and not decision.numbers and bool(signature.runtime_arguments)
+            and self.compile != "never" and signature.decision_key not in self._eager_faster
         )
 
     def _decide(self, signature: CallSignature) -> Decision:
@@ -508,18 +510,52 @@ class Override:
         return ManifestEntry(self.name, self.device, key, signature.to_json(), dynamic=span)
 
     def _too_many_variants(self, signature: CallSignature) -> RunEagerly | None:
-        """Counts a compile of ``signature``; eager past the limit."""
+        """Counts a compile of ``signature``; eager past the limit, for every
+        further value, in this process and (recorded in the cache) in others."""
         variants = self._value_variants.get(signature.shape_key, 0)
         # Like dynamo's cache size limit: further values run eagerly instead of compiling forever.
         limit = settings.max_value_variants.get()
         if variants >= limit:
-            return self._eager(
+            reason = (
                 f"{variants} kernels already compiled for new values of its numeric arguments "
-                f"({settings.max_value_variants.name}={limit}); further values run eagerly",
-                signature,
+                f"({settings.max_value_variants.name}={limit}); further values run eagerly"
             )
+            self._record_verdict(signature, signature.values_key, reason)
+            return self._eager_for_values(signature, reason)
         self._value_variants[signature.shape_key] = variants + 1
         return None
+
+    def _record_verdict(self, signature: CallSignature, key: str, reason: str) -> None:
+        """Records in the cache that calls like ``signature`` run eagerly,
+        under ``key`` (see :meth:`_recorded_verdict`), so that another process
+        does not compile them to find out again."""
+        try:
+            publish_verdict(self.cache(signature.device), self.name, signature, key, reason)
+        except OSError as e:
+            log.debug("aoti_eager: recording a verdict on %s failed: %s", self.name, e)
+
+    def _recorded_verdict(self, cache: EntryStore, signature: CallSignature) -> RunEagerly | None:
+        """A verdict that a process recorded for calls like ``signature``:
+        for every value of its numbers, or for every shape of its family."""
+        for key, of_family in ((signature.values_key, False), (family_limit_key(signature), True)):
+            try:
+                entry = cache.lookup(self.name, key)
+            except (DamagedEntry, UntrustedEntry):
+                entry = None
+            if entry is not None and entry.library is None:
+                reason = entry.reason or "decided eager"
+                if of_family:
+                    self._log(reason)
+                    return self._remember(signature, RunEagerly(reason, ShapeFamily.any_shape(signature)))
+                return self._eager_for_values(signature, reason)
+        return None
+
+    def _eager_for_values(self, signature: CallSignature, reason: str) -> RunEagerly:
+        """Eager for the signature and every value of its numbers (the C++
+        side then keys its calls without them), logged once."""
+        self.stats.last_fallback_reason = reason
+        self._log(reason)
+        return self._remember(signature, RunEagerly(reason, numbers=tuple(signature.number_positions)))
 
     def _queue(self, signature: CallSignature, entry: ManifestEntry) -> Decision:
         """Starts a background compile of ``entry``, the kernel a miss of
@@ -544,6 +580,8 @@ class Override:
         crash = runtime_crashes(cache.directory.name)
         if crash is not None:
             return self._eager(_not_loaded(crash), signature)
+        if (recorded := self._recorded_verdict(cache, signature)) is not None:
+            return recorded
         if (too_many := self._too_many_variants(signature)) is not None:
             return too_many
         family = self._family(signature)
@@ -554,6 +592,7 @@ class Override:
                 f"({settings.max_shape_compiles.name}={limit}); further shapes run eagerly"
             )
             self._eager(reason, signature)
+            self._record_verdict(signature, family_limit_key(signature), reason)
             # The C++ side keeps it for the whole family: its further shapes do not ask again.
             return self._remember(signature, RunEagerly(reason, ShapeFamily.any_shape(signature)))
         family.compiles += 1
@@ -577,6 +616,8 @@ class Override:
                 return RetryLater(outcome.reason) if signature.runtime_arguments else self._remember(signature, RunEagerly(outcome.reason))
             if outcome.compiler_error is not None:
                 _compiler_failures.add(outcome.compiler_error)
+            if outcome.any_values:
+                return self._eager_for_values(signature, outcome.reason)
             return self._eager(outcome.reason, signature)
         self.stats.compiles += 1
         self.stats.compile_seconds += outcome.seconds
@@ -695,6 +736,10 @@ _logged: set[tuple[str, str, str]] = set()
 _tokens = itertools.count()
 _by_token: dict[int, Override] = {}
 _installed: dict[tuple[OpOverload, str], Override] = {}
+# Overrides that uninstall() took out of the dispatcher, with what they know:
+# install() puts one back as it was (decisions, loaded kernels, verdicts),
+# so that enabling again costs no lookup, load or compile.
+_removed: dict[tuple[OpOverload, str], Override] = {}
 _handler_set = False
 
 
@@ -756,6 +801,9 @@ def install(
             _installed[key].remote = remote
             _installed[key]._caches.clear()
         return _installed[key]
+    if (restored := _restore(key, root, remote)) is not None:
+        restored.recorder, restored.compile = recorder, compile
+        return restored
     if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), DISPATCH_KEYS[device]):
         return None
     C = _extension.load()
@@ -769,12 +817,33 @@ def install(
     return override
 
 
+def _restore(key: tuple[OpOverload, str], root: Path, remote: str | None) -> Override | None:
+    """The override that uninstall() removed for ``key``, installed again with
+    its stats at zero, where it used the same cache; else None."""
+    override = _removed.pop(key, None)
+    if override is None or override.root != root or override.remote != remote:
+        return None
+    override.stats = OpStats()
+    override.handle.restore()
+    _by_token[override.token] = override
+    _installed[key] = override
+    return override
+
+
 def uninstall(op: OpOverload | None = None, device: str | None = None) -> None:
-    """Restores the original kernels of ``op`` (every op if None) on ``device`` (every device if None)."""
+    """Restores the original kernels of ``op`` (every op if None) on ``device``
+    (every device if None). What the overrides know stays, for :func:`install`."""
     for key in [k for k in _installed if op in (None, k[0]) and device in (None, k[1])]:
         override = _installed.pop(key)
         override.handle.remove()
         _by_token.pop(override.token, None)
+        _removed[key] = override
+
+
+def forget() -> None:
+    """Drops what removed overrides knew: ops enabled again start as in a new
+    process, from the cache."""
+    _removed.clear()
 
 
 def installed() -> list[Override]:

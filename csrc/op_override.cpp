@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <deque>
 #include <mutex>
 #include <tuple>
 
@@ -79,7 +80,9 @@ py::object to_python(const c10::IValue& value, const c10::TypePtr& declared) {
 // thread and position among the call's runtime numbers, reused while no one
 // else holds it, instead of a new tensor per call.
 const at::Tensor& runtime_number(const c10::IValue& arg, size_t position) {
-  thread_local c10::SmallVector<at::Tensor, 4> numbers;
+  // A deque: growing it keeps the references that a call's inputs already hold
+  // (a list of scalars gives a number per item).
+  thread_local std::deque<at::Tensor> numbers;
   if (numbers.size() <= position) {
     numbers.resize(position + 1);
   }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 
 import shutil
 import subprocess
@@ -69,9 +70,11 @@ class CompileError(Exception):
     such a failure is not ``lasting``: it is not recorded in the cache.
     """
 
-    def __init__(self, message: str, compiler_error: str | None = None):
+    def __init__(self, message: str, compiler_error: str | None = None, any_values: bool = False):
         super().__init__(message)
         self.compiler_error = compiler_error
+        # The failure is the op's, not its numbers': other values fail the same way.
+        self.any_values = any_values
 
     @property
     def lasting(self) -> bool:
@@ -399,6 +402,13 @@ def compile_call(
             raise CompileError(f"{stage} failed: the C++ compiler said: {said}", compiler_error=said) from e
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CompileError(f"{stage} failed: {type(e).__name__}: {message[:300]}") from e
+    left = left_to_proxy_executor(library.with_suffix(".json"))
+    if left:
+        workdir.cleanup()
+        raise CompileError(
+            f"AOTInductor leaves {', '.join(left)} to its proxy executor (it has no C shim): the kernel would only "
+            "call the eager op, at a cost", any_values=True,
+        )
     artifact = Artifact(library, module.output_counts(eager_result), seconds, workdir)
     if dynamic_shapes is not None:
         inputs = {node.name: node for node in exported.graph.nodes if node.op == "placeholder"}
@@ -406,6 +416,22 @@ def compile_call(
         artifact.input_strides = [tuple(inputs[name].meta["val"].stride()) for name in exported.graph_signature.user_inputs]
         artifact.range_constraints = dict(exported.range_constraints)
     return artifact
+
+
+def left_to_proxy_executor(extern_nodes: Path) -> list[str]:
+    """The ops that a library calls through AOTInductor's proxy executor, as
+    its extern-node file beside it names them (none without one). Such a
+    kernel calls the eager op through the dispatcher, converting every
+    argument on the way, and some (a list of scalars) the proxy executor
+    cannot convert at all: it fails on every call."""
+    try:
+        nodes = json.loads(extern_nodes.read_text()).get("nodes") or []
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, AttributeError):
+        return ["ops it does not describe"]
+    targets = [str(node.get("node", {}).get("target", "an op")) if isinstance(node, dict) else "an op" for node in nodes]
+    return sorted(set(targets))
 
 
 def _strip(library: Path) -> None:

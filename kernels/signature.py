@@ -503,6 +503,17 @@ class CallSignature:
         return [p for p, d in _items(self.described) if isinstance(d, RuntimeNumberArg)]
 
     @property
+    def number_positions(self) -> list[Position]:
+        """Where its numbers are, compiled in or runtime, in argument and item order."""
+        return [p for p, d in _items(self.described) if isinstance(d, (NumberArg, RuntimeNumberArg))]
+
+    @property
+    def values_key(self) -> str:
+        """The cache key of a verdict that holds for every value of the
+        call's numbers (those :attr:`shape_key` leaves out)."""
+        return f"{self.shape_key}-values"
+
+    @property
     def int_arguments(self) -> dict[Position, int]:
         """The ints given for arguments, or as items of int lists, that may
         take them at run time (:func:`_takes_runtime_int`), compiled in here,
