@@ -534,10 +534,12 @@ class Override:
         except OSError as e:
             log.debug("aoti_eager: recording a verdict on %s failed: %s", self.name, e)
 
-    def _recorded_verdict(self, cache: EntryStore, signature: CallSignature) -> RunEagerly | None:
+    def _recorded_verdict(self, cache: EntryStore, signature: CallSignature, of_family: bool = True) -> RunEagerly | None:
         """A verdict that a process recorded for calls like ``signature``:
-        for every value of its numbers, or for every shape of its family."""
-        for key, of_family in ((signature.values_key, False), (family_limit_key(signature), True)):
+        for every value of its numbers, or (with ``of_family``) for every
+        shape of its family."""
+        keys = [(signature.values_key, False)] + [(family_limit_key(signature), True)] * of_family
+        for key, of_family in keys:
             try:
                 entry = cache.lookup(self.name, key)
             except (DamagedEntry, UntrustedEntry):
@@ -660,7 +662,9 @@ class Override:
                 return None  # a verdict on speed, which the timing's switch turned off: compile
             return self._keep_eager(signature, entry.reason or "eager is faster")
         if entry.library is None:
-            return self._eager(entry.reason or "decided eager", signature)
+            # Recorded for every value too, where its numbers did not matter (a kernel of the op cannot run).
+            values = self._recorded_verdict(self.cache(signature.device), signature, of_family=False)
+            return values or self._eager(entry.reason or "decided eager", signature)
         try:
             kernel = self._load(entry.library, entry.output_counts, signature, known_good=True)
         except UnsafeToLoad as e:

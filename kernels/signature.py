@@ -34,12 +34,13 @@ int, float          tag, value (a double's bits)        ``NumberArg``: value (a 
 a number given for  tag, dtype, value: the dispatcher   ``NumberArg``: as an int or float, which
 a Tensor argument   passes a wrapped number             Python receives for a wrapped number; a
                                                         wrapped tensor: its dtype and value's repr
-runtime number      as a constant: a new value misses   ``RuntimeNumberArg``: as a number, without
-                    once, and Python hands over the     its value: a float, or a positive int
-                    kernel it already holds. The value  or int list item once its value moved
-                    is read into a 0-d CPU tensor:      (see ``with_runtime_ints``). Its
-                    int64 for an int, float64 for a     ``"kind"`` gives the kernel input's dtype
-                    double
+runtime number      as a constant in the exact key; in  ``RuntimeNumberArg``: as a number, without
+                    the key of the kernel's family      its value: a float (also an item of a
+                    (op_override.cpp), a tag without    ``Scalar[]``), or a positive int or int
+                    the value, so that a new value      list item once its value moved (see
+                    hits. The value is read into a 0-d  ``with_runtime_ints``). Its ``"kind"``
+                    CPU tensor: int64 for an int,       gives the kernel input's dtype
+                    float64 for a double
 bool                tag, value                          ``ConstantArg``: value
 str                 tag, length, ``std::hash``          ``ConstantArg``: the string
 dtype, layout,      tag of an int (the stack holds      ``ConstantArg``: kind, ``str`` of the value
