@@ -546,10 +546,11 @@ class Override:
                 entry = None
             if entry is not None and entry.library is None:
                 reason = entry.reason or "decided eager"
-                if of_family:
-                    self._log(reason)
-                    return self._remember(signature, RunEagerly(reason, ShapeFamily.any_shape(signature)))
-                return self._eager_for_values(signature, reason)
+                if not of_family:
+                    return self._eager_for_values(signature, reason)
+                self.stats.last_fallback_reason = reason
+                self._log(reason)
+                return self._remember(signature, RunEagerly(reason, ShapeFamily.any_shape(signature)))
         return None
 
     def _eager_for_values(self, signature: CallSignature, reason: str) -> RunEagerly:

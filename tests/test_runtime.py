@@ -174,6 +174,55 @@ def test_new_scalar_values_stop_compiling_past_the_limit(tmp_path, monkeypatch, 
     assert sum("AOTI_EAGER_MAX_VALUE_VARIANTS" in r.message for r in caplog.records) == 1
 
 
+def _failing_compiles(monkeypatch) -> list[str]:
+    """Makes every compile fail (at once); the signatures tried."""
+    attempts = []
+
+    def failing_compile(signature, *args, **kwargs):
+        attempts.append(signature.short())
+        raise CompileError("AOTInductor failed: RuntimeError: injected")
+
+    monkeypatch.setattr(pipeline, "compile_call", failing_compile)
+    return attempts
+
+
+def test_a_compile_limit_on_numbers_is_recorded_for_a_new_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("AOTI_EAGER_MAX_VALUE_VARIANTS", "2")
+    attempts = _failing_compiles(monkeypatch)
+    x = torch.randn(8)
+    with aoti_eager.enabled(["aten::mul.Tensor"], devices=["cpu"], cache_dir=tmp_path):
+        [torch.mul(x, s) for s in (2, 3, 4)]
+    assert len(attempts) == 2
+    _runtime.forget()  # a new process, as far as the cache can tell
+    with aoti_eager.enabled(["aten::mul.Tensor"], devices=["cpu"], cache_dir=tmp_path):
+        results = [torch.mul(x, s) for s in (5, 6)]
+        stats = aoti_eager.stats()["aten::mul.Tensor"]
+    for r, s in zip(results, (5, 6)):
+        assert_same_as_eager(r, x * s)
+    assert len(attempts) == 2, attempts
+    assert stats["fallbacks"] == 2 and "AOTI_EAGER_MAX_VALUE_VARIANTS=2" in stats["fallback_reason"], stats
+
+
+def test_a_compile_limit_on_shapes_is_recorded_for_a_new_process(tmp_path, monkeypatch):
+    monkeypatch.setenv("AOTI_EAGER_MAX_SHAPE_COMPILES", "1")
+    monkeypatch.setenv("AOTI_EAGER_DYNAMIC_SHAPES", "0")
+    attempts = _failing_compiles(monkeypatch)
+    with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
+        [torch.abs(torch.randn(n)) for n in (4, 6)]
+    assert len(attempts) == 1
+    _runtime.forget()
+    xs = [torch.randn(n) for n in (8, 10)]
+    with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
+        results = [torch.abs(x) for x in xs]
+        stats = aoti_eager.stats()["aten::abs"]
+    for r, x in zip(results, xs):
+        assert_same_as_eager(r, x.abs())
+    assert len(attempts) == 1, attempts
+    # The family is eager as a whole: 10 does not ask Python again.
+    assert stats["misses"] == 1 and stats["fallbacks"] == 2, stats
+    assert "AOTI_EAGER_MAX_SHAPE_COMPILES=1" in stats["fallback_reason"]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_float_arguments_are_kernel_inputs_not_recompiles(shared_cache, device):
     x, g = torch.randn(32, 32, device=device), torch.randn(32, 32, device=device)
