@@ -4,12 +4,18 @@ The C++ kernel (csrc/op_override.cpp) serves every call whose signature it has
 seen. On a new signature it calls :func:`_on_miss`, which decides once per
 signature: a kernel from the persistent cache, a fresh compile, or eager.
 
-The decision is one of :class:`UseKernel`, :class:`RunEagerly` and
-:class:`RetryLater`. The C++ side reads every one the same way, through two
+The decision is one of :class:`UseKernel`, :class:`RetryLater` and
+:class:`RunEagerly`. The C++ side reads every one the same way, through two
 attributes: ``remember`` (bool: keep the decision for the signature's key, or
 run this call eagerly and ask again on the next call, or, with a
 ``retry_after`` in seconds, on the first call after it) and ``kernel`` (the
-CompiledKernel to run, or None for the original kernel).
+CompiledKernel to run, or None for the original kernel); and ``dynamic`` and,
+of an eager decision, ``numbers``: the calls beyond the signature it holds for
+(csrc/op_override.h: set_miss_handler).
+
+An override that ``uninstall()`` removes keeps what it knows, and
+``install()`` puts it back as it was: enabling an op again costs no lookup,
+load or compile.
 """
 
 from __future__ import annotations
@@ -88,7 +94,7 @@ class UseKernel:
     """Calls of the signature run ``kernel``; with ``dynamic``, also every
     later call of its shape family that the kernel's guards admit."""
 
-    kernel: Any  # a CompiledKernel (csrc/compiled_kernel.h)
+    kernel: Any  # a CompiledKernel (csrc/compiled_kernel.h); the C++ side keys it without its runtime numbers' values
     dynamic: ShapeFamily | None = None
     remember: ClassVar[bool] = True
 
@@ -806,8 +812,7 @@ def install(
             _installed[key].remote = remote
             _installed[key]._caches.clear()
         return _installed[key]
-    if (restored := _restore(key, root, remote)) is not None:
-        restored.recorder, restored.compile = recorder, compile
+    if (restored := _restore(key, root, remote, recorder, compile)) is not None:
         return restored
     if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), DISPATCH_KEYS[device]):
         return None
@@ -822,11 +827,18 @@ def install(
     return override
 
 
-def _restore(key: tuple[OpOverload, str], root: Path, remote: str | None) -> Override | None:
+def _restore(
+    key: tuple[OpOverload, str], root: Path, remote: str | None, recorder: Recorder | None, compile: str
+) -> Override | None:
     """The override that uninstall() removed for ``key``, installed again with
-    its stats at zero, where it used the same cache; else None."""
+    its stats at zero, where it was enabled the same way (cache, compile mode,
+    manifest: a run that records its misses, or compiles them, starts from
+    the cache); else None."""
     override = _removed.pop(key, None)
-    if override is None or override.root != root or override.remote != remote:
+    path = lambda r: None if r is None else r.path  # noqa: E731
+    if override is None or (override.root, override.remote, override.compile, path(override.recorder)) != (
+        root, remote, compile, path(recorder)
+    ):
         return None
     override.stats = OpStats()
     override.handle.restore()
