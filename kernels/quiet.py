@@ -73,15 +73,18 @@ def _torch_loggers_into(stream: io.StringIO) -> Iterator[None]:
     """torch's loggers write into ``stream`` within the block."""
     handler = logging.StreamHandler(stream)
     handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict) if name.split(".")[0] == "torch"]
-    saved = [(logger, logger.handlers[:]) for logger in loggers if logger.handlers]
-    for logger, _ in saved:
-        logger.handlers = [handler]
+    top = logging.getLogger("torch")
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict) if name.startswith("torch.")]
+    # torch's own handlers, and the root's (where torch's records go up to) are passed by.
+    saved = [(logger, logger.handlers[:], logger.propagate) for logger in [top, *loggers] if logger is top or logger.handlers]
+    for logger, _, _ in saved:
+        logger.handlers = [handler] if logger is top else []
+        logger.propagate = logger is not top
     try:
         yield
     finally:
-        for logger, handlers in saved:
-            logger.handlers = handlers
+        for logger, handlers, propagate in saved:
+            logger.handlers, logger.propagate = handlers, propagate
 
 
 @contextlib.contextmanager
