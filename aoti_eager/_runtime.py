@@ -4,12 +4,18 @@ The C++ kernel (csrc/op_override.cpp) serves every call whose signature it has
 seen. On a new signature it calls :func:`_on_miss`, which decides once per
 signature: a kernel from the persistent cache, a fresh compile, or eager.
 
-The decision is one of :class:`UseKernel`, :class:`RunEagerly` and
-:class:`RetryLater`. The C++ side reads every one the same way, through two
+The decision is one of :class:`UseKernel`, :class:`RetryLater` and
+:class:`RunEagerly`. The C++ side reads every one the same way, through two
 attributes: ``remember`` (bool: keep the decision for the signature's key, or
 run this call eagerly and ask again on the next call, or, with a
 ``retry_after`` in seconds, on the first call after it) and ``kernel`` (the
-CompiledKernel to run, or None for the original kernel).
+CompiledKernel to run, or None for the original kernel); and ``dynamic`` and,
+of an eager decision, ``numbers``: the calls beyond the signature it holds for
+(csrc/op_override.h: set_miss_handler).
+
+An override that ``uninstall()`` removes keeps what it knows, and
+``install()`` puts it back as it was: enabling an op again costs no lookup,
+load or compile.
 """
 
 from __future__ import annotations
@@ -36,8 +42,10 @@ from aoti_eager.cache.store import TEMPORARY_PREFIX
 from aoti_eager.kernels import CallSignature, Unsupported
 from aoti_eager.kernels.compile import compile_options, flat_tensor_inputs
 from aoti_eager.kernels.load_probe import UnsafeToLoad, check_loads, runtime_crashes
-from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily, changed_dims, family_key, ints_key, kinds_key, tensor_args
-from aoti_eager.kernels.pipeline import NotCompiled, Outcome, compile_signature
+from aoti_eager.kernels.dynamic import (
+    NotDynamic, ShapeFamily, changed_dims, family_key, family_limit_key, ints_key, kinds_key, tensor_args,
+)
+from aoti_eager.kernels.pipeline import NotCompiled, Outcome, compile_signature, publish_verdict
 from aoti_eager.kernels.signature import Position, qualified_name
 from aoti_eager.kernels.toolchain import environment_name
 from aoti_eager.manifest import ManifestEntry, Recorder
@@ -93,7 +101,7 @@ class UseKernel:
     """Calls of the signature run ``kernel``; with ``dynamic``, also every
     later call of its shape family that the kernel's guards admit."""
 
-    kernel: Any  # a CompiledKernel (csrc/compiled_kernel.h)
+    kernel: Any  # a CompiledKernel (csrc/compiled_kernel.h); the C++ side keys it without its runtime numbers' values
     dynamic: ShapeFamily | None = None
     remember: ClassVar[bool] = True
 
@@ -101,10 +109,13 @@ class UseKernel:
 @dataclass(frozen=True)
 class RunEagerly:
     """Calls of the signature run the original kernel, for good in this
-    process; with ``dynamic``, every call of its shape family that it admits."""
+    process; with ``dynamic``, every call of its shape family that it admits;
+    with ``numbers`` (positions, as :attr:`CallSignature.runtime_arguments`
+    gives them), every call that differs from it only in their values."""
 
     reason: str
     dynamic: ShapeFamily | None = None
+    numbers: tuple[Position, ...] = ()
     kernel: ClassVar[None] = None
     remember: ClassVar[bool] = True
 
@@ -347,8 +358,8 @@ class Override:
         kernel is used, unless nothing is compiled here or eager was measured
         faster (a kernel with the numbers compiled in would be no faster)."""
         return (
-            isinstance(decision, RunEagerly) and bool(signature.runtime_arguments) and self.compile != "never"
-            and signature.decision_key not in self._eager_faster
+            isinstance(decision, RunEagerly) and not decision.numbers and bool(signature.runtime_arguments)
+            and self.compile != "never" and signature.decision_key not in self._eager_faster
         )
 
     def _decide(self, signature: CallSignature) -> Decision:
@@ -526,18 +537,55 @@ class Override:
         return ManifestEntry(self.name, self.device, key, signature.to_json(), dynamic=span)
 
     def _too_many_variants(self, signature: CallSignature) -> RunEagerly | None:
-        """Counts a compile of ``signature``; eager past the limit."""
+        """Counts a compile of ``signature``; eager past the limit, for every
+        further value, in this process and (recorded in the cache) in others."""
         variants = self._value_variants.get(signature.shape_key, 0)
         # Like dynamo's cache size limit: further values run eagerly instead of compiling forever.
         limit = settings.max_value_variants.get()
         if variants >= limit:
-            return self._eager(
+            reason = (
                 f"{variants} kernels already compiled for new values of its numeric arguments "
-                f"({settings.max_value_variants.name}={limit}); further values run eagerly",
-                signature,
+                f"({settings.max_value_variants.name}={limit}); further values run eagerly"
             )
+            self._record_verdict(signature, signature.values_key, reason)
+            return self._eager_for_values(signature, reason)
         self._value_variants[signature.shape_key] = variants + 1
         return None
+
+    def _record_verdict(self, signature: CallSignature, key: str, reason: str) -> None:
+        """Records in the cache that calls like ``signature`` run eagerly,
+        under ``key`` (see :meth:`_recorded_verdict`), so that another process
+        does not compile them to find out again."""
+        try:
+            publish_verdict(self.cache(signature.device), self.name, signature, key, reason)
+        except OSError as e:
+            log.debug("aoti_eager: recording a verdict on %s failed: %s", self.name, e)
+
+    def _recorded_verdict(self, cache: EntryStore, signature: CallSignature, of_family: bool = True) -> RunEagerly | None:
+        """A verdict that a process recorded for calls like ``signature``:
+        for every value of its numbers, or (with ``of_family``) for every
+        shape of its family."""
+        keys = [(signature.values_key, False)] + [(family_limit_key(signature), True)] * of_family
+        for key, of_family in keys:
+            try:
+                entry = cache.lookup(self.name, key)
+            except (DamagedEntry, UntrustedEntry):
+                entry = None
+            if entry is not None and entry.library is None:
+                reason = entry.reason or "decided eager"
+                if not of_family:
+                    return self._eager_for_values(signature, reason)
+                self.stats.last_fallback_reason = reason
+                self._log(reason)
+                return self._remember(signature, RunEagerly(reason, ShapeFamily.any_shape(signature)))
+        return None
+
+    def _eager_for_values(self, signature: CallSignature, reason: str) -> RunEagerly:
+        """Eager for the signature and every value of its numbers (the C++
+        side then keys its calls without them), logged once."""
+        self.stats.last_fallback_reason = reason
+        self._log(reason)
+        return self._remember(signature, RunEagerly(reason, numbers=tuple(signature.number_positions)))
 
     def _queue(self, signature: CallSignature, entry: ManifestEntry) -> Decision:
         """Starts a background compile of ``entry``, the kernel a miss of
@@ -562,6 +610,8 @@ class Override:
         crash = runtime_crashes(cache.directory.name)
         if crash is not None:
             return self._eager(_not_loaded(crash), signature)
+        if (recorded := self._recorded_verdict(cache, signature)) is not None:
+            return recorded
         if (too_many := self._too_many_variants(signature)) is not None:
             return too_many
         family = self._family(signature)
@@ -572,6 +622,7 @@ class Override:
                 f"({settings.max_shape_compiles.name}={limit}); further shapes run eagerly"
             )
             self._eager(reason, signature)
+            self._record_verdict(signature, family_limit_key(signature), reason)
             # The C++ side keeps it for the whole family: its further shapes do not ask again.
             return self._remember(signature, RunEagerly(reason, ShapeFamily.any_shape(signature)))
         family.compiles += 1
@@ -595,6 +646,8 @@ class Override:
                 return RetryLater(outcome.reason) if signature.runtime_arguments else self._remember(signature, RunEagerly(outcome.reason))
             if outcome.compiler_error is not None:
                 _compiler_failures.add(outcome.compiler_error)
+            if outcome.any_values:
+                return self._eager_for_values(signature, outcome.reason)
             return self._eager(outcome.reason, signature)
         self.stats.compiles += 1
         self.stats.compile_seconds += outcome.seconds
@@ -637,7 +690,9 @@ class Override:
                 return None  # a verdict on speed, which the timing's switch turned off: compile
             return self._keep_eager(signature, entry.reason or "eager is faster")
         if entry.library is None:
-            return self._eager(entry.reason or "decided eager", signature)
+            # Recorded for every value too, where its numbers did not matter (a kernel of the op cannot run).
+            values = self._recorded_verdict(self.cache(signature.device), signature, of_family=False)
+            return values or self._eager(entry.reason or "decided eager", signature)
         try:
             kernel = self._load(entry.library, entry.output_counts, signature, known_good=True)
         except UnsafeToLoad as e:
@@ -671,7 +726,7 @@ class Override:
         self._eager_faster.add(signature.decision_key)
         self.stats.last_fallback_reason = reason
         log.info("aoti_eager: %s on %s keeps eager for (%s): %s", self.name, self.device, signature.short(), reason)
-        return self._remember(signature, RunEagerly(reason))
+        return self._remember(signature, RunEagerly(reason, numbers=tuple(signature.runtime_arguments)))
 
     def _eager(self, reason: str, signature: CallSignature | None = None) -> RunEagerly:
         """Eager for the signature (remembered, if given) and logged, once."""
@@ -757,6 +812,10 @@ _logged: set[tuple[str, str, str]] = set()
 _tokens = itertools.count()
 _by_token: dict[int, Override] = {}
 _installed: dict[tuple[OpOverload, str], Override] = {}
+# Overrides that uninstall() took out of the dispatcher, with what they know:
+# install() puts one back as it was (decisions, loaded kernels, verdicts),
+# so that enabling again costs no lookup, load or compile.
+_removed: dict[tuple[OpOverload, str], Override] = {}
 _handler_set = False
 
 
@@ -818,6 +877,8 @@ def install(
             _installed[key].remote = remote
             _installed[key]._caches.clear()
         return _installed[key]
+    if (restored := _restore(key, root, remote, recorder, compile)) is not None:
+        return restored
     if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), DISPATCH_KEYS[device]):
         return None
     C = _extension.load()
@@ -831,12 +892,40 @@ def install(
     return override
 
 
+def _restore(
+    key: tuple[OpOverload, str], root: Path, remote: str | None, recorder: Recorder | None, compile: str
+) -> Override | None:
+    """The override that uninstall() removed for ``key``, installed again with
+    its stats at zero, where it was enabled the same way (cache, compile mode,
+    manifest: a run that records its misses, or compiles them, starts from
+    the cache); else None."""
+    override = _removed.pop(key, None)
+    path = lambda r: None if r is None else r.path  # noqa: E731
+    if override is None or (override.root, override.remote, override.compile, path(override.recorder)) != (
+        root, remote, compile, path(recorder)
+    ):
+        return None
+    override.stats = OpStats()
+    override.handle.restore()
+    _by_token[override.token] = override
+    _installed[key] = override
+    return override
+
+
 def uninstall(op: OpOverload | None = None, device: str | None = None) -> None:
-    """Restores the original kernels of ``op`` (every op if None) on ``device`` (every device if None)."""
+    """Restores the original kernels of ``op`` (every op if None) on ``device``
+    (every device if None). What the overrides know stays, for :func:`install`."""
     for key in [k for k in _installed if op in (None, k[0]) and device in (None, k[1])]:
         override = _installed.pop(key)
         override.handle.remove()
         _by_token.pop(override.token, None)
+        _removed[key] = override
+
+
+def forget() -> None:
+    """Drops what removed overrides knew: ops enabled again start as in a new
+    process, from the cache."""
+    _removed.clear()
 
 
 def installed() -> list[Override]:

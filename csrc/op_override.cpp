@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <deque>
 #include <mutex>
 #include <tuple>
 
@@ -79,7 +80,9 @@ py::object to_python(const c10::IValue& value, const c10::TypePtr& declared) {
 // thread and position among the call's runtime numbers, reused while no one
 // else holds it, instead of a new tensor per call.
 const at::Tensor& runtime_number(const c10::IValue& arg, size_t position) {
-  thread_local c10::SmallVector<at::Tensor, 4> numbers;
+  // A deque: growing it keeps the references that a call's inputs already hold
+  // (a list of scalars gives a number per item).
+  thread_local std::deque<at::Tensor> numbers;
   if (numbers.size() <= position) {
     numbers.resize(position + 1);
   }
@@ -118,6 +121,19 @@ void add_kernel_input(const at::Tensor& t, KernelInputs& inputs) {
 ReentryGuard::ReentryGuard() : ReentryGuard(depth()) {}
 int& ReentryGuard::depth() {
   return reentry_depth;
+}
+
+RuntimeNumbers runtime_numbers(const py::iterable& positions) {
+  RuntimeNumbers numbers;
+  for (py::handle position : positions) {
+    if (py::isinstance<py::tuple>(position)) {
+      auto [argument, item] = position.cast<std::pair<int64_t, int64_t>>();
+      numbers.push_back({argument, item});
+    } else {
+      numbers.push_back({position.cast<int64_t>()});
+    }
+  }
+  return numbers;
 }
 
 void set_miss_handler(py::object handler) {
@@ -255,7 +271,7 @@ std::optional<OpOverride::Decision> OpOverride::find(
   KeyedTensors tensors;
   for (const Family& family : families_) {
     tensors.clear();
-    CallKeyBuilder builder(family_key, &family.dims, &tensors);
+    CallKeyBuilder builder(family_key, &family.dims, &tensors, &family.runtime);
     if (!add_arguments(builder) || !builder.finish(mutates_)) {
       continue;
     }
@@ -288,15 +304,55 @@ void OpOverride::make_hot(const CallKey& key, Entry& entry) {
   slot.store(entry.hot, std::memory_order_release);
 }
 
-void OpOverride::add_dynamic(
+void OpOverride::add_family(
     c10::ArrayRef<c10::IValue> args,
     std::shared_ptr<const CompiledKernel> kernel,
-    const py::handle& dynamic) {
+    const py::handle& dynamic,
+    RuntimeNumbers runtime) {
   DynamicDims dims;
+  ShapeGuards guards;
+  // Fixed sizes: the exact key's, whatever the number of elements.
+  guards.limit_numel = !dynamic.is_none();
+  if (!dynamic.is_none()) {
+    read_guards(dynamic, dims, guards);
+  }
+  CallKey key;
+  KeyedTensors tensors;
+  if (!compute_call_key(args, mutates_, key, &dims, &tensors, &runtime) || !guards.admit(tensors)) {
+    return; // not this call's family after all: it keeps its exact entry only
+  }
+  std::unique_lock<std::shared_mutex> lock(mutex_);
+  auto family = std::find_if(families_.begin(), families_.end(), [&](const Family& f) {
+    return f.dims == dims && f.runtime == runtime;
+  });
+  if (family == families_.end()) {
+    auto dynamic_dims = [](const DynamicDims& d) {
+      size_t n = 0;
+      for (uint64_t bits : d) {
+        n += __builtin_popcountll(bits);
+      }
+      return n;
+    };
+    family = families_.insert(
+        std::upper_bound(
+            families_.begin(), families_.end(), dynamic_dims(dims),
+            [&](size_t n, const Family& f) { return n < dynamic_dims(f.dims); }),
+        Family{dims, std::move(runtime), {}});
+  }
+  // Newest first: a kernel compiled after another of its key was not admitted there.
+  auto& entries = family->kernels[key];
+  auto same = std::remove_if(entries.begin(), entries.end(), [&](const DynamicEntry& e) {
+    return e.kernel == kernel;
+  });
+  entries.erase(same, entries.end());
+  entries.insert(entries.begin(), DynamicEntry{std::move(kernel), std::move(guards)});
+  has_families_.store(true, std::memory_order_release);
+}
+
+void OpOverride::read_guards(const py::handle& dynamic, DynamicDims& dims, ShapeGuards& guards) {
   for (auto bits : dynamic.attr("dim_bits")) {
     dims.push_back(bits.cast<uint64_t>());
   }
-  ShapeGuards guards;
   for (auto range : dynamic.attr("ranges")) {
     auto pair = range.cast<std::pair<int64_t, int64_t>>();
     guards.ranges.push_back(pair);
@@ -320,37 +376,6 @@ void OpOverride::add_dynamic(
     auto [tensor, dims_in_order] = item.cast<std::pair<int64_t, std::vector<int64_t>>>();
     guards.orders.push_back({tensor, {dims_in_order.begin(), dims_in_order.end()}});
   }
-  CallKey key;
-  KeyedTensors tensors;
-  if (!compute_call_key(args, mutates_, key, &dims, &tensors) || !guards.admit(tensors)) {
-    return; // not this call's family after all: it keeps its exact entry only
-  }
-  std::unique_lock<std::shared_mutex> lock(mutex_);
-  auto family = std::find_if(families_.begin(), families_.end(), [&](const Family& f) {
-    return f.dims == dims;
-  });
-  if (family == families_.end()) {
-    auto dynamic_dims = [](const DynamicDims& d) {
-      size_t n = 0;
-      for (uint64_t bits : d) {
-        n += __builtin_popcountll(bits);
-      }
-      return n;
-    };
-    family = families_.insert(
-        std::upper_bound(
-            families_.begin(), families_.end(), dynamic_dims(dims),
-            [&](size_t n, const Family& f) { return n < dynamic_dims(f.dims); }),
-        Family{dims, {}});
-  }
-  // Newest first: a kernel compiled after another of its key was not admitted there.
-  auto& entries = family->kernels[key];
-  auto same = std::remove_if(entries.begin(), entries.end(), [&](const DynamicEntry& e) {
-    return e.kernel == kernel;
-  });
-  entries.erase(same, entries.end());
-  entries.insert(entries.begin(), DynamicEntry{std::move(kernel), std::move(guards)});
-  has_families_.store(true, std::memory_order_release);
 }
 
 void OpOverride::run_original(
@@ -474,6 +499,7 @@ std::optional<OpOverride::Entry> OpOverride::on_miss(
     }
     py::object kernel = decision.attr("kernel");
     py::object dynamic = decision.attr("dynamic");
+    RuntimeNumbers runtime;
     if (!kernel.is_none()) {
       entry.kernel = kernel.cast<std::shared_ptr<const CompiledKernel>>();
       TORCH_CHECK(
@@ -482,9 +508,12 @@ std::optional<OpOverride::Entry> OpOverride::on_miss(
           entry.kernel->output_counts().size(),
           " returns, the op has ",
           return_aliases_.size());
+      runtime = entry.kernel->runtime_numbers();
+    } else if (entry.retry_at == std::chrono::steady_clock::time_point{}) {
+      runtime = runtime_numbers(decision.attr("numbers"));
     }
-    if (!dynamic.is_none()) {
-      add_dynamic(torch::jit::last(*stack, num_arguments_), entry.kernel, dynamic);
+    if (entry.retry_at == std::chrono::steady_clock::time_point{} && (!dynamic.is_none() || !runtime.empty())) {
+      add_family(torch::jit::last(*stack, num_arguments_), entry.kernel, dynamic, std::move(runtime));
     }
   } catch (const std::exception& e) {
     // The miss handler logs its own failures; anything that still escapes it
@@ -513,6 +542,12 @@ void OpOverride::clear() {
     slot.store(nullptr, std::memory_order_release);
   }
   has_families_.store(false, std::memory_order_release);
+}
+
+void OpOverride::reset_counters() {
+  for (auto* counter : {&counters_.hits, &counters_.other_calls, &counters_.misses, &counters_.eager_calls}) {
+    counter->store(0);
+  }
 }
 
 size_t OpOverride::num_entries() const {

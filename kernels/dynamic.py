@@ -111,6 +111,12 @@ def family_key(signature: CallSignature) -> str:
     return _digest([str(signature.op._schema), [_form(d, None) for d in signature.described]])
 
 
+def family_limit_key(signature: CallSignature) -> str:
+    """The cache key of the verdict that the family of ``signature`` compiles
+    no more: every further shape of it runs eagerly."""
+    return f"{family_key(signature)}-limit"
+
+
 def ints_key(signature: CallSignature) -> str:
     """:func:`family_key` without the values of numbers: calls whose ints
     move together with their sizes share it (the ``n`` of the pad ``[0, n]``

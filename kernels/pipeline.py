@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 
 from aoti_eager import settings
 from aoti_eager.cache.entry_store import Entry, EntryStore
+from aoti_eager.kernels import quiet
 from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily
 from aoti_eager.kernels.compile import Artifact, CompileError, call_op, compile_call, compile_options, sidecar_files
 from aoti_eager.kernels.signature import CallSignature, clone_args, qualified_name
@@ -67,6 +68,7 @@ class NotCompiled:
     recorded: bool = False
     eager_raised: bool = False
     compiler_error: str | None = None
+    any_values: bool = False  # it holds for every value of the call's numbers (recorded so)
 
 
 Outcome = Union[Published, NotCompiled]
@@ -88,7 +90,26 @@ def compile_signature(
     also checked against eager at the ``seen`` shapes (each tensor's sizes)
     its guards admit and at one further shape, and published under its
     family's key. A dynamic kernel that fails is not recorded: the caller
-    compiles the shape statically instead."""
+    compiles the shape statically instead.
+
+    What it all prints is logged at DEBUG level, not shown (kernels/quiet.py)."""
+    output: list[str] = []
+    try:
+        with quiet.captured(output):
+            return _compile_signature(op, signature, store, load, family, seen)
+    finally:
+        if output:
+            log.debug("aoti_eager: what compiling %s for (%s) printed:\n%s", qualified_name(op), signature.short(), "\n".join(output))
+
+
+def _compile_signature(
+    op: torch._ops.OpOverload,
+    signature: CallSignature,
+    store: EntryStore,
+    load: Loader,
+    family: ShapeFamily | None,
+    seen: list[list[tuple[int, ...]]] | None,
+) -> Outcome:
     name = qualified_name(op)
     key = signature.key if family is None else family.entry_key(signature)
     example = signature if family is None else family.example(signature)
@@ -108,6 +129,9 @@ def compile_signature(
     except (CompileError, NotDynamic) as e:
         log.debug("aoti_eager: compiling %s failed", name, exc_info=e.__cause__)
         said = getattr(e, "compiler_error", None)
+        if getattr(e, "any_values", False):
+            publish_verdict(store, name, signature, signature.values_key, str(e))
+            return _publish_eager(store, name, signature, str(e), any_values=True)
         if family is not None or said is not None:
             return NotCompiled(f"{e} (not recorded in the cache: a later process tries again)", compiler_error=said)
         return _publish_eager(store, name, signature, str(e))
@@ -125,7 +149,9 @@ def compile_signature(
                 if not checked:
                     return NotCompiled("dynamic kernel: eager takes none of its further shapes, so it cannot be checked")
         except Exception as e:  # noqa: BLE001
-            failed = f"compiled kernel disagrees with eager: {e}" if isinstance(e, Mismatch) else f"compiled kernel failed to run: {type(e).__name__}: {e}"
+            # One line: a C++ error holds the generated call and a frame dump.
+            said = (str(e).strip().splitlines() or [""])[0][:300]
+            failed = f"compiled kernel disagrees with eager: {said}" if isinstance(e, Mismatch) else f"compiled kernel failed to run: {type(e).__name__}: {said}"
             if family is not None:
                 return NotCompiled(f"dynamic kernel: {failed}")
             return _publish_eager(store, name, signature, failed)
@@ -268,6 +294,11 @@ def _time(kernel: Any, signature: CallSignature, op: torch._ops.OpOverload, name
     return timing
 
 
-def _publish_eager(store: EntryStore, name: str, signature: CallSignature, reason: str) -> NotCompiled:
-    store.publish(signature.key, Entry(op=name, signature=signature.to_json(), reason=reason))
-    return NotCompiled(reason, recorded=True)
+def _publish_eager(store: EntryStore, name: str, signature: CallSignature, reason: str, any_values: bool = False) -> NotCompiled:
+    publish_verdict(store, name, signature, signature.key, reason)
+    return NotCompiled(reason, recorded=True, any_values=any_values)
+
+
+def publish_verdict(store: EntryStore, name: str, signature: CallSignature, key: str, reason: str) -> None:
+    """Records under ``key`` that calls like ``signature`` run eagerly, and why."""
+    store.publish(key, Entry(op=name, signature=signature.to_json(), reason=reason))

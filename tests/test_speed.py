@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import aoti_eager
+from aoti_eager import _runtime
 from aoti_eager.cache import KernelCache
 from aoti_eager.kernels import pipeline, speed
 from aoti_eager.kernels.compile import compile_options
@@ -70,6 +71,7 @@ def test_a_kernel_slower_than_eager_keeps_eager_once_per_machine(tmp_path, monke
     assert list(tmp_path.rglob("kernel.so")) == []  # an eager entry keeps no library
 
     # A fresh enable, as a new process would, finds the verdict: no compile, no timing.
+    _runtime.forget()
     monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: pytest.fail("must not compile again"))
     with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
         y = torch.abs(x)
@@ -189,6 +191,7 @@ def test_with_the_timing_off_a_signature_kept_eager_for_speed_gets_its_kernel(tm
     assert published(tmp_path, A.abs.default, "cpu", [x])["library"] is None
 
     monkeypatch.setenv("AOTI_EAGER_KEEP_FASTER", "0")
+    _runtime.forget()  # a new process, with the timing off
     with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
         results = [torch.abs(x) for _ in range(2)]
         stats = aoti_eager.stats()["aten::abs"]
