@@ -264,9 +264,19 @@ std::optional<OpOverride::Decision> OpOverride::find(
       continue;
     }
     for (const DynamicEntry& dynamic : it->second) {
-      if (dynamic.guards.admit(tensors)) {
+      uint64_t size_range = 0;
+      if (!dynamic.guards.admit(tensors, &size_range)) {
+        continue;
+      }
+      if (!dynamic.per_range) {
         return Decision{dynamic.kernel.get(), dynamic.kernel};
       }
+      for (const auto& [range, use_kernel] : dynamic.ranges) {
+        if (range == size_range) {
+          return use_kernel ? Decision{dynamic.kernel.get(), dynamic.kernel} : Decision{};
+        }
+      }
+      return std::nullopt; // a range not judged yet: the miss path times the kernel there
     }
   }
   return std::nullopt;
@@ -291,7 +301,8 @@ void OpOverride::make_hot(const CallKey& key, Entry& entry) {
 void OpOverride::add_dynamic(
     c10::ArrayRef<c10::IValue> args,
     std::shared_ptr<const CompiledKernel> kernel,
-    const py::handle& dynamic) {
+    const py::handle& dynamic,
+    const py::handle& judged) {
   DynamicDims dims;
   for (auto bits : dynamic.attr("dim_bits")) {
     dims.push_back(bits.cast<uint64_t>());
@@ -322,7 +333,8 @@ void OpOverride::add_dynamic(
   }
   CallKey key;
   KeyedTensors tensors;
-  if (!compute_call_key(args, mutates_, key, &dims, &tensors) || !guards.admit(tensors)) {
+  uint64_t size_range = 0;
+  if (!compute_call_key(args, mutates_, key, &dims, &tensors) || !guards.admit(tensors, &size_range)) {
     return; // not this call's family after all: it keeps its exact entry only
   }
   std::unique_lock<std::shared_mutex> lock(mutex_);
@@ -343,8 +355,21 @@ void OpOverride::add_dynamic(
             [&](size_t n, const Family& f) { return n < dynamic_dims(f.dims); }),
         Family{dims, {}});
   }
-  // Newest first: a kernel compiled after another of its key was not admitted there.
   auto& entries = family->kernels[key];
+  if (!judged.is_none()) {
+    auto dynamic_kernel = judged.cast<std::shared_ptr<const CompiledKernel>>();
+    auto it = std::find_if(entries.begin(), entries.end(), [&](const DynamicEntry& e) {
+      return e.kernel == dynamic_kernel;
+    });
+    if (it == entries.end()) {
+      it = entries.insert(entries.begin(), DynamicEntry{std::move(dynamic_kernel), std::move(guards)});
+    }
+    it->per_range = true;
+    it->ranges.emplace_back(size_range, kernel != nullptr);
+    has_families_.store(true, std::memory_order_release);
+    return;
+  }
+  // Newest first: a kernel compiled after another of its key was not admitted there.
   auto same = std::remove_if(entries.begin(), entries.end(), [&](const DynamicEntry& e) {
     return e.kernel == kernel;
   });
@@ -484,7 +509,7 @@ std::optional<OpOverride::Entry> OpOverride::on_miss(
           return_aliases_.size());
     }
     if (!dynamic.is_none()) {
-      add_dynamic(torch::jit::last(*stack, num_arguments_), entry.kernel, dynamic);
+      add_dynamic(torch::jit::last(*stack, num_arguments_), entry.kernel, dynamic, decision.attr("judged"));
     }
   } catch (const std::exception& e) {
     // The miss handler logs its own failures; anything that still escapes it

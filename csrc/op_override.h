@@ -103,6 +103,11 @@ class OpOverride : public std::enable_shared_from_this<OpOverride> {
   struct DynamicEntry {
     std::shared_ptr<const CompiledKernel> kernel; // null: the family runs eagerly
     ShapeGuards guards;
+    // Judged against eager per range of sizes (ShapeGuards::admit's): the
+    // ranges judged, each with whether the kernel runs there (else eager);
+    // a call in another range misses, and is judged.
+    bool per_range = false;
+    c10::SmallVector<std::pair<uint64_t, bool>, 4> ranges;
   };
   struct Family {
     DynamicDims dims;
@@ -128,11 +133,14 @@ class OpOverride : public std::enable_shared_from_this<OpOverride> {
   static size_t hot_slot(const CallKey& key);
   // Makes `entry` (of `key`, under the unique lock) readable from hot_.
   void make_hot(const CallKey& key, Entry& entry);
-  // Keeps `kernel` (null: eager) for the call's family, where its guards admit the call.
+  // Keeps `kernel` (null: eager) for the call's family, where its guards
+  // admit the call; where `judged` (a CompiledKernel) is given, for the
+  // call's range of sizes only, as the verdict on that dynamic kernel.
   void add_dynamic(
       c10::ArrayRef<c10::IValue> args,
       std::shared_ptr<const CompiledKernel> kernel,
-      const pybind11::handle& dynamic);
+      const pybind11::handle& dynamic,
+      const pybind11::handle& judged);
   // Returns nullopt when this one call must run eagerly without remembering.
   std::optional<Entry> on_miss(
       const CallKey& key,
