@@ -184,22 +184,33 @@ def main() -> None:
     args = parser.parse_args()
     transformers.logging.set_verbosity_error()
     print(machine(args.device) + f", transformers {transformers.__version__}, threads {torch.get_num_threads()}")
+    header = ("| workload | eager ms | aoti_eager ms | vs eager | torch.compile ms | vs eager | ops | compiles | "
+              "kept eager | misses a warm step | max diff vs eager (relative) |\n" + "| --- " * 11 + "|")
+    rows = []
     with tempfile.TemporaryDirectory(prefix="aoti_eager-bench-") as scratch:
-        rows = [run(name, args.device, args.rounds, args.steps, args.cache_dir or scratch, args.top) for name in args.workloads.split(",")]
-    print("\n| workload | eager ms | aoti_eager ms | vs eager | torch.compile ms | vs eager | ops | compiles | "
-          "kept eager | misses a warm step | max diff vs eager (relative) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+        for name in args.workloads.split(","):
+            try:
+                rows.append(run(name, args.device, args.rounds, args.steps, args.cache_dir or scratch, args.top))
+            except Exception as e:  # noqa: BLE001 - the other workloads still run
+                aoti_eager.disable()
+                print(f"\n{name}: failed: {type(e).__name__}: {e}")
+                continue
+            # Each workload as it ends: a run cut short keeps what it measured.
+            print(f"\n{header}\n{table_row(rows[-1])}")
+            unit = "device" if args.device == "cuda" else "CPU"
+            print(f"\n{name}: self {unit} ms in one step, top {args.top}\n\n| op | eager | aoti_eager |\n| --- | --- | --- |")
+            for n, eager_ms, aoti_ms in rows[-1]["breakdown"]:
+                print(f"| `{n[:60]}` | {eager_ms:.3f} | {aoti_ms:.3f} |")
+    print(f"\n{header}")
     for r in rows:
-        e = r["eager"]
-        print(f"| {r['name']} | {e * 1e3:.2f} | {r['aoti_eager'] * 1e3:.2f} | {r['aoti_eager'] / e:.3f}x | "
-              f"{r['torch.compile'] * 1e3:.2f} | {r['torch.compile'] / e:.3f}x | {r['ops']} | {r['compiles']} | "
-              f"{r['kept_eager']} | {r['misses']} | {r['difference']:.1e} |")
-    unit = "device" if args.device == "cuda" else "CPU"
-    for r in rows:
-        print(f"\n{r['name']}: self {unit} ms in one step, top {len(r['breakdown'])}\n\n| op | eager | aoti_eager |\n| --- | --- | --- |")
-        for n, eager_ms, aoti_ms in r["breakdown"]:
-            print(f"| `{n[:60]}` | {eager_ms:.3f} | {aoti_ms:.3f} |")
+        print(table_row(r))
 
+
+def table_row(r: dict[str, Any]) -> str:
+    e = r["eager"]
+    return (f"| {r['name']} | {e * 1e3:.2f} | {r['aoti_eager'] * 1e3:.2f} | {r['aoti_eager'] / e:.3f}x | "
+            f"{r['torch.compile'] * 1e3:.2f} | {r['torch.compile'] / e:.3f}x | {r['ops']} | {r['compiles']} | "
+            f"{r['kept_eager']} | {r['misses']} | {r['difference']:.1e} |")
 
 if __name__ == "__main__":
     main()
