@@ -17,7 +17,7 @@ compiling now; the first steps compile (counted), then eager, aoti_eager and
 step). Outputs (losses, for training, step by step from one initial state)
 are compared with eager's; misses are counted over a warm step. A
 ``torch.profiler`` step of eager and of aoti_eager gives each op's self time
-(CPU time on CPU, device time on CUDA) side by side.
+(CPU time, and device time on CUDA) side by side.
 
     python scripts/bench_models.py [--device cpu|cuda] [--workloads gpt2,train] [--rounds 5] [--steps 3]
         [--cache-dir DIR] [--top 8]
@@ -120,14 +120,15 @@ def max_difference(results: list[Any], expected: list[Any]) -> float:
     return worst
 
 
-def self_times(step: Callable[[], Any], device: str) -> dict[str, float]:
-    """Milliseconds of self time per op name in one profiled step."""
+def self_times(step: Callable[[], Any], device: str) -> dict[str, tuple[float, ...]]:
+    """Milliseconds of self time per op name in one profiled step: CPU time,
+    and on CUDA device time first."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities) as prof:
         step()
         synchronize()
-    field = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
-    return {e.key: getattr(e, field) / 1e3 for e in prof.key_averages() if getattr(e, field) > 0}
+    fields = (["self_device_time_total"] if device == "cuda" else []) + ["self_cpu_time_total"]
+    return {e.key: tuple(getattr(e, f) / 1e3 for f in fields) for e in prof.key_averages()}
 
 
 def run(name: str, device: str, rounds: int, steps: int, cache_dir: str, top: int) -> dict[str, Any]:
@@ -165,11 +166,12 @@ def run(name: str, device: str, rounds: int, steps: int, cache_dir: str, top: in
     work.step()
     aoti_ops = self_times(work.step, device)
     aoti_eager.disable()
-    names = sorted(set(eager_ops) | set(aoti_ops), key=lambda n: -max(eager_ops.get(n, 0), aoti_ops.get(n, 0)))[:top]
+    none = (0.0,) * len(next(iter(eager_ops.values())))
+    names = sorted(set(eager_ops) | set(aoti_ops), key=lambda n: -max(eager_ops.get(n, none)[0], aoti_ops.get(n, none)[0]))[:top]
     return dict(
         name=name, ops=len(ops), compiles=compiles, kept_eager=kept_eager, misses=misses,
         difference=max_difference(results, expected), **medians,
-        breakdown=[(n, eager_ops.get(n, 0.0), aoti_ops.get(n, 0.0)) for n in names],
+        breakdown=[(n, eager_ops.get(n, none), aoti_ops.get(n, none)) for n in names],
     )
 
 
@@ -197,10 +199,11 @@ def main() -> None:
                 continue
             # Each workload as it ends: a run cut short keeps what it measured.
             print(f"\n{header}\n{table_row(rows[-1])}")
-            unit = "device" if args.device == "cuda" else "CPU"
-            print(f"\n{name}: self {unit} ms in one step, top {args.top}\n\n| op | eager | aoti_eager |\n| --- | --- | --- |")
+            units = ["device", "CPU"] if args.device == "cuda" else ["CPU"]
+            columns = " | ".join(f"{side} {unit}" for unit in units for side in ("eager", "aoti_eager"))
+            print(f"\n{name}: self ms in one step, top {args.top} by {units[0]} time\n\n| op | {columns} |\n|" + " --- |" * (1 + 2 * len(units)))
             for n, eager_ms, aoti_ms in rows[-1]["breakdown"]:
-                print(f"| `{n[:60]}` | {eager_ms:.3f} | {aoti_ms:.3f} |")
+                print(f"| `{n[:60]}` | " + " | ".join(f"{e:.3f} | {a:.3f}" for e, a in zip(eager_ms, aoti_ms)) + " |")
     print(f"\n{header}")
     for r in rows:
         print(table_row(r))
