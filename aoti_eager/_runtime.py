@@ -482,6 +482,7 @@ class Override:
         if reason is None:
             return replace(decision, per_range=True)
         self.stats.last_fallback_reason = reason
+        self._eager_faster.add(signature.decision_key)  # no kernel with its numbers compiled in is tried
         return RunEagerly(reason, decision.dynamic, judged=decision.kernel)
 
     def _slower_here(self, kernel: Any, signature: CallSignature) -> str | None:

@@ -265,3 +265,19 @@ def test_a_dynamic_kernel_slower_in_a_new_range_of_sizes_keeps_eager_there_only(
     assert timer.timed == [100, 100]
     # 13 loads the kernel (a miss), 100 misses, 9 is a hit in the kernel's range.
     assert (stats["compiles"], stats["hits"], stats["fallbacks"], stats["misses"]) == (0, 1, 1, 2), stats
+
+
+def test_a_range_kept_eager_compiles_no_kernel_with_its_numbers_compiled_in(tmp_path):
+    timer = SlowerFrom(rows=64)
+    calls = [(torch.randn(n, 16), torch.randn(n, 16)) for n in (8, 12, 100, 100)]
+    with aoti_eager.enabled(["aten::add.Tensor"], devices=["cpu"], cache_dir=tmp_path):
+        for override in _runtime.installed():
+            override.timer = timer
+        results = [torch.add(x, y, alpha=0.5) for x, y in calls]
+        stats = aoti_eager.stats()["aten::add.Tensor"]
+    for r, (x, y) in zip(results, calls):
+        assert_same_as_eager(r, torch.add(x, y, alpha=0.5), atol=0, rtol=0)
+    # alpha is a kernel input: eager's verdict at 100 rows holds for every value,
+    # and no kernel with 0.5 compiled in is tried instead.
+    assert (stats["compiles"], stats["fallbacks"]) == (2, 2), stats
+    assert timer.timed == [8, 12, 100, 100]
