@@ -133,7 +133,8 @@ def self_times(step: Callable[[], Any], device: str) -> dict[str, tuple[float, .
 
 def run(name: str, device: str, rounds: int, steps: int, cache_dir: str, top: int) -> dict[str, Any]:
     work = build(name, device)
-    expected = [work.fresh()() for _ in range(steps)]
+    step = work.fresh()
+    expected = [step() for _ in range(steps)]
     ops = aoti_eager.ops_reached(work.fresh())
     aoti_eager.enable(ops, devices=[device], cache_dir=cache_dir)
     step = work.fresh()
