@@ -5,13 +5,19 @@ seen. On a new signature it calls :func:`_on_miss`, which decides once per
 signature: a kernel from the persistent cache, a fresh compile, or eager.
 
 The decision is one of :class:`UseKernel`, :class:`RetryLater` and
-:class:`RunEagerly`. The C++ side reads every one the same way, through two
+:class:`RunEagerly`. The C++ side reads every one the same way, through its
 attributes: ``remember`` (bool: keep the decision for the signature's key, or
 run this call eagerly and ask again on the next call, or, with a
-``retry_after`` in seconds, on the first call after it) and ``kernel`` (the
-CompiledKernel to run, or None for the original kernel); and ``dynamic`` and,
-of an eager decision, ``numbers``: the calls beyond the signature it holds for
+``retry_after`` in seconds, on the first call after it), ``kernel`` (the
+CompiledKernel to run, or None for the original kernel), ``dynamic`` (the
+shape family it also holds for), ``judged`` (the dynamic kernel that was
+judged against eager for the call's range of sizes only, or None) and, of an
+eager decision, ``numbers``: the calls beyond the signature it holds for
 (csrc/op_override.h: set_miss_handler).
+
+A dynamic kernel is timed against eager again in each range of sizes
+(:meth:`ShapeFamily.size_range`) that a call brings it to, and keeps eager in
+the ranges where it loses: the first call of a new range misses.
 
 An override that ``uninstall()`` removes keeps what it knows, and
 ``install()`` puts it back as it was: enabling an op again costs no lookup,
@@ -28,7 +34,7 @@ import logging
 import os
 import re
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, Iterator, Union
 
@@ -43,10 +49,11 @@ from aoti_eager.kernels import CallSignature, Unsupported
 from aoti_eager.kernels.compile import compile_options, flat_tensor_inputs
 from aoti_eager.kernels.load_probe import UnsafeToLoad, check_loads, runtime_crashes
 from aoti_eager.kernels.dynamic import (
-    NotDynamic, ShapeFamily, changed_dims, family_key, family_limit_key, ints_key, kinds_key, tensor_args,
+    NotDynamic, ShapeFamily, changed_dims, family_key, family_limit_key, ints_key, kinds_key, tensor_args, tensor_sizes,
 )
 from aoti_eager.kernels.pipeline import NotCompiled, Outcome, compile_signature, publish_verdict
 from aoti_eager.kernels.signature import Position, qualified_name
+from aoti_eager.kernels.speed import Timer, measured, time_against_eager
 from aoti_eager.kernels.toolchain import environment_name
 from aoti_eager.manifest import ManifestEntry, Recorder
 
@@ -103,7 +110,13 @@ class UseKernel:
 
     kernel: Any  # a CompiledKernel (csrc/compiled_kernel.h); the C++ side keys it without its runtime numbers' values
     dynamic: ShapeFamily | None = None
+    # With ``dynamic``: judged for the call's range of sizes only; other ranges ask again.
+    per_range: bool = False
     remember: ClassVar[bool] = True
+
+    @property
+    def judged(self) -> Any:
+        return self.kernel if self.per_range else None
 
 
 @dataclass(frozen=True)
@@ -116,6 +129,9 @@ class RunEagerly:
     reason: str
     dynamic: ShapeFamily | None = None
     numbers: tuple[Position, ...] = ()
+    # With ``dynamic``: the dynamic kernel that eager beat in the call's range
+    # of sizes; eager holds for that range only.
+    judged: Any = None
     kernel: ClassVar[None] = None
     remember: ClassVar[bool] = True
 
@@ -131,6 +147,7 @@ class RetryLater:
     retry_after: float = 0.0
     kernel: ClassVar[None] = None
     dynamic: ClassVar[None] = None
+    judged: ClassVar[None] = None
     remember: ClassVar[bool] = False
 
 
@@ -158,6 +175,9 @@ class _Family:
     published: dict[str, ShapeFamily | None] = field(default_factory=dict)
     # Entry key -> the decision its entry gave.
     decisions: dict[str, Decision] = field(default_factory=dict)
+    # (entry key, ShapeFamily.size_range) -> why eager is faster there, or
+    # None where the dynamic kernel is not slower: each range judged once.
+    verdicts: dict[tuple[str, tuple[int, ...]], str | None] = field(default_factory=dict)
     compiles: int = 0
     dynamic_failed: str | None = None  # why a dynamic kernel of it failed here
 
@@ -264,6 +284,8 @@ class Override:
     # A miss ran eagerly while the CPU's vector ISAs were probed: its compile
     # is to come, at its next call after the probe.
     _waits_for_probe: bool = False
+    # Times kernels against eager (kernels/speed.py); None: the pipeline's own.
+    timer: Timer | None = None
 
     # A call's first miss looks for kernels taking its ints at run time only
     # where it has this many ints at most (every subset is a cache key).
@@ -466,14 +488,48 @@ class Override:
                 try:
                     with cache.hold(self.name, key) as entry:
                         decision = None if entry is None else self._adopt(signature, entry, loaded=True, dynamic=dynamic)
+                        if isinstance(decision, UseKernel) and entry.timing is not None:
+                            # Timed against eager at the call that compiled it: not slower there.
+                            family.verdicts.setdefault((key, dynamic.size_range(tensor_sizes(entry.signature))), None)
                 except DamagedEntry:
                     decision = None
                 if decision is None:
                     family.published.pop(key)
                     continue
                 family.decisions[key] = decision
-            return self._remember(signature, decision)
+            return self._remember(signature, self._in_range(signature, family, key, decision))
         return None
+
+    def _in_range(self, signature: CallSignature, family: _Family, key: str, decision: Decision) -> Decision:
+        """``decision``, its dynamic kernel's for every shape its guards admit,
+        for ``signature``'s range of sizes: the kernel where it was not
+        measured slower than eager there (timed at this call the first time),
+        else eager, for that range only."""
+        if not isinstance(decision, UseKernel) or decision.dynamic is None or not settings.keep_faster.get():
+            return decision
+        size_range = (key, decision.dynamic.size_range([t.sizes for t in tensor_args(signature)]))
+        if size_range not in family.verdicts:
+            family.verdicts[size_range] = self._slower_here(decision.kernel, signature)
+        reason = family.verdicts[size_range]
+        if reason is None:
+            return replace(decision, per_range=True)
+        self.stats.last_fallback_reason = reason
+        self._eager_faster.add(signature.decision_key)  # no kernel with its numbers compiled in is tried
+        return RunEagerly(reason, decision.dynamic, judged=decision.kernel)
+
+    def _slower_here(self, kernel: Any, signature: CallSignature) -> str | None:
+        """Why eager is faster than the dynamic ``kernel`` at ``signature``'s
+        call, or None where it is not (or the timing failed)."""
+        try:
+            timing = measured(kernel, signature, self.op, self.timer or time_against_eager)
+        except Exception as e:  # noqa: BLE001 - the kernel passed validation: keep it
+            log.debug("aoti_eager: timing %s against eager failed; keeping the kernel", self.name, exc_info=e)
+            return None
+        if not timing.eager_faster:
+            return None
+        reason = f"eager is faster at these sizes: kernel {timing.ratio:.2f}x eager's time"
+        log.info("aoti_eager: %s on %s keeps eager for sizes like (%s): %s", self.name, self.device, signature.short(), reason)
+        return reason
 
     def _kernel_to_compile(self, signature: CallSignature, family: _Family) -> ShapeFamily | None:
         """The dynamic kernel to compile for ``signature``, which none of its
@@ -630,7 +686,7 @@ class Override:
         dynamic = self._kernel_to_compile(signature, family)
         outcome: Outcome | None = None
         if dynamic is not None:
-            outcome = compile_signature(self.op, signature, cache, load, dynamic, seen=family.seen)
+            outcome = compile_signature(self.op, signature, cache, load, dynamic, seen=family.seen, timer=self.timer)
             # Where the compiler itself failed, a static compile would too.
             if isinstance(outcome, NotCompiled) and not outcome.eager_raised and outcome.compiler_error is None:
                 family.dynamic_failed = outcome.reason
@@ -639,7 +695,7 @@ class Override:
                 outcome = None
         family.see(signature)
         if outcome is None:
-            outcome = compile_signature(self.op, signature, cache, load)
+            outcome = compile_signature(self.op, signature, cache, load, timer=self.timer)
         if isinstance(outcome, NotCompiled):
             if outcome.eager_raised:
                 # An error of these values, not of the signature, when numbers are inputs.
@@ -666,6 +722,9 @@ class Override:
                     if outcome.family is not None:
                         family.published[outcome.key] = outcome.family
                         family.decisions[outcome.key] = decision
+                        # Timed against eager at this call when it was published.
+                        family.verdicts.setdefault((outcome.key, outcome.family.size_range([t.sizes for t in tensor_args(signature)])), None)
+                        decision = self._remember(signature, self._in_range(signature, family, outcome.key, decision))
         except DamagedEntry as e:
             decision = self._eager(f"its new cache entry is damaged: {e}", signature)
         self._keep_size_limit()

@@ -281,7 +281,7 @@ size_t CallKeyHash::operator()(const CallKey& key) const {
   return h;
 }
 
-bool ShapeGuards::admit(const KeyedTensors& tensors) const {
+bool ShapeGuards::admit(const KeyedTensors& tensors, uint64_t* size_range) const {
   c10::SmallVector<int64_t, 8> values(ranges.size(), -1);
   for (const Dim& guard : dims) {
     if (guard.tensor >= static_cast<int64_t>(tensors.size()) ||
@@ -346,6 +346,15 @@ bool ShapeGuards::admit(const KeyedTensors& tensors) const {
     if (limit_numel && t->numel() > kMaxNumel) {
       return false;
     }
+  }
+  if (size_range != nullptr) {
+    // Each symbol's bit length (ShapeFamily.size_range), mixed into one word.
+    uint64_t mixed = 0;
+    for (int64_t value : values) {
+      const uint64_t bits = value > 0 ? 64 - __builtin_clzll(static_cast<uint64_t>(value)) : 0;
+      mixed = mixed * 0x9E3779B97F4A7C15ULL + bits + 1;
+    }
+    *size_range = mixed;
   }
   return true;
 }

@@ -166,7 +166,9 @@ struct ShapeGuards {
   // Kernels index their dynamic tensors with 32-bit math up to this many elements.
   static constexpr int64_t kMaxNumel = (int64_t{1} << 31) - 1;
 
-  bool admit(const KeyedTensors& tensors) const;
+  // With `size_range`: the call's range of sizes, each symbol's power of two
+  // (kernels/dynamic.py: ShapeFamily.size_range), as one word.
+  bool admit(const KeyedTensors& tensors, uint64_t* size_range = nullptr) const;
 };
 
 // Inputs whose data pointer is 16-byte aligned may be read with aligned

@@ -280,9 +280,19 @@ std::optional<OpOverride::Decision> OpOverride::find(
       continue;
     }
     for (const DynamicEntry& dynamic : it->second) {
-      if (dynamic.guards.admit(tensors)) {
+      uint64_t size_range = 0;
+      if (!dynamic.guards.admit(tensors, &size_range)) {
+        continue;
+      }
+      if (!dynamic.per_range) {
         return Decision{dynamic.kernel.get(), dynamic.kernel};
       }
+      for (const auto& [range, use_kernel] : dynamic.ranges) {
+        if (range == size_range) {
+          return use_kernel ? Decision{dynamic.kernel.get(), dynamic.kernel} : Decision{};
+        }
+      }
+      return std::nullopt; // a range not judged yet: the miss path times the kernel there
     }
   }
   return std::nullopt;
@@ -308,7 +318,8 @@ void OpOverride::add_family(
     c10::ArrayRef<c10::IValue> args,
     std::shared_ptr<const CompiledKernel> kernel,
     const py::handle& dynamic,
-    RuntimeNumbers runtime) {
+    RuntimeNumbers runtime,
+    const py::handle& judged) {
   DynamicDims dims;
   ShapeGuards guards;
   // Fixed sizes: the exact key's, whatever the number of elements.
@@ -318,7 +329,8 @@ void OpOverride::add_family(
   }
   CallKey key;
   KeyedTensors tensors;
-  if (!compute_call_key(args, mutates_, key, &dims, &tensors, &runtime) || !guards.admit(tensors)) {
+  uint64_t size_range = 0;
+  if (!compute_call_key(args, mutates_, key, &dims, &tensors, &runtime) || !guards.admit(tensors, &size_range)) {
     return; // not this call's family after all: it keeps its exact entry only
   }
   std::unique_lock<std::shared_mutex> lock(mutex_);
@@ -339,8 +351,21 @@ void OpOverride::add_family(
             [&](size_t n, const Family& f) { return n < dynamic_dims(f.dims); }),
         Family{dims, std::move(runtime), {}});
   }
-  // Newest first: a kernel compiled after another of its key was not admitted there.
   auto& entries = family->kernels[key];
+  if (!judged.is_none()) {
+    auto dynamic_kernel = judged.cast<std::shared_ptr<const CompiledKernel>>();
+    auto it = std::find_if(entries.begin(), entries.end(), [&](const DynamicEntry& e) {
+      return e.kernel == dynamic_kernel;
+    });
+    if (it == entries.end()) {
+      it = entries.insert(entries.begin(), DynamicEntry{std::move(dynamic_kernel), std::move(guards)});
+    }
+    it->per_range = true;
+    it->ranges.emplace_back(size_range, kernel != nullptr);
+    has_families_.store(true, std::memory_order_release);
+    return;
+  }
+  // Newest first: a kernel compiled after another of its key was not admitted there.
   auto same = std::remove_if(entries.begin(), entries.end(), [&](const DynamicEntry& e) {
     return e.kernel == kernel;
   });
@@ -499,6 +524,7 @@ std::optional<OpOverride::Entry> OpOverride::on_miss(
     }
     py::object kernel = decision.attr("kernel");
     py::object dynamic = decision.attr("dynamic");
+    py::object judged = decision.attr("judged");
     RuntimeNumbers runtime;
     if (!kernel.is_none()) {
       entry.kernel = kernel.cast<std::shared_ptr<const CompiledKernel>>();
@@ -512,8 +538,12 @@ std::optional<OpOverride::Entry> OpOverride::on_miss(
     } else if (entry.retry_at == std::chrono::steady_clock::time_point{}) {
       runtime = runtime_numbers(decision.attr("numbers"));
     }
+    if (!judged.is_none()) {
+      // A verdict for one range of sizes: it joins the judged kernel's family.
+      runtime = judged.cast<std::shared_ptr<const CompiledKernel>>()->runtime_numbers();
+    }
     if (entry.retry_at == std::chrono::steady_clock::time_point{} && (!dynamic.is_none() || !runtime.empty())) {
-      add_family(torch::jit::last(*stack, num_arguments_), entry.kernel, dynamic, std::move(runtime));
+      add_family(torch::jit::last(*stack, num_arguments_), entry.kernel, dynamic, std::move(runtime), judged);
     }
   } catch (const std::exception& e) {
     // The miss handler logs its own failures; anything that still escapes it

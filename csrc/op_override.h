@@ -105,6 +105,11 @@ class OpOverride : public std::enable_shared_from_this<OpOverride> {
   struct DynamicEntry {
     std::shared_ptr<const CompiledKernel> kernel; // null: the family runs eagerly
     ShapeGuards guards;
+    // Judged against eager per range of sizes (ShapeGuards::admit's): the
+    // ranges judged, each with whether the kernel runs there (else eager);
+    // a call in another range misses, and is judged.
+    bool per_range = false;
+    c10::SmallVector<std::pair<uint64_t, bool>, 4> ranges;
   };
   struct Family {
     DynamicDims dims;
@@ -134,11 +139,14 @@ class OpOverride : public std::enable_shared_from_this<OpOverride> {
   // Keeps `kernel` (null: eager) for the call's family, where its guards
   // admit the call: the calls that differ from it in the sizes of
   // `dynamic`'s dims (None: none), and in the values of its `runtime` numbers.
+  // Where `judged` (a CompiledKernel) is given, for the call's range of sizes
+  // only, as the verdict on that dynamic kernel.
   void add_family(
       c10::ArrayRef<c10::IValue> args,
       std::shared_ptr<const CompiledKernel> kernel,
       const pybind11::handle& dynamic,
-      RuntimeNumbers runtime);
+      RuntimeNumbers runtime,
+      const pybind11::handle& judged);
   // A dynamic kernel's dims and guards, as kernels/dynamic.py's ShapeFamily gives them.
   static void read_guards(const pybind11::handle& dynamic, DynamicDims& dims, ShapeGuards& guards);
   // Returns nullopt when this one call must run eagerly without remembering.
@@ -188,7 +196,7 @@ std::unique_ptr<c10::RegistrationHandleRAII> register_override(
     c10::DispatchKey dispatch_key,
     std::shared_ptr<OpOverride> override);
 
-// handler(token, args: list, decide: bool) -> decision, an object with three
+// handler(token, args: list, decide: bool) -> decision, an object with these
 // attributes (aoti_eager/_runtime.py: UseKernel, RunEagerly, RetryLater):
 //   remember: bool  keep the decision for the call's key; false: run this
 //                   call eagerly and ask again on the next, or, where the
@@ -202,6 +210,9 @@ std::unique_ptr<c10::RegistrationHandleRAII> register_override(
 //   numbers:        of an eager decision, the positions of the numbers
 //                   whose values it holds for (a kernel's are its runtime
 //                   numbers): later calls that differ only in them do not miss
+//   judged:         None, or the dynamic kernel this decision was judged for
+//                   in the call's range of sizes only (the kernel, or eager
+//                   where it lost there): calls in other ranges miss
 // With decide false the call's arguments cannot be keyed: the handler only
 // records why, and the call runs eagerly whatever it returns.
 void set_miss_handler(pybind11::object handler);

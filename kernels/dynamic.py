@@ -137,6 +137,18 @@ def kinds_key(signature: CallSignature) -> str:
     return _digest([str(signature.op._schema), [[t.dtype, len(t.sizes)] for t in tensor_args(signature)]])
 
 
+def tensor_sizes(signature: list[dict[str, Any]]) -> list[tuple[int, ...]]:
+    """The sizes of the tensor arguments of ``signature`` as an entry keeps it
+    (``CallSignature.to_json``), in :func:`tensor_args` order."""
+    sizes: list[tuple[int, ...]] = []
+    for described in signature:
+        if described.get("kind") == "list":
+            sizes += tensor_sizes(described["items"])
+        elif described.get("kind") == "tensor":
+            sizes.append(tuple(described["sizes"]))
+    return sizes
+
+
 def changed_dims(signature: CallSignature, seen: list[list[tuple[int, ...]]]) -> tuple[tuple[int, ...], ...]:
     """For each tensor argument, the dims whose size differs from one of the
     ``seen`` calls of its family (each a list of its tensors' sizes) and is at
@@ -240,6 +252,18 @@ class ShapeFamily:
         if any(math.prod(s) > MAX_NUMEL for s in sizes):
             return None
         return values
+
+    def size_range(self, sizes: list[tuple[int, ...]]) -> tuple[int, ...]:
+        """The range of sizes that a call whose tensors have ``sizes`` (which
+        the guards admit) falls in: each symbol's power of two (its size's bit
+        length), as ``ShapeGuards::admit`` in csrc/call_key.cpp ranges them. A
+        kernel is judged against eager once per range.
+
+            >>> ShapeFamily(((0,), ()), guards=((0, 0, 0, 0),), ranges=((1, UNBOUNDED),)).size_range([(300, 8), (8,)])
+            (9,)
+        """
+        values = self.symbol_values_of_sizes(sizes) or {}
+        return tuple(values.get(symbol, 0).bit_length() for symbol in range(len(self.ranges)))
 
     def layout_admitted(self, tensors: list[TensorArg]) -> bool:
         """Whether ``tensors`` (:func:`tensor_args`) have the strides the kernel takes."""

@@ -29,15 +29,11 @@ from aoti_eager.kernels import quiet
 from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily
 from aoti_eager.kernels.compile import Artifact, CompileError, call_op, compile_call, compile_options, sidecar_files
 from aoti_eager.kernels.signature import CallSignature, clone_args, qualified_name
-from aoti_eager.kernels.speed import Timing, time_against_eager
+from aoti_eager.kernels.speed import Timer, Timing, measured, time_against_eager
 from aoti_eager.kernels.toolchain import usable_vec_isas
 from aoti_eager.kernels.validate import Mismatch, check_matches_eager
 
 log = logging.getLogger("aoti_eager")
-
-# A kernel is set aside for eager only when it is this much slower, twice:
-# a single noisy measurement must not flip a signature to eager for good.
-SLOWER_THAN_EAGER = 1.05
 
 # Loads a library as a kernel: (library, output counts) -> a CompiledKernel
 # (csrc/compiled_kernel.h), checked against the signature's inputs.
@@ -81,6 +77,7 @@ def compile_signature(
     load: Loader,
     family: ShapeFamily | None = None,
     seen: list[list[tuple[int, ...]]] | None = None,
+    timer: Timer | None = None,
 ) -> Outcome:
     """Compiles, validates, times and publishes the kernel of ``signature``.
     Another process's entry may have been published first: the store keeps
@@ -90,13 +87,14 @@ def compile_signature(
     also checked against eager at the ``seen`` shapes (each tensor's sizes)
     its guards admit and at one further shape, and published under its
     family's key. A dynamic kernel that fails is not recorded: the caller
-    compiles the shape statically instead.
+    compiles the shape statically instead. ``timer`` times the kernel
+    against eager (default: kernels/speed.py's).
 
     What it all prints is logged at DEBUG level, not shown (kernels/quiet.py)."""
     output: list[str] = []
     try:
         with quiet.captured(output):
-            return _compile_signature(op, signature, store, load, family, seen)
+            return _compile_signature(op, signature, store, load, family, seen, timer or time_against_eager)
     finally:
         if output:
             log.debug("aoti_eager: what compiling %s for (%s) printed:\n%s", qualified_name(op), signature.short(), "\n".join(output))
@@ -109,6 +107,7 @@ def _compile_signature(
     load: Loader,
     family: ShapeFamily | None,
     seen: list[list[tuple[int, ...]]] | None,
+    timer: Timer,
 ) -> Outcome:
     name = qualified_name(op)
     key = signature.key if family is None else family.entry_key(signature)
@@ -156,7 +155,7 @@ def _compile_signature(
                 return NotCompiled(f"dynamic kernel: {failed}")
             return _publish_eager(store, name, signature, failed)
         seconds = time.perf_counter() - start
-        timing = _time(kernel, signature, op, name)
+        timing = _time(kernel, signature, op, name, timer)
         entry = _entry(name, signature, artifact, seconds, timing, family)
         store.publish(key, entry, sidecar_files(artifact) if entry.library else None)
     finally:
@@ -269,23 +268,19 @@ def _entry(
         timing=timing.to_json() if timing is not None else None,
         dynamic=family.to_json() if family is not None else None,
     )
-    if timing is not None and timing.ratio > SLOWER_THAN_EAGER:
+    if timing is not None and timing.eager_faster:
         entry.reason = f"eager is faster: kernel {timing.ratio:.2f}x eager's time (measured at compile)"
     else:
         entry.output_counts, entry.library = artifact.output_counts, artifact.library
     return entry
 
 
-def _time(kernel: Any, signature: CallSignature, op: torch._ops.OpOverload, name: str) -> Timing | None:
-    """The kernel's time against eager's, measured a second time when the
-    first says eager is faster; None where timing is off or failed."""
+def _time(kernel: Any, signature: CallSignature, op: torch._ops.OpOverload, name: str, timer: Timer) -> Timing | None:
+    """The kernel's time against eager's (:func:`measured`); None where timing is off or failed."""
     if not settings.keep_faster.get():
         return None
     try:
-        timing = time_against_eager(kernel, signature, op)
-        if timing.ratio > SLOWER_THAN_EAGER:
-            again = time_against_eager(kernel, signature, op)
-            timing = min(timing, again, key=lambda t: t.ratio)  # the kernel's better showing
+        timing = measured(kernel, signature, op, timer)
     except Exception as e:  # noqa: BLE001 - the kernel passed validation: keep it
         log.debug("aoti_eager: timing %s against eager failed; keeping the kernel", name, exc_info=e)
         return None
