@@ -258,8 +258,17 @@ def test_a_dynamic_kernel_slower_in_a_new_range_of_sizes_keeps_eager_there_only(
     assert (stats["compiles"], stats["hits"], stats["fallbacks"], stats["misses"]) == (2, 2, 3, 3), stats
     assert stats["fallback_reason"] == "eager is faster at these sizes: kernel 2.00x eager's time"
 
-    # A new enable, as a new process: the kernel's own range was judged when it
-    # was compiled (the cache entry's timing); the range of 100 rows is judged again.
+    # Enabled again in the process: every range's verdict stands, nothing is timed or missed.
+    timer = SlowerFrom(rows=64)
+    results, inputs, stats = abs_calls(timer, tmp_path, [13, 100, 9])
+    for r, x in zip(results, inputs):
+        assert_same_as_eager(r, x.abs(), atol=0, rtol=0)
+    assert timer.timed == []
+    assert (stats["compiles"], stats["hits"], stats["fallbacks"], stats["misses"]) == (0, 2, 1, 0), stats
+
+    # A new process: the kernel's own range was judged when it was compiled
+    # (the cache entry's timing); the range of 100 rows is judged again.
+    _runtime.forget()
     timer = SlowerFrom(rows=64)
     results, inputs, stats = abs_calls(timer, tmp_path, [13, 100, 9])
     for r, x in zip(results, inputs):
@@ -283,3 +292,22 @@ def test_a_range_kept_eager_compiles_no_kernel_with_its_numbers_compiled_in(tmp_
     # and no kernel with 0.5 compiled in is tried instead.
     assert (stats["compiles"], stats["fallbacks"]) == (2, 2), stats
     assert timer.timed == [8, 12, 100, 100]
+
+
+def test_a_range_verdict_holds_for_new_values_of_the_kernels_runtime_numbers(tmp_path):
+    timer = SlowerFrom(rows=64)
+    # alpha is a kernel input: 8 compiles a static kernel, 12 a dynamic one, 100
+    # is judged (eager there); 120 and 13 bring new alphas to the judged ranges.
+    calls = [(torch.randn(n, 16), torch.randn(n, 16), alpha) for n, alpha in
+             ((8, 0.5), (12, 0.5), (100, 0.5), (120, 0.25), (13, 0.75), (100, 2.0))]
+    with aoti_eager.enabled(["aten::add.Tensor"], devices=["cpu"], cache_dir=tmp_path):
+        for override in _runtime.installed():
+            override.timer = timer
+        results = [torch.add(x, y, alpha=alpha) for x, y, alpha in calls]
+        stats = aoti_eager.stats()["aten::add.Tensor"]
+    for r, (x, y, alpha) in zip(results, calls):
+        assert_same_as_eager(r, torch.add(x, y, alpha=alpha))
+    assert timer.timed == [8, 12, 100, 100]
+    # One family entry keeps both: its runtime numbers' values are left out of
+    # its key, and each range keeps its verdict. Only 8, 12 and 100 miss.
+    assert (stats["compiles"], stats["misses"], stats["hits"], stats["fallbacks"]) == (2, 3, 1, 3), stats
