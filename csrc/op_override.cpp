@@ -9,7 +9,6 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <deque>
 #include <mutex>
 #include <tuple>
 
@@ -79,14 +78,7 @@ py::object to_python(const c10::IValue& value, const c10::TypePtr& declared) {
 // a kernel only ever sees the kind it was traced with. The tensor is kept per
 // thread and position among the call's runtime numbers, reused while no one
 // else holds it, instead of a new tensor per call.
-const at::Tensor& runtime_number(const c10::IValue& arg, size_t position) {
-  // A deque: growing it keeps the references that a call's inputs already hold
-  // (a list of scalars gives a number per item).
-  thread_local std::deque<at::Tensor> numbers;
-  if (numbers.size() <= position) {
-    numbers.resize(position + 1);
-  }
-  at::Tensor& number = numbers[position];
+const at::Tensor& runtime_number(const c10::IValue& arg, at::Tensor& number) {
   if (arg.isTensor()) {
     const at::Tensor& t = arg.toTensor();
     number = t.scalar_type() == at::kDouble ? t : t.to(at::kDouble);
@@ -103,6 +95,17 @@ const at::Tensor& runtime_number(const c10::IValue& arg, size_t position) {
     *number.mutable_data_ptr<double>() = arg.toDouble();
   }
   return number;
+}
+
+// The thread's tensors for a call's `count` runtime numbers (see
+// runtime_number): sized before the call takes a reference to any, as
+// growing the vector would move them (a list of scalars gives one per item).
+c10::SmallVector<at::Tensor, 4>& runtime_number_slots(size_t count) {
+  thread_local c10::SmallVector<at::Tensor, 4> numbers;
+  if (numbers.size() < count) {
+    numbers.resize(count);
+  }
+  return numbers;
 }
 
 // The caller's own tensors: no reference count changes (two atomic updates
@@ -430,12 +433,13 @@ void OpOverride::run_kernel(
   auto runtime = kernel.runtime_numbers().begin();
   const auto runtime_end = kernel.runtime_numbers().end();
   size_t numbers = 0;
+  auto* slots = runtime == runtime_end ? nullptr : &runtime_number_slots(kernel.runtime_numbers().size());
   auto add_runtime_number = [&](const c10::IValue& value, size_t argument, int64_t item) {
     if (runtime == runtime_end || runtime->argument != static_cast<int64_t>(argument) || runtime->item != item) {
       return false;
     }
     ++runtime;
-    inputs.push_back(&runtime_number(value, numbers++));
+    inputs.push_back(&runtime_number(value, (*slots)[numbers++]));
     return true;
   };
   for (size_t i = 0; i < args.size(); ++i) {
@@ -647,10 +651,11 @@ class UnboxedOverride<Return(Args...)> final : public c10::OperatorKernel {
     const auto runtime_end = kernel.runtime_numbers().end();
     int64_t position = 0;
     size_t numbers = 0;
+    auto* slots = runtime == runtime_end ? nullptr : &runtime_number_slots(kernel.runtime_numbers().size());
     auto add_input = [&](const auto& arg) {
       if (runtime != runtime_end && runtime->argument == position++) {
         ++runtime;
-        inputs.push_back(&runtime_number(c10::IValue(arg), numbers++));
+        inputs.push_back(&runtime_number(c10::IValue(arg), (*slots)[numbers++]));
       } else if constexpr (std::is_same_v<std::decay_t<decltype(arg)>, at::Tensor>) {
         add_kernel_input(arg, inputs);
       }
