@@ -337,35 +337,9 @@ void OpOverride::add_family(
     return; // not this call's family after all: it keeps its exact entry only
   }
   std::unique_lock<std::shared_mutex> lock(mutex_);
-  auto family = std::find_if(families_.begin(), families_.end(), [&](const Family& f) {
-    return f.dims == dims && f.runtime == runtime;
-  });
-  if (family == families_.end()) {
-    auto dynamic_dims = [](const DynamicDims& d) {
-      size_t n = 0;
-      for (uint64_t bits : d) {
-        n += __builtin_popcountll(bits);
-      }
-      return n;
-    };
-    family = families_.insert(
-        std::upper_bound(
-            families_.begin(), families_.end(), dynamic_dims(dims),
-            [&](size_t n, const Family& f) { return n < dynamic_dims(f.dims); }),
-        Family{dims, std::move(runtime), {}});
-  }
-  auto& entries = family->kernels[key];
+  auto& entries = family_of(std::move(dims), std::move(runtime)).kernels[key];
   if (!judged.is_none()) {
-    auto dynamic_kernel = judged.cast<std::shared_ptr<const CompiledKernel>>();
-    auto it = std::find_if(entries.begin(), entries.end(), [&](const DynamicEntry& e) {
-      return e.kernel == dynamic_kernel;
-    });
-    if (it == entries.end()) {
-      it = entries.insert(entries.begin(), DynamicEntry{std::move(dynamic_kernel), std::move(guards)});
-    }
-    it->per_range = true;
-    it->ranges.emplace_back(size_range, kernel != nullptr);
-    has_families_.store(true, std::memory_order_release);
+    add_range_verdict(entries, judged.cast<std::shared_ptr<const CompiledKernel>>(), std::move(guards), size_range, kernel != nullptr);
     return;
   }
   // Newest first: a kernel compiled after another of its key was not admitted there.
@@ -374,6 +348,45 @@ void OpOverride::add_family(
   });
   entries.erase(same, entries.end());
   entries.insert(entries.begin(), DynamicEntry{std::move(kernel), std::move(guards)});
+  has_families_.store(true, std::memory_order_release);
+}
+
+OpOverride::Family& OpOverride::family_of(DynamicDims dims, RuntimeNumbers runtime) {
+  auto family = std::find_if(families_.begin(), families_.end(), [&](const Family& f) {
+    return f.dims == dims && f.runtime == runtime;
+  });
+  if (family != families_.end()) {
+    return *family;
+  }
+  auto dynamic_dims = [](const DynamicDims& d) {
+    size_t n = 0;
+    for (uint64_t bits : d) {
+      n += __builtin_popcountll(bits);
+    }
+    return n;
+  };
+  const size_t n = dynamic_dims(dims);
+  return *families_.insert(
+      std::upper_bound(
+          families_.begin(), families_.end(), n,
+          [&](size_t count, const Family& f) { return count < dynamic_dims(f.dims); }),
+      Family{std::move(dims), std::move(runtime), {}});
+}
+
+void OpOverride::add_range_verdict(
+    c10::SmallVector<DynamicEntry, 1>& entries,
+    std::shared_ptr<const CompiledKernel> judged,
+    ShapeGuards guards,
+    uint64_t size_range,
+    bool use_kernel) {
+  auto it = std::find_if(entries.begin(), entries.end(), [&](const DynamicEntry& e) {
+    return e.kernel == judged;
+  });
+  if (it == entries.end()) {
+    it = entries.insert(entries.begin(), DynamicEntry{std::move(judged), std::move(guards)});
+  }
+  it->per_range = true;
+  it->ranges.emplace_back(size_range, use_kernel);
   has_families_.store(true, std::memory_order_release);
 }
 

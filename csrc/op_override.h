@@ -147,6 +147,17 @@ class OpOverride : public std::enable_shared_from_this<OpOverride> {
       const pybind11::handle& dynamic,
       RuntimeNumbers runtime,
       const pybind11::handle& judged);
+  // The family of `dims` and `runtime` (under the unique lock), made where
+  // there is none; families with fewer dynamic dims come first.
+  Family& family_of(DynamicDims dims, RuntimeNumbers runtime);
+  // Records (under the unique lock) whether the `judged` dynamic kernel runs
+  // in the call's `size_range`, or eager does there.
+  void add_range_verdict(
+      c10::SmallVector<DynamicEntry, 1>& entries,
+      std::shared_ptr<const CompiledKernel> judged,
+      ShapeGuards guards,
+      uint64_t size_range,
+      bool use_kernel);
   // A dynamic kernel's dims and guards, as kernels/dynamic.py's ShapeFamily gives them.
   static void read_guards(const pybind11::handle& dynamic, DynamicDims& dims, ShapeGuards& guards);
   // Returns nullopt when this one call must run eagerly without remembering.
