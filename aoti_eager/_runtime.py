@@ -4,12 +4,24 @@ The C++ kernel (csrc/op_override.cpp) serves every call whose signature it has
 seen. On a new signature it calls :func:`_on_miss`, which decides once per
 signature: a kernel from the persistent cache, a fresh compile, or eager.
 
-The decision is one of :class:`UseKernel`, :class:`RunEagerly` and
-:class:`RetryLater`. The C++ side reads every one the same way, through two
+The decision is one of :class:`UseKernel`, :class:`RetryLater` and
+:class:`RunEagerly`. The C++ side reads every one the same way, through its
 attributes: ``remember`` (bool: keep the decision for the signature's key, or
 run this call eagerly and ask again on the next call, or, with a
-``retry_after`` in seconds, on the first call after it) and ``kernel`` (the
-CompiledKernel to run, or None for the original kernel).
+``retry_after`` in seconds, on the first call after it), ``kernel`` (the
+CompiledKernel to run, or None for the original kernel), ``dynamic`` (the
+shape family it also holds for), ``judged`` (the dynamic kernel that was
+judged against eager for the call's range of sizes only, or None) and, of an
+eager decision, ``numbers``: the calls beyond the signature it holds for
+(csrc/op_override.h: set_miss_handler).
+
+A dynamic kernel is timed against eager again in each range of sizes
+(:meth:`ShapeFamily.size_range`) that a call brings it to, and keeps eager in
+the ranges where it loses: the first call of a new range misses.
+
+An override that ``uninstall()`` removes keeps what it knows, and
+``install()`` puts it back as it was: enabling an op again costs no lookup,
+load or compile.
 """
 
 from __future__ import annotations
@@ -22,7 +34,7 @@ import logging
 import os
 import re
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, Iterator, Union
 
@@ -36,9 +48,12 @@ from aoti_eager.cache.store import TEMPORARY_PREFIX
 from aoti_eager.kernels import CallSignature, Unsupported
 from aoti_eager.kernels.compile import compile_options, flat_tensor_inputs
 from aoti_eager.kernels.load_probe import UnsafeToLoad, check_loads, runtime_crashes
-from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily, changed_dims, family_key, ints_key, kinds_key, tensor_args
-from aoti_eager.kernels.pipeline import NotCompiled, Outcome, compile_signature
+from aoti_eager.kernels.dynamic import (
+    NotDynamic, ShapeFamily, changed_dims, family_key, family_limit_key, ints_key, kinds_key, tensor_args, tensor_sizes,
+)
+from aoti_eager.kernels.pipeline import NotCompiled, Outcome, compile_signature, publish_verdict
 from aoti_eager.kernels.signature import Position, qualified_name
+from aoti_eager.kernels.speed import Timer, measured, time_against_eager
 from aoti_eager.kernels.toolchain import environment_name
 from aoti_eager.manifest import ManifestEntry, Recorder
 
@@ -93,18 +108,30 @@ class UseKernel:
     """Calls of the signature run ``kernel``; with ``dynamic``, also every
     later call of its shape family that the kernel's guards admit."""
 
-    kernel: Any  # a CompiledKernel (csrc/compiled_kernel.h)
+    kernel: Any  # a CompiledKernel (csrc/compiled_kernel.h); the C++ side keys it without its runtime numbers' values
     dynamic: ShapeFamily | None = None
+    # With ``dynamic``: judged for the call's range of sizes only; other ranges ask again.
+    per_range: bool = False
     remember: ClassVar[bool] = True
+
+    @property
+    def judged(self) -> Any:
+        return self.kernel if self.per_range else None
 
 
 @dataclass(frozen=True)
 class RunEagerly:
     """Calls of the signature run the original kernel, for good in this
-    process; with ``dynamic``, every call of its shape family that it admits."""
+    process; with ``dynamic``, every call of its shape family that it admits;
+    with ``numbers`` (positions, as :attr:`CallSignature.runtime_arguments`
+    gives them), every call that differs from it only in their values."""
 
     reason: str
     dynamic: ShapeFamily | None = None
+    numbers: tuple[Position, ...] = ()
+    # With ``dynamic``: the dynamic kernel that eager beat in the call's range
+    # of sizes; eager holds for that range only.
+    judged: Any = None
     kernel: ClassVar[None] = None
     remember: ClassVar[bool] = True
 
@@ -120,6 +147,7 @@ class RetryLater:
     retry_after: float = 0.0
     kernel: ClassVar[None] = None
     dynamic: ClassVar[None] = None
+    judged: ClassVar[None] = None
     remember: ClassVar[bool] = False
 
 
@@ -147,6 +175,9 @@ class _Family:
     published: dict[str, ShapeFamily | None] = field(default_factory=dict)
     # Entry key -> the decision its entry gave.
     decisions: dict[str, Decision] = field(default_factory=dict)
+    # (entry key, ShapeFamily.size_range) -> why eager is faster there, or
+    # None where the dynamic kernel is not slower: each range judged once.
+    verdicts: dict[tuple[str, tuple[int, ...]], str | None] = field(default_factory=dict)
     compiles: int = 0
     dynamic_failed: str | None = None  # why a dynamic kernel of it failed here
 
@@ -253,6 +284,8 @@ class Override:
     # A miss ran eagerly while the CPU's vector ISAs were probed: its compile
     # is to come, at its next call after the probe.
     _waits_for_probe: bool = False
+    # Times kernels against eager (kernels/speed.py); None: the pipeline's own.
+    timer: Timer | None = None
 
     # A call's first miss looks for kernels taking its ints at run time only
     # where it has this many ints at most (every subset is a cache key).
@@ -347,8 +380,8 @@ class Override:
         kernel is used, unless nothing is compiled here or eager was measured
         faster (a kernel with the numbers compiled in would be no faster)."""
         return (
-            isinstance(decision, RunEagerly) and bool(signature.runtime_arguments) and self.compile != "never"
-            and signature.decision_key not in self._eager_faster
+            isinstance(decision, RunEagerly) and not decision.numbers and bool(signature.runtime_arguments)
+            and self.compile != "never" and signature.decision_key not in self._eager_faster
         )
 
     def _decide(self, signature: CallSignature) -> Decision:
@@ -455,14 +488,48 @@ class Override:
                 try:
                     with cache.hold(self.name, key) as entry:
                         decision = None if entry is None else self._adopt(signature, entry, loaded=True, dynamic=dynamic)
+                        if isinstance(decision, UseKernel) and entry.timing is not None:
+                            # Timed against eager at the call that compiled it: not slower there.
+                            family.verdicts.setdefault((key, dynamic.size_range(tensor_sizes(entry.signature))), None)
                 except DamagedEntry:
                     decision = None
                 if decision is None:
                     family.published.pop(key)
                     continue
                 family.decisions[key] = decision
-            return self._remember(signature, decision)
+            return self._remember(signature, self._in_range(signature, family, key, decision))
         return None
+
+    def _in_range(self, signature: CallSignature, family: _Family, key: str, decision: Decision) -> Decision:
+        """``decision``, its dynamic kernel's for every shape its guards admit,
+        for ``signature``'s range of sizes: the kernel where it was not
+        measured slower than eager there (timed at this call the first time),
+        else eager, for that range only."""
+        if not isinstance(decision, UseKernel) or decision.dynamic is None or not settings.keep_faster.get():
+            return decision
+        size_range = (key, decision.dynamic.size_range([t.sizes for t in tensor_args(signature)]))
+        if size_range not in family.verdicts:
+            family.verdicts[size_range] = self._slower_here(decision.kernel, signature)
+        reason = family.verdicts[size_range]
+        if reason is None:
+            return replace(decision, per_range=True)
+        self.stats.last_fallback_reason = reason
+        self._eager_faster.add(signature.decision_key)  # no kernel with its numbers compiled in is tried
+        return RunEagerly(reason, decision.dynamic, judged=decision.kernel)
+
+    def _slower_here(self, kernel: Any, signature: CallSignature) -> str | None:
+        """Why eager is faster than the dynamic ``kernel`` at ``signature``'s
+        call, or None where it is not (or the timing failed)."""
+        try:
+            timing = measured(kernel, signature, self.op, self.timer or time_against_eager)
+        except Exception as e:  # noqa: BLE001 - the kernel passed validation: keep it
+            log.debug("aoti_eager: timing %s against eager failed; keeping the kernel", self.name, exc_info=e)
+            return None
+        if not timing.eager_faster:
+            return None
+        reason = f"eager is faster at these sizes: kernel {timing.ratio:.2f}x eager's time"
+        log.info("aoti_eager: %s on %s keeps eager for sizes like (%s): %s", self.name, self.device, signature.short(), reason)
+        return reason
 
     def _kernel_to_compile(self, signature: CallSignature, family: _Family) -> ShapeFamily | None:
         """The dynamic kernel to compile for ``signature``, which none of its
@@ -526,18 +593,55 @@ class Override:
         return ManifestEntry(self.name, self.device, key, signature.to_json(), dynamic=span)
 
     def _too_many_variants(self, signature: CallSignature) -> RunEagerly | None:
-        """Counts a compile of ``signature``; eager past the limit."""
+        """Counts a compile of ``signature``; eager past the limit, for every
+        further value, in this process and (recorded in the cache) in others."""
         variants = self._value_variants.get(signature.shape_key, 0)
         # Like dynamo's cache size limit: further values run eagerly instead of compiling forever.
         limit = settings.max_value_variants.get()
         if variants >= limit:
-            return self._eager(
+            reason = (
                 f"{variants} kernels already compiled for new values of its numeric arguments "
-                f"({settings.max_value_variants.name}={limit}); further values run eagerly",
-                signature,
+                f"({settings.max_value_variants.name}={limit}); further values run eagerly"
             )
+            self._record_verdict(signature, signature.values_key, reason)
+            return self._eager_for_values(signature, reason)
         self._value_variants[signature.shape_key] = variants + 1
         return None
+
+    def _record_verdict(self, signature: CallSignature, key: str, reason: str) -> None:
+        """Records in the cache that calls like ``signature`` run eagerly,
+        under ``key`` (see :meth:`_recorded_verdict`), so that another process
+        does not compile them to find out again."""
+        try:
+            publish_verdict(self.cache(signature.device), self.name, signature, key, reason)
+        except OSError as e:
+            log.debug("aoti_eager: recording a verdict on %s failed: %s", self.name, e)
+
+    def _recorded_verdict(self, cache: EntryStore, signature: CallSignature, of_family: bool = True) -> RunEagerly | None:
+        """A verdict that a process recorded for calls like ``signature``:
+        for every value of its numbers, or (with ``of_family``) for every
+        shape of its family."""
+        keys = [(signature.values_key, False)] + [(family_limit_key(signature), True)] * of_family
+        for key, of_family in keys:
+            try:
+                entry = cache.lookup(self.name, key)
+            except (DamagedEntry, UntrustedEntry):
+                entry = None
+            if entry is not None and entry.library is None:
+                reason = entry.reason or "decided eager"
+                if not of_family:
+                    return self._eager_for_values(signature, reason)
+                self.stats.last_fallback_reason = reason
+                self._log(reason)
+                return self._remember(signature, RunEagerly(reason, ShapeFamily.any_shape(signature)))
+        return None
+
+    def _eager_for_values(self, signature: CallSignature, reason: str) -> RunEagerly:
+        """Eager for the signature and every value of its numbers (the C++
+        side then keys its calls without them), logged once."""
+        self.stats.last_fallback_reason = reason
+        self._log(reason)
+        return self._remember(signature, RunEagerly(reason, numbers=tuple(signature.number_positions)))
 
     def _queue(self, signature: CallSignature, entry: ManifestEntry) -> Decision:
         """Starts a background compile of ``entry``, the kernel a miss of
@@ -562,6 +666,8 @@ class Override:
         crash = runtime_crashes(cache.directory.name)
         if crash is not None:
             return self._eager(_not_loaded(crash), signature)
+        if (recorded := self._recorded_verdict(cache, signature)) is not None:
+            return recorded
         if (too_many := self._too_many_variants(signature)) is not None:
             return too_many
         family = self._family(signature)
@@ -572,6 +678,7 @@ class Override:
                 f"({settings.max_shape_compiles.name}={limit}); further shapes run eagerly"
             )
             self._eager(reason, signature)
+            self._record_verdict(signature, family_limit_key(signature), reason)
             # The C++ side keeps it for the whole family: its further shapes do not ask again.
             return self._remember(signature, RunEagerly(reason, ShapeFamily.any_shape(signature)))
         family.compiles += 1
@@ -579,7 +686,7 @@ class Override:
         dynamic = self._kernel_to_compile(signature, family)
         outcome: Outcome | None = None
         if dynamic is not None:
-            outcome = compile_signature(self.op, signature, cache, load, dynamic, seen=family.seen)
+            outcome = compile_signature(self.op, signature, cache, load, dynamic, seen=family.seen, timer=self.timer)
             # Where the compiler itself failed, a static compile would too.
             if isinstance(outcome, NotCompiled) and not outcome.eager_raised and outcome.compiler_error is None:
                 family.dynamic_failed = outcome.reason
@@ -588,13 +695,15 @@ class Override:
                 outcome = None
         family.see(signature)
         if outcome is None:
-            outcome = compile_signature(self.op, signature, cache, load)
+            outcome = compile_signature(self.op, signature, cache, load, timer=self.timer)
         if isinstance(outcome, NotCompiled):
             if outcome.eager_raised:
                 # An error of these values, not of the signature, when numbers are inputs.
                 return RetryLater(outcome.reason) if signature.runtime_arguments else self._remember(signature, RunEagerly(outcome.reason))
             if outcome.compiler_error is not None:
                 _compiler_failures.add(outcome.compiler_error)
+            if outcome.any_values:
+                return self._eager_for_values(signature, outcome.reason)
             return self._eager(outcome.reason, signature)
         self.stats.compiles += 1
         self.stats.compile_seconds += outcome.seconds
@@ -613,6 +722,9 @@ class Override:
                     if outcome.family is not None:
                         family.published[outcome.key] = outcome.family
                         family.decisions[outcome.key] = decision
+                        # Timed against eager at this call when it was published.
+                        family.verdicts.setdefault((outcome.key, outcome.family.size_range([t.sizes for t in tensor_args(signature)])), None)
+                        decision = self._remember(signature, self._in_range(signature, family, outcome.key, decision))
         except DamagedEntry as e:
             decision = self._eager(f"its new cache entry is damaged: {e}", signature)
         self._keep_size_limit()
@@ -637,7 +749,9 @@ class Override:
                 return None  # a verdict on speed, which the timing's switch turned off: compile
             return self._keep_eager(signature, entry.reason or "eager is faster")
         if entry.library is None:
-            return self._eager(entry.reason or "decided eager", signature)
+            # Recorded for every value too, where its numbers did not matter (a kernel of the op cannot run).
+            values = self._recorded_verdict(self.cache(signature.device), signature, of_family=False)
+            return values or self._eager(entry.reason or "decided eager", signature)
         try:
             kernel = self._load(entry.library, entry.output_counts, signature, known_good=True)
         except UnsafeToLoad as e:
@@ -671,7 +785,7 @@ class Override:
         self._eager_faster.add(signature.decision_key)
         self.stats.last_fallback_reason = reason
         log.info("aoti_eager: %s on %s keeps eager for (%s): %s", self.name, self.device, signature.short(), reason)
-        return self._remember(signature, RunEagerly(reason))
+        return self._remember(signature, RunEagerly(reason, numbers=tuple(signature.runtime_arguments)))
 
     def _eager(self, reason: str, signature: CallSignature | None = None) -> RunEagerly:
         """Eager for the signature (remembered, if given) and logged, once."""
@@ -757,6 +871,10 @@ _logged: set[tuple[str, str, str]] = set()
 _tokens = itertools.count()
 _by_token: dict[int, Override] = {}
 _installed: dict[tuple[OpOverload, str], Override] = {}
+# Overrides that uninstall() took out of the dispatcher, with what they know:
+# install() puts one back as it was (decisions, loaded kernels, verdicts),
+# so that enabling again costs no lookup, load or compile.
+_removed: dict[tuple[OpOverload, str], Override] = {}
 _handler_set = False
 
 
@@ -818,6 +936,8 @@ def install(
             _installed[key].remote = remote
             _installed[key]._caches.clear()
         return _installed[key]
+    if (restored := _restore(key, root, remote, recorder, compile)) is not None:
+        return restored
     if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), DISPATCH_KEYS[device]):
         return None
     C = _extension.load()
@@ -831,12 +951,40 @@ def install(
     return override
 
 
+def _restore(
+    key: tuple[OpOverload, str], root: Path, remote: str | None, recorder: Recorder | None, compile: str
+) -> Override | None:
+    """The override that uninstall() removed for ``key``, installed again with
+    its stats at zero, where it was enabled the same way (cache, compile mode,
+    manifest: a run that records its misses, or compiles them, starts from
+    the cache); else None."""
+    override = _removed.pop(key, None)
+    path = lambda r: None if r is None else r.path  # noqa: E731
+    if override is None or (override.root, override.remote, override.compile, path(override.recorder)) != (
+        root, remote, compile, path(recorder)
+    ):
+        return None
+    override.stats = OpStats()
+    override.handle.restore()
+    _by_token[override.token] = override
+    _installed[key] = override
+    return override
+
+
 def uninstall(op: OpOverload | None = None, device: str | None = None) -> None:
-    """Restores the original kernels of ``op`` (every op if None) on ``device`` (every device if None)."""
+    """Restores the original kernels of ``op`` (every op if None) on ``device``
+    (every device if None). What the overrides know stays, for :func:`install`."""
     for key in [k for k in _installed if op in (None, k[0]) and device in (None, k[1])]:
         override = _installed.pop(key)
         override.handle.remove()
         _by_token.pop(override.token, None)
+        _removed[key] = override
+
+
+def forget() -> None:
+    """Drops what removed overrides knew: ops enabled again start as in a new
+    process, from the cache."""
+    _removed.clear()
 
 
 def installed() -> list[Override]:

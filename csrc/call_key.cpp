@@ -2,6 +2,7 @@
 
 #include <c10/util/hash.h>
 
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <functional>
@@ -25,6 +26,10 @@ enum Tag : int64_t {
   kTensorList,
   kList,
   kDevice,
+  // A runtime number's kind, its value left out (CallKeyBuilder's `runtime`).
+  kAnyInt,
+  kAnyDouble,
+  kAnyWrappedNumber,
 };
 
 int64_t double_bits(double v) {
@@ -38,7 +43,46 @@ constexpr int64_t kAnySize = std::numeric_limits<int64_t>::min();
 
 } // namespace
 
-bool CallKeyBuilder::add(const at::Tensor& t) {
+bool CallKeyBuilder::at_runtime_number() {
+  if (runtime_ == nullptr) {
+    return false;
+  }
+  const RuntimeNumbers& runtime = *runtime_;
+  // Both in argument and item order: one pass over the call meets them in turn.
+  auto behind = [&](const RuntimeNumber& r) {
+    return r.argument < argument_ || (r.argument == argument_ && r.item < item_);
+  };
+  while (next_runtime_ < runtime.size() && behind(runtime[next_runtime_])) {
+    ++next_runtime_;
+  }
+  if (next_runtime_ < runtime.size() && runtime[next_runtime_] == RuntimeNumber{argument_, item_}) {
+    ++next_runtime_;
+    return true;
+  }
+  return false;
+}
+
+void CallKeyBuilder::add_int(int64_t value) {
+  // 0 and below are compiled in (kernels/signature.py: can_be_runtime_int).
+  if (value >= 1 && at_runtime_number()) {
+    key_.words.push_back(kAnyInt);
+    return;
+  }
+  key_.words.push_back(kInt);
+  key_.words.push_back(value);
+}
+
+void CallKeyBuilder::add_double(double value) {
+  // inf and nan are compiled in (kernels/signature.py: can_be_runtime).
+  if (std::isfinite(value) && at_runtime_number()) {
+    key_.words.push_back(kAnyDouble);
+    return;
+  }
+  key_.words.push_back(kDouble);
+  key_.words.push_back(double_bits(value));
+}
+
+bool CallKeyBuilder::add_tensor(const at::Tensor& t) {
   auto& words = key_.words;
   if (!t.defined()) {
     words.push_back(kUndefinedTensor);
@@ -52,15 +96,22 @@ bool CallKeyBuilder::add(const at::Tensor& t) {
   if (t.unsafeGetTensorImpl()->is_wrapped_number()) {
     // A Python number that became a 0-d tensor: it promotes like a scalar and
     // its value is compiled into the kernel.
-    words.push_back(kWrappedNumber);
-    words.push_back(static_cast<int64_t>(t.scalar_type()));
     if (at::isFloatingType(t.scalar_type())) {
-      words.push_back(double_bits(t.item<double>()));
-    } else if (at::isIntegralType(t.scalar_type(), /*includeBool=*/true)) {
-      words.push_back(t.item<int64_t>());
-    } else {
+      const double value = t.item<double>();
+      const bool any = std::isfinite(value) && at_runtime_number();
+      words.push_back(any ? kAnyWrappedNumber : kWrappedNumber);
+      words.push_back(static_cast<int64_t>(t.scalar_type()));
+      if (!any) {
+        words.push_back(double_bits(value));
+      }
+      return true;
+    }
+    if (!at::isIntegralType(t.scalar_type(), /*includeBool=*/true)) {
       return false;
     }
+    words.push_back(kWrappedNumber);
+    words.push_back(static_cast<int64_t>(t.scalar_type()));
+    words.push_back(t.item<int64_t>());
     return true;
   }
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
@@ -109,37 +160,33 @@ bool CallKeyBuilder::add(const at::Tensor& t) {
   return true;
 }
 
-bool CallKeyBuilder::add(const c10::Scalar& s) {
+bool CallKeyBuilder::add_scalar(const c10::Scalar& s) {
   // In the order of c10::IValue's constructor from a Scalar.
   if (s.isSymbolic() || s.isComplex()) {
     return false;
   }
   if (s.isFloatingPoint()) {
-    key_.words.push_back(kDouble);
-    key_.words.push_back(double_bits(s.toDouble()));
+    add_double(s.toDouble());
   } else if (s.isBoolean()) {
     key_.words.push_back(kBool);
     key_.words.push_back(s.toBool());
   } else {
-    key_.words.push_back(kInt);
-    key_.words.push_back(s.toLong());
+    add_int(s.toLong());
   }
   return true;
 }
 
-bool CallKeyBuilder::add(const c10::IValue& v) {
+bool CallKeyBuilder::add_value(const c10::IValue& v) {
   auto& words = key_.words;
   if (v.isTensor()) {
-    return add(v.toTensor());
+    return add_tensor(v.toTensor());
   }
   if (v.isNone()) {
     words.push_back(kNone);
   } else if (v.isInt()) {
-    words.push_back(kInt);
-    words.push_back(v.toInt());
+    add_int(v.toInt());
   } else if (v.isDouble()) {
-    words.push_back(kDouble);
-    words.push_back(double_bits(v.toDouble()));
+    add_double(v.toDouble());
   } else if (v.isBool()) {
     words.push_back(kBool);
     words.push_back(v.toBool());
@@ -157,14 +204,24 @@ bool CallKeyBuilder::add(const c10::IValue& v) {
     auto list = v.toIntList();
     words.push_back(static_cast<int64_t>(list.size()));
     for (int64_t i : list) {
-      words.push_back(i);
+      if (runtime_ == nullptr) {
+        words.push_back(i);
+      } else {
+        ++item_;
+        add_int(i);
+      }
     }
   } else if (v.isDoubleList()) {
     words.push_back(kDoubleList);
     auto list = v.toDoubleList();
     words.push_back(static_cast<int64_t>(list.size()));
     for (double d : list) {
-      words.push_back(double_bits(d));
+      if (runtime_ == nullptr) {
+        words.push_back(double_bits(d));
+      } else {
+        ++item_;
+        add_double(d);
+      }
     }
   } else if (v.isBoolList()) {
     words.push_back(kBoolList);
@@ -178,7 +235,7 @@ bool CallKeyBuilder::add(const c10::IValue& v) {
     auto list = v.toTensorList();
     words.push_back(static_cast<int64_t>(list.size()));
     for (const at::Tensor& t : list) {
-      if (!add(t)) {
+      if (!add_tensor(t)) {
         return false;
       }
     }
@@ -189,7 +246,8 @@ bool CallKeyBuilder::add(const c10::IValue& v) {
     auto list = v.toListRef();
     words.push_back(static_cast<int64_t>(list.size()));
     for (const c10::IValue& item : list) {
-      if (!add(item)) {
+      ++item_;
+      if (!add_value(item)) {
         return false;
       }
     }
@@ -223,7 +281,7 @@ size_t CallKeyHash::operator()(const CallKey& key) const {
   return h;
 }
 
-bool ShapeGuards::admit(const KeyedTensors& tensors) const {
+bool ShapeGuards::admit(const KeyedTensors& tensors, uint64_t* size_range) const {
   c10::SmallVector<int64_t, 8> values(ranges.size(), -1);
   for (const Dim& guard : dims) {
     if (guard.tensor >= static_cast<int64_t>(tensors.size()) ||
@@ -285,9 +343,18 @@ bool ShapeGuards::admit(const KeyedTensors& tensors) const {
     }
   }
   for (const at::Tensor* t : tensors) {
-    if (t->numel() > kMaxNumel) {
+    if (limit_numel && t->numel() > kMaxNumel) {
       return false;
     }
+  }
+  if (size_range != nullptr) {
+    // Each symbol's bit length (ShapeFamily.size_range), mixed into one word.
+    uint64_t mixed = 0;
+    for (int64_t value : values) {
+      const uint64_t bits = value > 0 ? 64 - __builtin_clzll(static_cast<uint64_t>(value)) : 0;
+      mixed = mixed * 0x9E3779B97F4A7C15ULL + bits + 1;
+    }
+    *size_range = mixed;
   }
   return true;
 }

@@ -8,8 +8,24 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace aoti_eager {
+
+// A number that a kernel takes at run time instead of a compiled-in value:
+// the op's argument `argument`, or with `item` >= 0, that item of the list
+// given for it.
+struct RuntimeNumber {
+  int64_t argument;
+  int64_t item = -1;
+
+  bool operator==(const RuntimeNumber& other) const {
+    return argument == other.argument && item == other.item;
+  }
+};
+
+// Runtime numbers in argument order, and item order within a list.
+using RuntimeNumbers = std::vector<RuntimeNumber>;
 
 struct CallKey {
   c10::SmallVector<int64_t, 48> words;
@@ -43,31 +59,59 @@ using KeyedTensors = c10::SmallVector<const at::Tensor*, 8>;
 // With `dynamic`, the key of a dynamic kernel's family: each dynamic dim's
 // size is left out, and so are the strides of a tensor with one (its kernel's
 // ShapeGuards check them); `tensors` receives the tensor arguments.
+// With `runtime`, the value of each number at those positions is left out
+// where a kernel may take it at run time (a finite float, an int above 0):
+// one key for every value a kernel with those runtime numbers serves.
 class CallKeyBuilder {
  public:
   explicit CallKeyBuilder(
       CallKey& key,
       const DynamicDims* dynamic = nullptr,
-      KeyedTensors* tensors = nullptr)
-      : key_(key), dynamic_(dynamic), tensors_(tensors) {
+      KeyedTensors* tensors = nullptr,
+      const RuntimeNumbers* runtime = nullptr)
+      : key_(key), dynamic_(dynamic), tensors_(tensors), runtime_(runtime != nullptr && !runtime->empty() ? runtime : nullptr) {
     key_.words.clear();
   }
 
-  // Each returns false for an argument of a kind no kernel is compiled for.
-  bool add(const c10::IValue& arg);
-  bool add(const at::Tensor& arg);
+  // Each adds the call's next argument; false for one of a kind no kernel
+  // is compiled for.
+  bool add(const c10::IValue& arg) {
+    return next_argument(add_value(arg));
+  }
+  bool add(const at::Tensor& arg) {
+    return next_argument(add_tensor(arg));
+  }
   // As the dispatcher boxes a Scalar: an int, a double or a bool.
-  bool add(const c10::Scalar& arg);
+  bool add(const c10::Scalar& arg) {
+    return next_argument(add_scalar(arg));
+  }
 
   // Returns false when an op that `mutates` its arguments got two tensors
   // sharing memory (the call then runs the original kernel).
   bool finish(bool mutates);
 
  private:
+  bool next_argument(bool added) {
+    ++argument_;
+    item_ = -1;
+    return added;
+  }
+  bool add_value(const c10::IValue& arg);
+  bool add_tensor(const at::Tensor& arg);
+  bool add_scalar(const c10::Scalar& arg);
+  void add_int(int64_t value);
+  void add_double(double value);
+  // Whether the number at the current position is one of `runtime_`.
+  bool at_runtime_number();
+
   CallKey& key_;
   const DynamicDims* dynamic_;
   KeyedTensors* tensors_;
+  const RuntimeNumbers* runtime_;
   size_t tensor_index_ = 0;
+  int64_t argument_ = 0;
+  int64_t item_ = -1; // in a list: the item's index
+  size_t next_runtime_ = 0; // the first of `runtime_` not behind the position
   // Storages of the call's tensors, to find arguments that share memory.
   c10::SmallVector<const c10::StorageImpl*, 8> storages_;
 };
@@ -77,8 +121,9 @@ inline bool compute_call_key(
     bool mutates,
     CallKey& key,
     const DynamicDims* dynamic = nullptr,
-    KeyedTensors* tensors = nullptr) {
-  CallKeyBuilder builder(key, dynamic, tensors);
+    KeyedTensors* tensors = nullptr,
+    const RuntimeNumbers* runtime = nullptr) {
+  CallKeyBuilder builder(key, dynamic, tensors, runtime);
   for (const c10::IValue& arg : args) {
     if (!builder.add(arg)) {
       return false;
@@ -116,10 +161,14 @@ struct ShapeGuards {
   std::vector<std::pair<int64_t, int64_t>> ranges; // per symbol: [min, max]
   std::vector<Stride> strides;
   std::vector<Order> orders;
+  // Off for a kernel of fixed sizes, whose family is its values' (RuntimeNumbers).
+  bool limit_numel = true;
   // Kernels index their dynamic tensors with 32-bit math up to this many elements.
   static constexpr int64_t kMaxNumel = (int64_t{1} << 31) - 1;
 
-  bool admit(const KeyedTensors& tensors) const;
+  // With `size_range`: the call's range of sizes, each symbol's power of two
+  // (kernels/dynamic.py: ShapeFamily.size_range), as one word.
+  bool admit(const KeyedTensors& tensors, uint64_t* size_range = nullptr) const;
 };
 
 // Inputs whose data pointer is 16-byte aligned may be read with aligned

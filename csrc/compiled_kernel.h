@@ -3,6 +3,8 @@
 // A kernel that AOTInductor compiled for one call signature of one op, loaded
 // from its shared library.
 
+#include "call_key.h"
+
 #include <ATen/core/Tensor.h>
 #include <c10/util/ArrayRef.h>
 #include <c10/util/SmallVector.h>
@@ -14,14 +16,6 @@
 #include <vector>
 
 namespace aoti_eager {
-
-// A number that a kernel takes at run time instead of a compiled-in value:
-// the op's argument `argument`, or with `item` >= 0, that item of the int list
-// given for it.
-struct RuntimeNumber {
-  int64_t argument;
-  int64_t item = -1;
-};
 
 // kernels/wrapper_split.py: _ENTRY_POINT.
 using LibraryEntryPoint = AOTIRuntimeError (*)(

@@ -24,23 +24,17 @@ namespace {
 struct Installed {
   std::shared_ptr<OpOverride> override;
   std::unique_ptr<c10::RegistrationHandleRAII> registration;
-};
+  std::string name;
+  std::string overload;
+  c10::DispatchKey dispatch_key;
 
-// The numbers a kernel takes at run time, where Python's
-// CallSignature.runtime_arguments puts them: an argument's index, or an
-// (argument, item) pair for an item of an int list.
-std::vector<RuntimeNumber> runtime_numbers(const py::iterable& positions) {
-  std::vector<RuntimeNumber> numbers;
-  for (py::handle position : positions) {
-    if (py::isinstance<py::tuple>(position)) {
-      auto [argument, item] = position.cast<std::pair<int64_t, int64_t>>();
-      numbers.push_back({argument, item});
-    } else {
-      numbers.push_back({position.cast<int64_t>()});
-    }
+  void install() {
+    // The dispatcher warns about replacing a kernel; surface that as a
+    // Python warning, which enable() filters (replacing is the point).
+    torch::PyWarningHandler warnings;
+    registration = register_override(name, overload, dispatch_key, override);
   }
-  return numbers;
-}
+};
 
 // CompiledKernel::run's inputs: `tensors`, which the caller keeps alive.
 std::vector<const at::Tensor*> pointers(const std::vector<at::Tensor>& tensors) {
@@ -100,12 +94,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             auto handle =
                 c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
             auto key = c10::parseDispatchKey(dispatch_key);
-            auto override = std::make_shared<OpOverride>(handle, key, token);
-            // The dispatcher warns about replacing a kernel; surface that as a
-            // Python warning, which enable() filters (replacing is the point).
-            torch::PyWarningHandler warnings;
-            auto registration = register_override(name, overload, key, override);
-            return Installed{std::move(override), std::move(registration)};
+            Installed installed{std::make_shared<OpOverride>(handle, key, token), nullptr, name, overload, key};
+            installed.install();
+            return installed;
           }),
           py::arg("name"),
           py::arg("overload"),
@@ -114,6 +105,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "remove",
           [](Installed& self) { self.registration.reset(); })
+      // After remove(): the override is the op's kernel again, with every
+      // decision and loaded kernel it had, and its counters at zero.
+      .def(
+          "restore",
+          [](Installed& self) {
+            if (self.registration == nullptr) {
+              self.override->reset_counters();
+              self.install();
+            }
+          })
       .def(
           "clear",
           [](Installed& self) { self.override->clear(); })

@@ -78,12 +78,7 @@ py::object to_python(const c10::IValue& value, const c10::TypePtr& declared) {
 // a kernel only ever sees the kind it was traced with. The tensor is kept per
 // thread and position among the call's runtime numbers, reused while no one
 // else holds it, instead of a new tensor per call.
-const at::Tensor& runtime_number(const c10::IValue& arg, size_t position) {
-  thread_local c10::SmallVector<at::Tensor, 4> numbers;
-  if (numbers.size() <= position) {
-    numbers.resize(position + 1);
-  }
-  at::Tensor& number = numbers[position];
+const at::Tensor& runtime_number(const c10::IValue& arg, at::Tensor& number) {
   if (arg.isTensor()) {
     const at::Tensor& t = arg.toTensor();
     number = t.scalar_type() == at::kDouble ? t : t.to(at::kDouble);
@@ -102,6 +97,17 @@ const at::Tensor& runtime_number(const c10::IValue& arg, size_t position) {
   return number;
 }
 
+// The thread's tensors for a call's `count` runtime numbers (see
+// runtime_number): sized before the call takes a reference to any, as
+// growing the vector would move them (a list of scalars gives one per item).
+c10::SmallVector<at::Tensor, 4>& runtime_number_slots(size_t count) {
+  thread_local c10::SmallVector<at::Tensor, 4> numbers;
+  if (numbers.size() < count) {
+    numbers.resize(count);
+  }
+  return numbers;
+}
+
 // The caller's own tensors: no reference count changes (two atomic updates
 // per input) for a kernel that borrows them.
 using KernelInputs = c10::SmallVector<const at::Tensor*, 8>;
@@ -118,6 +124,19 @@ void add_kernel_input(const at::Tensor& t, KernelInputs& inputs) {
 ReentryGuard::ReentryGuard() : ReentryGuard(depth()) {}
 int& ReentryGuard::depth() {
   return reentry_depth;
+}
+
+RuntimeNumbers runtime_numbers(const py::iterable& positions) {
+  RuntimeNumbers numbers;
+  for (py::handle position : positions) {
+    if (py::isinstance<py::tuple>(position)) {
+      auto [argument, item] = position.cast<std::pair<int64_t, int64_t>>();
+      numbers.push_back({argument, item});
+    } else {
+      numbers.push_back({position.cast<int64_t>()});
+    }
+  }
+  return numbers;
 }
 
 void set_miss_handler(py::object handler) {
@@ -255,7 +274,7 @@ std::optional<OpOverride::Decision> OpOverride::find(
   KeyedTensors tensors;
   for (const Family& family : families_) {
     tensors.clear();
-    CallKeyBuilder builder(family_key, &family.dims, &tensors);
+    CallKeyBuilder builder(family_key, &family.dims, &tensors, &family.runtime);
     if (!add_arguments(builder) || !builder.finish(mutates_)) {
       continue;
     }
@@ -264,9 +283,19 @@ std::optional<OpOverride::Decision> OpOverride::find(
       continue;
     }
     for (const DynamicEntry& dynamic : it->second) {
-      if (dynamic.guards.admit(tensors)) {
+      uint64_t size_range = 0;
+      if (!dynamic.guards.admit(tensors, &size_range)) {
+        continue;
+      }
+      if (!dynamic.per_range) {
         return Decision{dynamic.kernel.get(), dynamic.kernel};
       }
+      for (const auto& [range, use_kernel] : dynamic.ranges) {
+        if (range == size_range) {
+          return use_kernel ? Decision{dynamic.kernel.get(), dynamic.kernel} : Decision{};
+        }
+      }
+      return std::nullopt; // a range not judged yet: the miss path times the kernel there
     }
   }
   return std::nullopt;
@@ -288,15 +317,83 @@ void OpOverride::make_hot(const CallKey& key, Entry& entry) {
   slot.store(entry.hot, std::memory_order_release);
 }
 
-void OpOverride::add_dynamic(
+void OpOverride::add_family(
     c10::ArrayRef<c10::IValue> args,
     std::shared_ptr<const CompiledKernel> kernel,
-    const py::handle& dynamic) {
+    const py::handle& dynamic,
+    RuntimeNumbers runtime,
+    const py::handle& judged) {
   DynamicDims dims;
+  ShapeGuards guards;
+  // Fixed sizes: the exact key's, whatever the number of elements.
+  guards.limit_numel = !dynamic.is_none();
+  if (!dynamic.is_none()) {
+    read_guards(dynamic, dims, guards);
+  }
+  CallKey key;
+  KeyedTensors tensors;
+  uint64_t size_range = 0;
+  if (!compute_call_key(args, mutates_, key, &dims, &tensors, &runtime) || !guards.admit(tensors, &size_range)) {
+    return; // not this call's family after all: it keeps its exact entry only
+  }
+  std::unique_lock<std::shared_mutex> lock(mutex_);
+  auto& entries = family_of(std::move(dims), std::move(runtime)).kernels[key];
+  if (!judged.is_none()) {
+    add_range_verdict(entries, judged.cast<std::shared_ptr<const CompiledKernel>>(), std::move(guards), size_range, kernel != nullptr);
+    return;
+  }
+  // Newest first: a kernel compiled after another of its key was not admitted there.
+  auto same = std::remove_if(entries.begin(), entries.end(), [&](const DynamicEntry& e) {
+    return e.kernel == kernel;
+  });
+  entries.erase(same, entries.end());
+  entries.insert(entries.begin(), DynamicEntry{std::move(kernel), std::move(guards)});
+  has_families_.store(true, std::memory_order_release);
+}
+
+OpOverride::Family& OpOverride::family_of(DynamicDims dims, RuntimeNumbers runtime) {
+  auto family = std::find_if(families_.begin(), families_.end(), [&](const Family& f) {
+    return f.dims == dims && f.runtime == runtime;
+  });
+  if (family != families_.end()) {
+    return *family;
+  }
+  auto dynamic_dims = [](const DynamicDims& d) {
+    size_t n = 0;
+    for (uint64_t bits : d) {
+      n += __builtin_popcountll(bits);
+    }
+    return n;
+  };
+  const size_t n = dynamic_dims(dims);
+  return *families_.insert(
+      std::upper_bound(
+          families_.begin(), families_.end(), n,
+          [&](size_t count, const Family& f) { return count < dynamic_dims(f.dims); }),
+      Family{std::move(dims), std::move(runtime), {}});
+}
+
+void OpOverride::add_range_verdict(
+    c10::SmallVector<DynamicEntry, 1>& entries,
+    std::shared_ptr<const CompiledKernel> judged,
+    ShapeGuards guards,
+    uint64_t size_range,
+    bool use_kernel) {
+  auto it = std::find_if(entries.begin(), entries.end(), [&](const DynamicEntry& e) {
+    return e.kernel == judged;
+  });
+  if (it == entries.end()) {
+    it = entries.insert(entries.begin(), DynamicEntry{std::move(judged), std::move(guards)});
+  }
+  it->per_range = true;
+  it->ranges.emplace_back(size_range, use_kernel);
+  has_families_.store(true, std::memory_order_release);
+}
+
+void OpOverride::read_guards(const py::handle& dynamic, DynamicDims& dims, ShapeGuards& guards) {
   for (auto bits : dynamic.attr("dim_bits")) {
     dims.push_back(bits.cast<uint64_t>());
   }
-  ShapeGuards guards;
   for (auto range : dynamic.attr("ranges")) {
     auto pair = range.cast<std::pair<int64_t, int64_t>>();
     guards.ranges.push_back(pair);
@@ -320,37 +417,6 @@ void OpOverride::add_dynamic(
     auto [tensor, dims_in_order] = item.cast<std::pair<int64_t, std::vector<int64_t>>>();
     guards.orders.push_back({tensor, {dims_in_order.begin(), dims_in_order.end()}});
   }
-  CallKey key;
-  KeyedTensors tensors;
-  if (!compute_call_key(args, mutates_, key, &dims, &tensors) || !guards.admit(tensors)) {
-    return; // not this call's family after all: it keeps its exact entry only
-  }
-  std::unique_lock<std::shared_mutex> lock(mutex_);
-  auto family = std::find_if(families_.begin(), families_.end(), [&](const Family& f) {
-    return f.dims == dims;
-  });
-  if (family == families_.end()) {
-    auto dynamic_dims = [](const DynamicDims& d) {
-      size_t n = 0;
-      for (uint64_t bits : d) {
-        n += __builtin_popcountll(bits);
-      }
-      return n;
-    };
-    family = families_.insert(
-        std::upper_bound(
-            families_.begin(), families_.end(), dynamic_dims(dims),
-            [&](size_t n, const Family& f) { return n < dynamic_dims(f.dims); }),
-        Family{dims, {}});
-  }
-  // Newest first: a kernel compiled after another of its key was not admitted there.
-  auto& entries = family->kernels[key];
-  auto same = std::remove_if(entries.begin(), entries.end(), [&](const DynamicEntry& e) {
-    return e.kernel == kernel;
-  });
-  entries.erase(same, entries.end());
-  entries.insert(entries.begin(), DynamicEntry{std::move(kernel), std::move(guards)});
-  has_families_.store(true, std::memory_order_release);
 }
 
 void OpOverride::run_original(
@@ -380,12 +446,13 @@ void OpOverride::run_kernel(
   auto runtime = kernel.runtime_numbers().begin();
   const auto runtime_end = kernel.runtime_numbers().end();
   size_t numbers = 0;
+  auto* slots = runtime == runtime_end ? nullptr : &runtime_number_slots(kernel.runtime_numbers().size());
   auto add_runtime_number = [&](const c10::IValue& value, size_t argument, int64_t item) {
     if (runtime == runtime_end || runtime->argument != static_cast<int64_t>(argument) || runtime->item != item) {
       return false;
     }
     ++runtime;
-    inputs.push_back(&runtime_number(value, numbers++));
+    inputs.push_back(&runtime_number(value, (*slots)[numbers++]));
     return true;
   };
   for (size_t i = 0; i < args.size(); ++i) {
@@ -474,6 +541,8 @@ std::optional<OpOverride::Entry> OpOverride::on_miss(
     }
     py::object kernel = decision.attr("kernel");
     py::object dynamic = decision.attr("dynamic");
+    py::object judged = decision.attr("judged");
+    RuntimeNumbers runtime;
     if (!kernel.is_none()) {
       entry.kernel = kernel.cast<std::shared_ptr<const CompiledKernel>>();
       TORCH_CHECK(
@@ -482,9 +551,16 @@ std::optional<OpOverride::Entry> OpOverride::on_miss(
           entry.kernel->output_counts().size(),
           " returns, the op has ",
           return_aliases_.size());
+      runtime = entry.kernel->runtime_numbers();
+    } else if (entry.retry_at == std::chrono::steady_clock::time_point{}) {
+      runtime = runtime_numbers(decision.attr("numbers"));
     }
-    if (!dynamic.is_none()) {
-      add_dynamic(torch::jit::last(*stack, num_arguments_), entry.kernel, dynamic);
+    if (!judged.is_none()) {
+      // A verdict for one range of sizes: it joins the judged kernel's family.
+      runtime = judged.cast<std::shared_ptr<const CompiledKernel>>()->runtime_numbers();
+    }
+    if (entry.retry_at == std::chrono::steady_clock::time_point{} && (!dynamic.is_none() || !runtime.empty())) {
+      add_family(torch::jit::last(*stack, num_arguments_), entry.kernel, dynamic, std::move(runtime), judged);
     }
   } catch (const std::exception& e) {
     // The miss handler logs its own failures; anything that still escapes it
@@ -513,6 +589,12 @@ void OpOverride::clear() {
     slot.store(nullptr, std::memory_order_release);
   }
   has_families_.store(false, std::memory_order_release);
+}
+
+void OpOverride::reset_counters() {
+  for (auto* counter : {&counters_.hits, &counters_.other_calls, &counters_.misses, &counters_.eager_calls}) {
+    counter->store(0);
+  }
 }
 
 size_t OpOverride::num_entries() const {
@@ -582,10 +664,11 @@ class UnboxedOverride<Return(Args...)> final : public c10::OperatorKernel {
     const auto runtime_end = kernel.runtime_numbers().end();
     int64_t position = 0;
     size_t numbers = 0;
+    auto* slots = runtime == runtime_end ? nullptr : &runtime_number_slots(kernel.runtime_numbers().size());
     auto add_input = [&](const auto& arg) {
       if (runtime != runtime_end && runtime->argument == position++) {
         ++runtime;
-        inputs.push_back(&runtime_number(c10::IValue(arg), numbers++));
+        inputs.push_back(&runtime_number(c10::IValue(arg), (*slots)[numbers++]));
       } else if constexpr (std::is_same_v<std::decay_t<decltype(arg)>, at::Tensor>) {
         add_kernel_input(arg, inputs);
       }

@@ -65,6 +65,8 @@ class OpOverride : public std::enable_shared_from_this<OpOverride> {
     return counters_;
   }
 
+  void reset_counters();
+
   // Forgets every decision (kernels and eager); the next call of each
   // signature misses again.
   void clear();
@@ -103,9 +105,15 @@ class OpOverride : public std::enable_shared_from_this<OpOverride> {
   struct DynamicEntry {
     std::shared_ptr<const CompiledKernel> kernel; // null: the family runs eagerly
     ShapeGuards guards;
+    // Judged against eager per range of sizes (ShapeGuards::admit's): the
+    // ranges judged, each with whether the kernel runs there (else eager);
+    // a call in another range misses, and is judged.
+    bool per_range = false;
+    c10::SmallVector<std::pair<uint64_t, bool>, 4> ranges;
   };
   struct Family {
     DynamicDims dims;
+    RuntimeNumbers runtime; // numbers whose values the family's key leaves out
     std::unordered_map<CallKey, c10::SmallVector<DynamicEntry, 1>, CallKeyHash> kernels;
   };
 
@@ -128,11 +136,30 @@ class OpOverride : public std::enable_shared_from_this<OpOverride> {
   static size_t hot_slot(const CallKey& key);
   // Makes `entry` (of `key`, under the unique lock) readable from hot_.
   void make_hot(const CallKey& key, Entry& entry);
-  // Keeps `kernel` (null: eager) for the call's family, where its guards admit the call.
-  void add_dynamic(
+  // Keeps `kernel` (null: eager) for the call's family, where its guards
+  // admit the call: the calls that differ from it in the sizes of
+  // `dynamic`'s dims (None: none), and in the values of its `runtime` numbers.
+  // Where `judged` (a CompiledKernel) is given, for the call's range of sizes
+  // only, as the verdict on that dynamic kernel.
+  void add_family(
       c10::ArrayRef<c10::IValue> args,
       std::shared_ptr<const CompiledKernel> kernel,
-      const pybind11::handle& dynamic);
+      const pybind11::handle& dynamic,
+      RuntimeNumbers runtime,
+      const pybind11::handle& judged);
+  // The family of `dims` and `runtime` (under the unique lock), made where
+  // there is none; families with fewer dynamic dims come first.
+  Family& family_of(DynamicDims dims, RuntimeNumbers runtime);
+  // Records (under the unique lock) whether the `judged` dynamic kernel runs
+  // in the call's `size_range`, or eager does there.
+  void add_range_verdict(
+      c10::SmallVector<DynamicEntry, 1>& entries,
+      std::shared_ptr<const CompiledKernel> judged,
+      ShapeGuards guards,
+      uint64_t size_range,
+      bool use_kernel);
+  // A dynamic kernel's dims and guards, as kernels/dynamic.py's ShapeFamily gives them.
+  static void read_guards(const pybind11::handle& dynamic, DynamicDims& dims, ShapeGuards& guards);
   // Returns nullopt when this one call must run eagerly without remembering.
   std::optional<Entry> on_miss(
       const CallKey& key,
@@ -168,6 +195,10 @@ class OpOverride : public std::enable_shared_from_this<OpOverride> {
   std::atomic<bool> reported_unkeyable_{false};
 };
 
+// Python's positions of runtime numbers (CallSignature.runtime_arguments):
+// an argument's index, or an (argument, item) pair for an item of a list.
+RuntimeNumbers runtime_numbers(const pybind11::iterable& positions);
+
 // Registers `override` as the kernel of its op at `dispatch_key`; dropping the
 // handle restores the original kernel.
 std::unique_ptr<c10::RegistrationHandleRAII> register_override(
@@ -176,7 +207,7 @@ std::unique_ptr<c10::RegistrationHandleRAII> register_override(
     c10::DispatchKey dispatch_key,
     std::shared_ptr<OpOverride> override);
 
-// handler(token, args: list, decide: bool) -> decision, an object with three
+// handler(token, args: list, decide: bool) -> decision, an object with these
 // attributes (aoti_eager/_runtime.py: UseKernel, RunEagerly, RetryLater):
 //   remember: bool  keep the decision for the call's key; false: run this
 //                   call eagerly and ask again on the next, or, where the
@@ -187,6 +218,12 @@ std::unique_ptr<c10::RegistrationHandleRAII> register_override(
 //                   (kernels/dynamic.py: ShapeFamily): the kernel (or eager,
 //                   for a family that compiles no more) then also serves every
 //                   later call of its family that the guards admit
+//   numbers:        of an eager decision, the positions of the numbers
+//                   whose values it holds for (a kernel's are its runtime
+//                   numbers): later calls that differ only in them do not miss
+//   judged:         None, or the dynamic kernel this decision was judged for
+//                   in the call's range of sizes only (the kernel, or eager
+//                   where it lost there): calls in other ranges miss
 // With decide false the call's arguments cannot be keyed: the handler only
 // records why, and the call runs eagerly whatever it returns.
 void set_miss_handler(pybind11::object handler);

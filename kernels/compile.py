@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 
 import shutil
 import subprocess
@@ -69,9 +70,11 @@ class CompileError(Exception):
     such a failure is not ``lasting``: it is not recorded in the cache.
     """
 
-    def __init__(self, message: str, compiler_error: str | None = None):
+    def __init__(self, message: str, compiler_error: str | None = None, any_values: bool = False):
         super().__init__(message)
         self.compiler_error = compiler_error
+        # The failure is the op's, not its numbers': other values fail the same way.
+        self.any_values = any_values
 
     @property
     def lasting(self) -> bool:
@@ -163,6 +166,37 @@ def runtime_number_input(value: int | float | torch.Tensor) -> torch.Tensor:
     return torch.tensor(float(value), dtype=torch.float64)
 
 
+def _per_item_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+    """The ``.Scalar`` overload of a ``_foreach_*.ScalarList`` op, which
+    Inductor lowers (it has no lowering of a list of scalars, and leaves
+    such a call to a proxy executor that the runtime's kernels cannot call);
+    None for any other op."""
+    name = op._schema.name
+    if op._schema.overload_name != "ScalarList" or not name.startswith("aten::_foreach_"):
+        return None
+    return getattr(getattr(torch.ops.aten, name.removeprefix("aten::")), "Scalar", None)
+
+
+def traced_call(op: torch._ops.OpOverload, args: list[Any]) -> Any:
+    """Calls ``op`` as a kernel traces it: a ``_foreach_*.ScalarList`` op as
+    one call of its ``.Scalar`` overload per item, which computes what the
+    op's own CPU and CUDA kernels do for tensors of one dtype and device."""
+    per_item = _per_item_overload(op)
+    if per_item is None:
+        return call_op(op, args)
+    def nth(argument: torch._C.Argument, value: Any, item: int) -> Any:
+        if not isinstance(argument.type, torch._C.ListType):
+            return value
+        # A list of tensors stays a list (of one); the list of scalars gives its scalar.
+        return value[item] if isinstance(argument.type.getElementType(), torch._C.NumberType) else [value[item]]
+
+    results = [
+        call_op(per_item, [nth(a, value, item) for a, value in zip(op._schema.arguments, args)])
+        for item in range(len(args[0]))
+    ]
+    return [t for r in results for t in r] if op._schema.returns else None
+
+
 def _dense_order(t: Any) -> tuple[int, ...] | None:
     """The dims of ``t`` outermost first in memory, if it is dense (a
     permutation of a contiguous tensor); None for anything else."""
@@ -222,7 +256,7 @@ class _OpCall(torch.nn.Module):
         return [rebuild(v, d) for v, d in zip(self.signature.args, self.signature.described)]
 
     def forward(self, *tensors: torch.Tensor):
-        outputs = self._outputs(call_op(self.op, self._arguments(list(tensors))))
+        outputs = self._outputs(traced_call(self.op, self._arguments(list(tensors))))
         return tuple(_in_order(t, order) for t, order in zip(outputs, self.orders or itertools.repeat(None)))
 
     def _outputs(self, result: Any) -> list[Any]:
@@ -369,6 +403,13 @@ def compile_call(
             raise CompileError(f"{stage} failed: the C++ compiler said: {said}", compiler_error=said) from e
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CompileError(f"{stage} failed: {type(e).__name__}: {message[:300]}") from e
+    left = left_to_proxy_executor(library.with_suffix(".json"))
+    if left:
+        workdir.cleanup()
+        raise CompileError(
+            f"AOTInductor leaves {', '.join(left)} to its proxy executor (it has no C shim): the kernel would only "
+            "call the eager op, at a cost", any_values=True,
+        )
     artifact = Artifact(library, module.output_counts(eager_result), seconds, workdir)
     if dynamic_shapes is not None:
         inputs = {node.name: node for node in exported.graph.nodes if node.op == "placeholder"}
@@ -376,6 +417,22 @@ def compile_call(
         artifact.input_strides = [tuple(inputs[name].meta["val"].stride()) for name in exported.graph_signature.user_inputs]
         artifact.range_constraints = dict(exported.range_constraints)
     return artifact
+
+
+def left_to_proxy_executor(extern_nodes: Path) -> list[str]:
+    """The ops that a library calls through AOTInductor's proxy executor, as
+    its extern-node file beside it names them (none without one). Such a
+    kernel calls the eager op through the dispatcher, converting every
+    argument on the way, and some (a list of scalars) the proxy executor
+    cannot convert at all: it fails on every call."""
+    try:
+        nodes = json.loads(extern_nodes.read_text()).get("nodes") or []
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError, AttributeError):
+        return ["ops it does not describe"]
+    targets = [str(node.get("node", {}).get("target", "an op")) if isinstance(node, dict) else "an op" for node in nodes]
+    return sorted(set(targets))
 
 
 def _strip(library: Path) -> None:

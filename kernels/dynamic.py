@@ -111,6 +111,12 @@ def family_key(signature: CallSignature) -> str:
     return _digest([str(signature.op._schema), [_form(d, None) for d in signature.described]])
 
 
+def family_limit_key(signature: CallSignature) -> str:
+    """The cache key of the verdict that the family of ``signature`` compiles
+    no more: every further shape of it runs eagerly."""
+    return f"{family_key(signature)}-limit"
+
+
 def ints_key(signature: CallSignature) -> str:
     """:func:`family_key` without the values of numbers: calls whose ints
     move together with their sizes share it (the ``n`` of the pad ``[0, n]``
@@ -129,6 +135,18 @@ def kinds_key(signature: CallSignature) -> str:
     several shape families share, whose kernels may be alike (a model's
     embeddings with and without ``padding_idx``, a tensor and its slice)."""
     return _digest([str(signature.op._schema), [[t.dtype, len(t.sizes)] for t in tensor_args(signature)]])
+
+
+def tensor_sizes(signature: list[dict[str, Any]]) -> list[tuple[int, ...]]:
+    """The sizes of the tensor arguments of ``signature`` as an entry keeps it
+    (``CallSignature.to_json``), in :func:`tensor_args` order."""
+    sizes: list[tuple[int, ...]] = []
+    for described in signature:
+        if described.get("kind") == "list":
+            sizes += tensor_sizes(described["items"])
+        elif described.get("kind") == "tensor":
+            sizes.append(tuple(described["sizes"]))
+    return sizes
 
 
 def changed_dims(signature: CallSignature, seen: list[list[tuple[int, ...]]]) -> tuple[tuple[int, ...], ...]:
@@ -234,6 +252,18 @@ class ShapeFamily:
         if any(math.prod(s) > MAX_NUMEL for s in sizes):
             return None
         return values
+
+    def size_range(self, sizes: list[tuple[int, ...]]) -> tuple[int, ...]:
+        """The range of sizes that a call whose tensors have ``sizes`` (which
+        the guards admit) falls in: each symbol's power of two (its size's bit
+        length), as ``ShapeGuards::admit`` in csrc/call_key.cpp ranges them. A
+        kernel is judged against eager once per range.
+
+            >>> ShapeFamily(((0,), ()), guards=((0, 0, 0, 0),), ranges=((1, UNBOUNDED),)).size_range([(300, 8), (8,)])
+            (9,)
+        """
+        values = self.symbol_values_of_sizes(sizes) or {}
+        return tuple(values.get(symbol, 0).bit_length() for symbol in range(len(self.ranges)))
 
     def layout_admitted(self, tensors: list[TensorArg]) -> bool:
         """Whether ``tensors`` (:func:`tensor_args`) have the strides the kernel takes."""

@@ -25,18 +25,15 @@ import torch.utils._pytree as pytree
 
 from aoti_eager import settings
 from aoti_eager.cache.entry_store import Entry, EntryStore
+from aoti_eager.kernels import quiet
 from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily
 from aoti_eager.kernels.compile import Artifact, CompileError, call_op, compile_call, compile_options, sidecar_files
 from aoti_eager.kernels.signature import CallSignature, clone_args, qualified_name
-from aoti_eager.kernels.speed import Timing, time_against_eager
+from aoti_eager.kernels.speed import Timer, Timing, measured, time_against_eager
 from aoti_eager.kernels.toolchain import usable_vec_isas
 from aoti_eager.kernels.validate import Mismatch, check_matches_eager
 
 log = logging.getLogger("aoti_eager")
-
-# A kernel is set aside for eager only when it is this much slower, twice:
-# a single noisy measurement must not flip a signature to eager for good.
-SLOWER_THAN_EAGER = 1.05
 
 # Loads a library as a kernel: (library, output counts) -> a CompiledKernel
 # (csrc/compiled_kernel.h), checked against the signature's inputs.
@@ -67,6 +64,7 @@ class NotCompiled:
     recorded: bool = False
     eager_raised: bool = False
     compiler_error: str | None = None
+    any_values: bool = False  # it holds for every value of the call's numbers (recorded so)
 
 
 Outcome = Union[Published, NotCompiled]
@@ -79,6 +77,7 @@ def compile_signature(
     load: Loader,
     family: ShapeFamily | None = None,
     seen: list[list[tuple[int, ...]]] | None = None,
+    timer: Timer | None = None,
 ) -> Outcome:
     """Compiles, validates, times and publishes the kernel of ``signature``.
     Another process's entry may have been published first: the store keeps
@@ -88,7 +87,28 @@ def compile_signature(
     also checked against eager at the ``seen`` shapes (each tensor's sizes)
     its guards admit and at one further shape, and published under its
     family's key. A dynamic kernel that fails is not recorded: the caller
-    compiles the shape statically instead."""
+    compiles the shape statically instead. ``timer`` times the kernel
+    against eager (default: kernels/speed.py's).
+
+    What it all prints is logged at DEBUG level, not shown (kernels/quiet.py)."""
+    output: list[str] = []
+    try:
+        with quiet.captured(output):
+            return _compile_signature(op, signature, store, load, family, seen, timer or time_against_eager)
+    finally:
+        if output:
+            log.debug("aoti_eager: what compiling %s for (%s) printed:\n%s", qualified_name(op), signature.short(), "\n".join(output))
+
+
+def _compile_signature(
+    op: torch._ops.OpOverload,
+    signature: CallSignature,
+    store: EntryStore,
+    load: Loader,
+    family: ShapeFamily | None,
+    seen: list[list[tuple[int, ...]]] | None,
+    timer: Timer,
+) -> Outcome:
     name = qualified_name(op)
     key = signature.key if family is None else family.entry_key(signature)
     example = signature if family is None else family.example(signature)
@@ -108,6 +128,9 @@ def compile_signature(
     except (CompileError, NotDynamic) as e:
         log.debug("aoti_eager: compiling %s failed", name, exc_info=e.__cause__)
         said = getattr(e, "compiler_error", None)
+        if getattr(e, "any_values", False):
+            publish_verdict(store, name, signature, signature.values_key, str(e))
+            return _publish_eager(store, name, signature, str(e), any_values=True)
         if family is not None or said is not None:
             return NotCompiled(f"{e} (not recorded in the cache: a later process tries again)", compiler_error=said)
         return _publish_eager(store, name, signature, str(e))
@@ -125,12 +148,14 @@ def compile_signature(
                 if not checked:
                     return NotCompiled("dynamic kernel: eager takes none of its further shapes, so it cannot be checked")
         except Exception as e:  # noqa: BLE001
-            failed = f"compiled kernel disagrees with eager: {e}" if isinstance(e, Mismatch) else f"compiled kernel failed to run: {type(e).__name__}: {e}"
+            # One line: a C++ error holds the generated call and a frame dump.
+            said = (str(e).strip().splitlines() or [""])[0][:300]
+            failed = f"compiled kernel disagrees with eager: {said}" if isinstance(e, Mismatch) else f"compiled kernel failed to run: {type(e).__name__}: {said}"
             if family is not None:
                 return NotCompiled(f"dynamic kernel: {failed}")
             return _publish_eager(store, name, signature, failed)
         seconds = time.perf_counter() - start
-        timing = _time(kernel, signature, op, name)
+        timing = _time(kernel, signature, op, name, timer)
         entry = _entry(name, signature, artifact, seconds, timing, family)
         store.publish(key, entry, sidecar_files(artifact) if entry.library else None)
     finally:
@@ -243,23 +268,19 @@ def _entry(
         timing=timing.to_json() if timing is not None else None,
         dynamic=family.to_json() if family is not None else None,
     )
-    if timing is not None and timing.ratio > SLOWER_THAN_EAGER:
+    if timing is not None and timing.eager_faster:
         entry.reason = f"eager is faster: kernel {timing.ratio:.2f}x eager's time (measured at compile)"
     else:
         entry.output_counts, entry.library = artifact.output_counts, artifact.library
     return entry
 
 
-def _time(kernel: Any, signature: CallSignature, op: torch._ops.OpOverload, name: str) -> Timing | None:
-    """The kernel's time against eager's, measured a second time when the
-    first says eager is faster; None where timing is off or failed."""
+def _time(kernel: Any, signature: CallSignature, op: torch._ops.OpOverload, name: str, timer: Timer) -> Timing | None:
+    """The kernel's time against eager's (:func:`measured`); None where timing is off or failed."""
     if not settings.keep_faster.get():
         return None
     try:
-        timing = time_against_eager(kernel, signature, op)
-        if timing.ratio > SLOWER_THAN_EAGER:
-            again = time_against_eager(kernel, signature, op)
-            timing = min(timing, again, key=lambda t: t.ratio)  # the kernel's better showing
+        timing = measured(kernel, signature, op, timer)
     except Exception as e:  # noqa: BLE001 - the kernel passed validation: keep it
         log.debug("aoti_eager: timing %s against eager failed; keeping the kernel", name, exc_info=e)
         return None
@@ -268,6 +289,11 @@ def _time(kernel: Any, signature: CallSignature, op: torch._ops.OpOverload, name
     return timing
 
 
-def _publish_eager(store: EntryStore, name: str, signature: CallSignature, reason: str) -> NotCompiled:
-    store.publish(signature.key, Entry(op=name, signature=signature.to_json(), reason=reason))
-    return NotCompiled(reason, recorded=True)
+def _publish_eager(store: EntryStore, name: str, signature: CallSignature, reason: str, any_values: bool = False) -> NotCompiled:
+    publish_verdict(store, name, signature, signature.key, reason)
+    return NotCompiled(reason, recorded=True, any_values=any_values)
+
+
+def publish_verdict(store: EntryStore, name: str, signature: CallSignature, key: str, reason: str) -> None:
+    """Records under ``key`` that calls like ``signature`` run eagerly, and why."""
+    store.publish(key, Entry(op=name, signature=signature.to_json(), reason=reason))

@@ -34,12 +34,13 @@ int, float          tag, value (a double's bits)        ``NumberArg``: value (a 
 a number given for  tag, dtype, value: the dispatcher   ``NumberArg``: as an int or float, which
 a Tensor argument   passes a wrapped number             Python receives for a wrapped number; a
                                                         wrapped tensor: its dtype and value's repr
-runtime number      as a constant: a new value misses   ``RuntimeNumberArg``: as a number, without
-                    once, and Python hands over the     its value: a float, or a positive int
-                    kernel it already holds. The value  or int list item once its value moved
-                    is read into a 0-d CPU tensor:      (see ``with_runtime_ints``). Its
-                    int64 for an int, float64 for a     ``"kind"`` gives the kernel input's dtype
-                    double
+runtime number      as a constant in the exact key; in  ``RuntimeNumberArg``: as a number, without
+                    the key of the kernel's family      its value: a float (also an item of a
+                    (op_override.cpp), a tag without    ``Scalar[]``), or a positive int or int
+                    the value, so that a new value      list item once its value moved (see
+                    hits. The value is read into a 0-d  ``with_runtime_ints``). Its ``"kind"``
+                    CPU tensor: int64 for an int,       gives the kernel input's dtype
+                    float64 for a double
 bool                tag, value                          ``ConstantArg``: value
 str                 tag, length, ``std::hash``          ``ConstantArg``: the string
 dtype, layout,      tag of an int (the stack holds      ``ConstantArg``: kind, ``str`` of the value
@@ -402,6 +403,27 @@ def _takes_runtime_number(argument: torch._C.Argument) -> bool:
     return isinstance(declared, (torch._C.NumberType, torch._C.TensorType))
 
 
+def _takes_runtime_numbers(argument: torch._C.Argument) -> bool:
+    """Whether the floats of a list given for ``argument`` can be kernel
+    inputs: a ``Scalar[]`` (the scalars of ``_foreach_div_.ScalarList``,
+    which an optimizer gives new values each step). Its length stays in the key."""
+    declared = argument.type
+    if isinstance(declared, torch._C.OptionalType):
+        declared = declared.getElementType()
+    return isinstance(declared, torch._C.ListType) and isinstance(declared.getElementType(), torch._C.NumberType)
+
+
+def _as_runtime_numbers(argument: torch._C.Argument, described: Arg) -> Arg:
+    """``described`` with the floats that a kernel may take as inputs (see
+    :func:`_takes_runtime_number`, :func:`_takes_runtime_numbers`) as runtime numbers."""
+    runtime = lambda d: RuntimeNumberArg(d) if isinstance(d, NumberArg) and d.can_be_runtime else d  # noqa: E731
+    if isinstance(described, NumberArg) and _takes_runtime_number(argument):
+        return runtime(described)
+    if isinstance(described, ListArg) and _takes_runtime_numbers(argument):
+        return ListArg(tuple(map(runtime, described.items)))
+    return described
+
+
 def _takes_runtime_int(op: torch._ops.OpOverload, position: Position) -> bool:
     """Whether an int at ``position`` in a call of ``op`` can be a kernel input
     once it moves: one given for an ``int``, ``SymInt`` or ``Scalar`` (a size,
@@ -469,10 +491,7 @@ class CallSignature:
         device = _call_device(device_type, args)
         described = tuple(_describe(a, device) for a in args)
         if runtime_numbers and device.type in _RUNTIME_NUMBER_DEVICES:
-            described = tuple(
-                RuntimeNumberArg(d) if isinstance(d, NumberArg) and d.can_be_runtime and _takes_runtime_number(arg) else d
-                for arg, d in zip(op._schema.arguments, described)
-            )
+            described = tuple(_as_runtime_numbers(arg, d) for arg, d in zip(op._schema.arguments, described))
         if op._schema.is_mutable and _share_memory(args, described):
             raise Unsupported("an op that writes into an argument, given arguments that share memory")
         return cls(op, device, tuple(args), described)
@@ -483,6 +502,17 @@ class CallSignature:
         order it takes them: argument indices, and (argument, item) indices
         of items of int lists."""
         return [p for p, d in _items(self.described) if isinstance(d, RuntimeNumberArg)]
+
+    @property
+    def number_positions(self) -> list[Position]:
+        """Where its numbers are, compiled in or runtime, in argument and item order."""
+        return [p for p, d in _items(self.described) if isinstance(d, (NumberArg, RuntimeNumberArg))]
+
+    @property
+    def values_key(self) -> str:
+        """The cache key of a verdict that holds for every value of the
+        call's numbers (those :attr:`shape_key` leaves out)."""
+        return f"{self.shape_key}-values"
 
     @property
     def int_arguments(self) -> dict[Position, int]:

@@ -94,3 +94,5 @@ def load_verdicts(tmp_path, monkeypatch):
 def _restore_kernels():
     yield
     aoti_eager.disable()
+    # Each test starts as a new process would: from the cache, not from what an earlier test decided.
+    aoti_eager._runtime.forget()

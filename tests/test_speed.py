@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import aoti_eager
+from aoti_eager import _runtime
 from aoti_eager.cache import KernelCache
 from aoti_eager.kernels import pipeline, speed
 from aoti_eager.kernels.compile import compile_options
@@ -70,6 +71,7 @@ def test_a_kernel_slower_than_eager_keeps_eager_once_per_machine(tmp_path, monke
     assert list(tmp_path.rglob("kernel.so")) == []  # an eager entry keeps no library
 
     # A fresh enable, as a new process would, finds the verdict: no compile, no timing.
+    _runtime.forget()
     monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: pytest.fail("must not compile again"))
     with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
         y = torch.abs(x)
@@ -162,7 +164,7 @@ def test_timing_is_on_by_default_and_runs_a_real_op_end_to_end(tmp_path, monkeyp
     assert entry["timing"]["kernel_us"] > 0 and entry["timing"]["eager_us"] > 0
     assert stats["compiles"] == 1
     if entry["library"] is None:  # eager was faster on this machine
-        assert entry["timing"]["ratio"] > pipeline.SLOWER_THAN_EAGER
+        assert entry["timing"]["ratio"] > speed.SLOWER_THAN_EAGER
         assert stats["hits"] == 0 and stats["fallback_reason"].startswith("eager is faster")
     else:
         assert stats["hits"] >= 1 and stats["fallback_reason"] is None, stats
@@ -189,6 +191,7 @@ def test_with_the_timing_off_a_signature_kept_eager_for_speed_gets_its_kernel(tm
     assert published(tmp_path, A.abs.default, "cpu", [x])["library"] is None
 
     monkeypatch.setenv("AOTI_EAGER_KEEP_FASTER", "0")
+    _runtime.forget()  # a new process, with the timing off
     with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
         results = [torch.abs(x) for _ in range(2)]
         stats = aoti_eager.stats()["aten::abs"]
@@ -210,3 +213,101 @@ def test_time_against_eager_leaves_the_callers_tensors_alone():
     timing = speed.time_against_eager(Kernel(), signature, A.add_.Tensor, budget=0.01)
     assert timing.kernel_seconds > 0 and timing.eager_seconds > 0
     assert_same_as_eager(p, before, atol=0, rtol=0)
+
+
+class SlowerFrom:
+    """A timer (kernels/speed.py's Timer) that finds the kernel twice eager's
+    time from ``rows`` rows of the first tensor up, and half below; it keeps
+    the rows of each call it timed."""
+
+    def __init__(self, rows: int):
+        self.rows, self.timed = rows, []
+
+    def __call__(self, kernel, signature, op) -> Timing:
+        rows = signature.described[0].sizes[0]
+        self.timed.append(rows)
+        return Timing(2.0e-6 if rows >= self.rows else 0.5e-6, 1.0e-6)
+
+
+def abs_calls(timer: SlowerFrom, cache_dir, rows: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor], dict]:
+    """abs of a rows x 16 tensor at each of ``rows``, ``timer`` timing its
+    kernels: the results, the inputs, and the op's stats."""
+    inputs = [torch.randn(n, 16) for n in rows]
+    with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=cache_dir):
+        for override in _runtime.installed():
+            override.timer = timer
+        results = [torch.abs(x) for x in inputs]
+        stats = aoti_eager.stats()["aten::abs"]
+    return results, inputs, stats
+
+
+def test_a_dynamic_kernel_slower_in_a_new_range_of_sizes_keeps_eager_there_only(tmp_path):
+    timer = SlowerFrom(rows=64)
+    # 8 rows compile a static kernel, 12 a dynamic one (rows a symbol, timed at 12:
+    # range 8-15); 13 and 14 are in its range, 100 and 120 in 64-127, where it loses.
+    rows = [8, 12, 13, 100, 120, 14, 100]
+    results, inputs, stats = abs_calls(timer, tmp_path, rows)
+    for r, x in zip(results, inputs):
+        assert_same_as_eager(r, x.abs(), atol=0, rtol=0)
+    # Each kernel timed at the call that compiled it; the dynamic one again at 100
+    # (twice: eager wins only on two measurements), and nowhere else.
+    assert timer.timed == [8, 12, 100, 100]
+    # Misses at 8, 12 (compiles) and 100 (a new range); the dynamic kernel ran at
+    # 13 and 14, eager at 100, 120 and 100 again: the C++ side keeps the range's
+    # verdict after its one miss.
+    assert (stats["compiles"], stats["hits"], stats["fallbacks"], stats["misses"]) == (2, 2, 3, 3), stats
+    assert stats["fallback_reason"] == "eager is faster at these sizes: kernel 2.00x eager's time"
+
+    # Enabled again in the process: every range's verdict stands, nothing is timed or missed.
+    timer = SlowerFrom(rows=64)
+    results, inputs, stats = abs_calls(timer, tmp_path, [13, 100, 9])
+    for r, x in zip(results, inputs):
+        assert_same_as_eager(r, x.abs(), atol=0, rtol=0)
+    assert timer.timed == []
+    assert (stats["compiles"], stats["hits"], stats["fallbacks"], stats["misses"]) == (0, 2, 1, 0), stats
+
+    # A new process: the kernel's own range was judged when it was compiled
+    # (the cache entry's timing); the range of 100 rows is judged again.
+    _runtime.forget()
+    timer = SlowerFrom(rows=64)
+    results, inputs, stats = abs_calls(timer, tmp_path, [13, 100, 9])
+    for r, x in zip(results, inputs):
+        assert_same_as_eager(r, x.abs(), atol=0, rtol=0)
+    assert timer.timed == [100, 100]
+    # 13 loads the kernel (a miss), 100 misses, 9 is a hit in the kernel's range.
+    assert (stats["compiles"], stats["hits"], stats["fallbacks"], stats["misses"]) == (0, 1, 1, 2), stats
+
+
+def test_a_range_kept_eager_compiles_no_kernel_with_its_numbers_compiled_in(tmp_path):
+    timer = SlowerFrom(rows=64)
+    calls = [(torch.randn(n, 16), torch.randn(n, 16)) for n in (8, 12, 100, 100)]
+    with aoti_eager.enabled(["aten::add.Tensor"], devices=["cpu"], cache_dir=tmp_path):
+        for override in _runtime.installed():
+            override.timer = timer
+        results = [torch.add(x, y, alpha=0.5) for x, y in calls]
+        stats = aoti_eager.stats()["aten::add.Tensor"]
+    for r, (x, y) in zip(results, calls):
+        assert_same_as_eager(r, torch.add(x, y, alpha=0.5), atol=0, rtol=0)
+    # alpha is a kernel input: eager's verdict at 100 rows holds for every value,
+    # and no kernel with 0.5 compiled in is tried instead.
+    assert (stats["compiles"], stats["fallbacks"]) == (2, 2), stats
+    assert timer.timed == [8, 12, 100, 100]
+
+
+def test_a_range_verdict_holds_for_new_values_of_the_kernels_runtime_numbers(tmp_path):
+    timer = SlowerFrom(rows=64)
+    # alpha is a kernel input: 8 compiles a static kernel, 12 a dynamic one, 100
+    # is judged (eager there); 120 and 13 bring new alphas to the judged ranges.
+    calls = [(torch.randn(n, 16), torch.randn(n, 16), alpha) for n, alpha in
+             ((8, 0.5), (12, 0.5), (100, 0.5), (120, 0.25), (13, 0.75), (100, 2.0))]
+    with aoti_eager.enabled(["aten::add.Tensor"], devices=["cpu"], cache_dir=tmp_path):
+        for override in _runtime.installed():
+            override.timer = timer
+        results = [torch.add(x, y, alpha=alpha) for x, y, alpha in calls]
+        stats = aoti_eager.stats()["aten::add.Tensor"]
+    for r, (x, y, alpha) in zip(results, calls):
+        assert_same_as_eager(r, torch.add(x, y, alpha=alpha))
+    assert timer.timed == [8, 12, 100, 100]
+    # One family entry keeps both: its runtime numbers' values are left out of
+    # its key, and each range keeps its verdict. Only 8, 12 and 100 miss.
+    assert (stats["compiles"], stats["misses"], stats["hits"], stats["fallbacks"]) == (2, 3, 1, 3), stats

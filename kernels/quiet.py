@@ -1,0 +1,128 @@
+"""What a compile prints, kept off the user's terminal.
+
+Export, Inductor, the C++ compiler, AOTInductor's generated code and the C
+shim all print: torch's loggers (``symbolic_shapes``' "Unable to find user
+code", an FX graph), Python warnings, and C++ writes straight to the
+process's file descriptors 1 and 2 (a failed shim call's ``Error: ... API
+call failed``). None of it is the user's concern: the runtime logs one line
+per op and reason. :func:`captured` collects it all into the compile's log
+instead, which the runtime logs at DEBUG level.
+
+The redirection is the process's, not the thread's: another thread's output
+during a compile lands in the compile's log too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import io
+import logging
+import os
+import sys
+import tempfile
+import warnings
+from typing import Iterator
+
+_PROJECT_LOGGER = "aoti_eager"
+
+
+class _Held(logging.Handler):
+    """Keeps the project's own records until the output is the user's again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def _flush_c_streams() -> None:
+    """Flushes C's stdio buffers, where C++ code's ``printf`` and ``std::cout`` wait."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None).fflush(None)
+
+
+@contextlib.contextmanager
+def _file_descriptors_into(sink: int) -> Iterator[None]:
+    """Descriptors 1 and 2 write into ``sink`` within the block (unchanged
+    where the process has none to redirect)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    try:
+        saved = [os.dup(1), os.dup(2)]
+    except OSError:
+        yield
+        return
+    try:
+        os.dup2(sink, 1)
+        os.dup2(sink, 2)
+        yield
+    finally:
+        _flush_c_streams()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def _torch_loggers_into(stream: io.StringIO) -> Iterator[None]:
+    """torch's loggers write into ``stream`` within the block."""
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    top = logging.getLogger("torch")
+    loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict) if name.startswith("torch.")]
+    # torch's own handlers, and the root's (where torch's records go up to) are passed by.
+    saved = [(logger, logger.handlers[:], logger.propagate) for logger in [top, *loggers] if logger is top or logger.handlers]
+    for logger, _, _ in saved:
+        logger.handlers = [handler] if logger is top else []
+        logger.propagate = logger is not top
+    try:
+        yield
+    finally:
+        for logger, handlers, propagate in saved:
+            logger.handlers, logger.propagate = handlers, propagate
+
+
+@contextlib.contextmanager
+def _project_records_held() -> Iterator[None]:
+    """The project's own records reach their handlers after the block, not
+    into the captured output."""
+    logger = logging.getLogger(_PROJECT_LOGGER)
+    held = _Held()
+    saved = logger.handlers[:], logger.propagate
+    logger.handlers, logger.propagate = [held], False
+    try:
+        yield
+    finally:
+        logger.handlers, logger.propagate = saved
+        for record in held.records:
+            logger.handle(record)
+
+
+@contextlib.contextmanager
+def captured(log: list[str]) -> Iterator[None]:
+    """Within the block, everything the process prints (file descriptors 1
+    and 2, ``sys.stdout`` and ``sys.stderr``), torch's log records and Python
+    warnings are appended to ``log`` (as one text, if there was any), not
+    shown. The project's own log records are shown as usual, after it."""
+    text = io.StringIO()
+    caught: list[warnings.WarningMessage] = []
+    with tempfile.TemporaryFile() as sink:
+        try:
+            with _project_records_held(), warnings.catch_warnings(record=True) as recorded, \
+                    _file_descriptors_into(sink.fileno()), contextlib.redirect_stdout(text), \
+                    contextlib.redirect_stderr(text), _torch_loggers_into(text):
+                warnings.simplefilter("always")
+                caught = recorded
+                yield
+        finally:
+            sink.seek(0)
+            printed = sink.read().decode(errors="replace")
+            said = "".join(f"{w.category.__name__}: {w.message}\n" for w in caught)
+            output = (printed + text.getvalue() + said).strip()
+            if output:
+                log.append(output)
