@@ -122,6 +122,8 @@ def warm(entry: ManifestEntry, root: Path) -> Outcome:
         stats = aoti_eager.stats()[entry.op]
     finally:
         aoti_eager.disable()
+        # Each entry is rebuilt alone: shapes this worker saw for an earlier entry would make a family.
+        aoti_eager._runtime.forget()
     cache = KernelCache(root, environment_name(device, compile_options(device.type)))
     published = cache.lookup(entry.op, entry.key)
     if published is None:

@@ -253,6 +253,17 @@ def test_no_call_waits_for_the_probe_of_the_cpus_vector_isas(shared_cache, monke
     assert aoti_eager.stats()["aten::abs"]["queued"] == 1
 
 
+def test_a_worker_rebuilds_each_entry_alone(shared_cache, tmp_path):
+    """A worker that rebuilt one entry rebuilds the next as recorded: the
+    shapes it saw before do not make the next one's call a family's."""
+    entries = manifest_of(tmp_path / "m.jsonl", [(A.abs.default, [torch.randn(5, 3)]), (A.abs.default, [torch.randn(7, 2)])])
+    outcomes = [_worker.warm(entry, shared_cache) for entry in entries]
+    assert {o.status for o in outcomes} <= {"cached", "compiled"}, outcomes
+    cache = KernelCache(shared_cache, environment_name(torch.device("cpu"), compile_options("cpu")))
+    for entry in entries:
+        assert cache.lookup(entry.op, entry.key) is not None, entry
+
+
 def test_calls_while_their_kernel_compiles_ask_for_it_once_a_retry_interval(tmp_path, monkeypatch):
     """Calls of a signature compiling in the background run the original
     kernel straight from C++; one call a retry interval asks Python again."""
