@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+from torch._inductor import metrics as inductor_metrics
 from torch._prims_common import (
     compute_elementwise_output_logical_to_physical_perm, is_non_overlapping_and_dense_or_false, make_contiguous_strides_for,
 )
@@ -106,6 +107,9 @@ class Artifact:
     input_shapes: list[tuple[Any, ...]] = field(default_factory=list)
     input_strides: list[tuple[Any, ...]] = field(default_factory=list)
     range_constraints: dict[Any, Any] = field(default_factory=dict)
+    # Kernels Inductor generated for it; none: it only calls eager's own (an
+    # extern matmul, say), with AOTInductor's cost on top of eager's.
+    generated_kernels: int | None = None
 
 
 def mutated_arguments(op: torch._ops.OpOverload) -> list[int]:
@@ -382,6 +386,7 @@ def compile_call(
             seconds["export"] = time.perf_counter() - start
             stage = "AOTInductor"
             start = time.perf_counter()
+            generated_before = inductor_metrics.generated_kernel_count
             grain = parallel_above_grain() if dynamic else contextlib.nullcontext()
             with split_wrapper_builds(shared_dir, seconds, linker()), grain, \
                     _without_whole_graph_patterns(signature.device.type):
@@ -390,6 +395,7 @@ def compile_call(
                     options={**inductor_options, "aot_inductor.output_path": str(library)},
                 )
             seconds["lowering"] = time.perf_counter() - start - sum(t for s, t in seconds.items() if s != "export")
+            generated = inductor_metrics.generated_kernel_count - generated_before
             _strip(library)
             # Ops that AOTInductor leaves to the dispatcher are described in a
             # JSON file, which the runner looks for beside the library.
@@ -410,7 +416,7 @@ def compile_call(
             f"AOTInductor leaves {', '.join(left)} to its proxy executor (it has no C shim): the kernel would only "
             "call the eager op, at a cost", any_values=True,
         )
-    artifact = Artifact(library, module.output_counts(eager_result), seconds, workdir)
+    artifact = Artifact(library, module.output_counts(eager_result), seconds, workdir, generated_kernels=generated)
     if dynamic_shapes is not None:
         inputs = {node.name: node for node in exported.graph.nodes if node.op == "placeholder"}
         artifact.input_shapes = [tuple(inputs[name].meta["val"].shape) for name in exported.graph_signature.user_inputs]

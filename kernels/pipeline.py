@@ -268,7 +268,10 @@ def _entry(
         timing=timing.to_json() if timing is not None else None,
         dynamic=family.to_json() if family is not None else None,
     )
-    if timing is not None and timing.eager_faster:
+    if timing is not None and artifact.generated_kernels == 0:
+        # The same kernels as eager's, behind AOTInductor's runner: never faster where a model is bound by the host.
+        entry.reason = f"eager is faster: Inductor generated no kernel of its own, only calls of eager's ({timing.ratio:.2f}x eager's time)"
+    elif timing is not None and timing.eager_faster:
         entry.reason = f"eager is faster: kernel {timing.ratio:.2f}x eager's time (measured at compile)"
     else:
         entry.output_counts, entry.library = artifact.output_counts, artifact.library

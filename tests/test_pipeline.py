@@ -14,6 +14,7 @@ from aoti_eager.cache import KernelCache
 from aoti_eager.cache.store import LIBRARY_FILE
 from aoti_eager.kernels import CallSignature, CompileError, pipeline
 from aoti_eager.kernels.compile import Artifact, compile_options, flat_tensor_inputs
+from aoti_eager.kernels.signature import qualified_name
 from aoti_eager.kernels.speed import Timing
 from aoti_eager.kernels.toolchain import environment_name
 
@@ -109,6 +110,19 @@ def test_a_lasting_compile_error_is_recorded_and_a_compilers_is_not(store, monke
     outcome = pipeline.compile_signature(A.abs.default, signature, store, load(signature))
     assert outcome.compiler_error == said and not outcome.recorded
     assert list(store.entries()) == []
+
+
+def test_a_kernel_that_only_calls_eagers_kernels_keeps_eager(store, monkeypatch):
+    # mm's library calls eager's matmul: AOTInductor's runner on top of it is never faster.
+    monkeypatch.setenv("AOTI_EAGER_KEEP_FASTER", "1")
+    faster = lambda kernel, signature, op: Timing(0.5e-6, 1e-6)  # noqa: E731
+    for op, args, kept in ((A.mm.default, [torch.randn(4, 8), torch.randn(8, 3)], False), (A.abs.default, [torch.randn(16)], True)):
+        signature = CallSignature.of(op, "cpu", args)
+        assert isinstance(pipeline.compile_signature(op, signature, store, load(signature), timer=faster), pipeline.Published)
+        entry = store.lookup(qualified_name(op), signature.key)
+        assert (entry.library is not None) == kept, entry.reason
+        if not kept:
+            assert entry.reason.startswith("eager is faster: Inductor generated no kernel of its own"), entry.reason
 
 
 @pytest.mark.parametrize("second, kept", [(1.5e-6, False), (1.01e-6, True)], ids=["slower twice", "slower once"])
