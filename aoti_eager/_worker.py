@@ -101,6 +101,8 @@ def warm(request: CompileRequest, root: Path, fleet_wait: float = 0.0) -> Outcom
     signature = CallSignature.of(op, request.device, args)
     if request.runtime_ints:
         signature = signature.with_runtime_ints(request.runtime_ints)
+    if (request.family.entry_key(signature) if request.family else signature.key) != request.key:
+        return Outcome("failed", "the rebuilt call does not produce the recorded cache entry")
     cache = _mechanism.open_cache(root, device, None, wait=fleet_wait)
     with cache.lock_signature(request.op, signature.key, timeout=settings.lock_timeout.get()), _mechanism.compile_lock:
         published = cache.lookup(request.op, request.key)

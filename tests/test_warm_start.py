@@ -43,7 +43,7 @@ def manifest_of(path: Path, calls: list[tuple[torch._ops.OpOverload, list]]) -> 
     for op, args in calls:
         signature = CallSignature.of(op, "cpu", args)
         entries.append(CompileRequest(qualified_name(op), "cpu", signature.key, signature.to_json()))
-    path.write_text("".join(json.dumps(vars(e)) + "\n" for e in entries))
+    path.write_text("".join(json.dumps(e.to_json()) + "\n" for e in entries))
     return entries
 
 
@@ -189,7 +189,7 @@ def test_prewarm_reports_entries_it_cannot_compile(shared_cache, tmp_path):
     manifest = tmp_path / "misses.jsonl"
     (entry,) = manifest_of(manifest, [(A.abs.default, [torch.randn(4, 4)])])
     # A key that the rebuilt call does not produce: its entry never appears.
-    manifest.write_text(json.dumps({**vars(entry), "key": "0" * 24}) + "\n")
+    manifest.write_text(json.dumps({**entry.to_json(), "key": "0" * 24}) + "\n")
     out = aoti_eager_cli("--cache-dir", str(shared_cache), "prewarm", str(manifest))
     assert out.returncode == 1, out.stdout + out.stderr
     assert "FAILED aten::abs on cpu (self=float32[4, 4])" in out.stdout
