@@ -70,3 +70,9 @@ class RetryLater:
 
 
 Decision = Union[UseKernel, RunEagerly, RetryLater]
+
+# How long the calls of a signature that compiles in the background run the
+# original kernel before one asks whether its kernel is ready. Asking on every
+# call made a tiny call cost tens of times eager's (BENCHMARKS.md, "Background
+# compiles"); a kernel takes over at most this much later.
+BACKGROUND_RETRY_SECONDS = 0.1

@@ -30,7 +30,7 @@ import torch
 from torch._ops import OpOverload
 
 from aoti_eager import _background, _extension, _mechanism, settings
-from aoti_eager._decisions import Decision, RetryLater, RunEagerly, UseKernel
+from aoti_eager._decisions import BACKGROUND_RETRY_SECONDS, Decision, RetryLater, RunEagerly, UseKernel
 from aoti_eager._planner import Eager, IntLookup, Planner
 from aoti_eager.cache import DamagedEntry, Entry, UntrustedEntry
 from aoti_eager.cache.entry_store import EntryStore, LockedElsewhere
@@ -46,12 +46,6 @@ log = logging.getLogger("aoti_eager")
 
 DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 
-
-# How long the calls of a signature that compiles in the background run the
-# original kernel before one asks whether its kernel is ready. Asking on every
-# call made a tiny call cost tens of times eager's (BENCHMARKS.md, "Background
-# compiles"); a kernel takes over at most this much later.
-BACKGROUND_RETRY_SECONDS = 0.1
 
 @dataclass
 class OpStats:
