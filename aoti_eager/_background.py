@@ -1,4 +1,4 @@
-"""Background compiles: a queue of manifest entries served by a pool of
+"""Background compiles: a queue of compile requests served by a pool of
 threads, each driving its own worker process (see :mod:`aoti_eager._worker`),
 kept while entries keep coming.
 
@@ -40,13 +40,13 @@ IDLE_SECONDS = 60.0
 NICENESS = 10
 
 
-def submit(entry: CompileRequest, root: Path, remote: str | None = None) -> Future:
-    """Queues a compile of ``entry`` into the cache at ``root``, with the
+def submit(request: CompileRequest, root: Path, remote: str | None = None) -> Future:
+    """Queues a compile of ``request`` into the cache at ``root``, with the
     fleet cache at ``remote`` behind it (None: ``$AOTI_EAGER_REMOTE``, if
     set); the future's result is the worker's :class:`aoti_eager._worker.Outcome`."""
     future: Future = Future()
     with _threads_lock:
-        _queue.put((entry, root, remote, future))
+        _queue.put((request, root, remote, future))
         if len(_threads) < _jobs():
             thread = threading.Thread(target=_serve, name="aoti_eager-background-compiles", daemon=True)
             _threads.add(thread)
