@@ -35,12 +35,13 @@ import torch
 
 from aoti_eager import _mechanism, _ops, _zygote, settings
 from aoti_eager._planner import Planner
-from aoti_eager.cache.entry_store import EntryStore
+from aoti_eager.cache.entry_store import Entry, EntryStore
 from aoti_eager.kernels import CallSignature, CompileRequest
-from aoti_eager.kernels.dynamic import tensor_args
+from aoti_eager.kernels.dynamic import ShapeFamily, tensor_args
 from aoti_eager.kernels.examples import eager_accepted, example_arguments
 from aoti_eager.kernels.pipeline import NotCompiled, Published
 from aoti_eager.kernels.pipeline import Outcome as PipelineOutcome
+from aoti_eager.kernels.signature import qualified_name
 
 log = logging.getLogger("aoti_eager")
 
@@ -104,11 +105,14 @@ def warm(request: CompileRequest, root: Path, fleet_wait: float = 0.0) -> Outcom
     if (request.family.entry_key(signature) if request.family else signature.key) != request.key:
         return Outcome("failed", "the rebuilt call does not produce the recorded cache entry")
     cache = _mechanism.open_cache(root, device, None, wait=fleet_wait)
-    with cache.lock_signature(request.op, signature.key, timeout=settings.lock_timeout.get()), _mechanism.compile_lock:
-        published = cache.lookup(request.op, request.key)
-        if published is not None:
-            return Outcome("cached" if published.library else "eager", published.reason)
-        outcome = _compile(op, request, signature, cache)
+    seen = [[t.sizes for t in tensor_args(end)] for end in request.family.span_ends(signature, request.seen or [])] if request.family else []
+    outcome = _compile_unless_published(op, request.key, signature, cache, request.family, seen)
+    if isinstance(outcome, Entry):
+        return Outcome("cached" if outcome.library else "eager", outcome.reason)
+    if isinstance(outcome, NotCompiled) and signature.runtime_arguments and not (outcome.eager_raised or outcome.any_values):
+        # No kernel takes these numbers at run time: the miss compiles their values in next.
+        constant = signature.with_constant_numbers()
+        _compile_unless_published(op, constant.key, constant, cache, None, [])
     _mechanism.keep_size_limit(root)
     published = cache.lookup(request.op, request.key)
     seconds = outcome.seconds if isinstance(outcome, Published) else 0.0
@@ -123,21 +127,21 @@ def warm(request: CompileRequest, root: Path, fleet_wait: float = 0.0) -> Outcom
     return Outcome("compiled", seconds=seconds)
 
 
-def _compile(op: torch._ops.OpOverload, request: CompileRequest, signature: CallSignature, cache: EntryStore) -> PipelineOutcome:
-    """The outcome of compiling ``request``'s kernel for ``signature``:
-    where a kernel taking its numbers at run time fails, one with their
-    values compiled in is compiled too (the miss would be compiled so)."""
-    why_not = _mechanism.cannot_compile(cache)
-    if why_not is not None:
-        return NotCompiled(why_not)
-    recorded = _mechanism.recorded_verdict(cache, request.op, Planner.verdict_keys(signature))
-    if recorded is not None:
-        return NotCompiled(recorded.reason)
-    seen = [[t.sizes for t in tensor_args(end)] for end in request.family.span_ends(signature, request.seen or [])] if request.family else []
-    outcome, _ = _mechanism.compile_kernel(op, signature, cache, request.family, seen)
-    if isinstance(outcome, NotCompiled) and signature.runtime_arguments and not (outcome.eager_raised or outcome.any_values):
-        _mechanism.compile_kernel(op, signature.with_constant_numbers(), cache, None, [])
-    return outcome
+def _compile_unless_published(
+    op: torch._ops.OpOverload, key: str, signature: CallSignature, cache: EntryStore, family: ShapeFamily | None,
+    seen: list[list[tuple[int, ...]]],
+) -> PipelineOutcome | Entry:
+    """Compiles the kernel of ``family`` (None: its own) for ``signature``
+    under its locks, unless the cache holds the entry ``key``: that entry then."""
+    name = qualified_name(op)
+    with cache.lock_signature(name, signature.key, timeout=settings.lock_timeout.get()), _mechanism.compile_lock:
+        if (published := cache.lookup(name, key)) is not None:
+            return published
+        if (why_not := _mechanism.cannot_compile(cache)) is not None:
+            return NotCompiled(why_not)
+        if (recorded := _mechanism.recorded_verdict(cache, name, Planner.verdict_keys(signature))) is not None:
+            return NotCompiled(recorded.reason)
+        return _mechanism.compile_kernel(op, signature, cache, family, seen)[0]
 
 
 # Workers running now, so that an interrupted parent can stop them.

@@ -494,6 +494,14 @@ def test_prewarm_compiles_a_dynamic_entry_into_the_kernel_the_run_compiled(dynam
     assert compiles == [0, 0] and (stats["cache_loads"], stats["hits"]) == (1, 1), stats
 
 
+def test_a_worker_compiles_a_request_through_the_pipeline_without_enabling_its_op(dynamic_run, tmp_path):
+    _, dynamic = read_manifest(dynamic_run.manifest)
+    outcome = _worker.warm(dynamic, tmp_path / "cache")
+    assert (outcome.status, aoti_eager.stats()) == ("compiled", {}), outcome
+    assert dynamic_entries(tmp_path / "cache") == dynamic_entries(dynamic_run.compiled)
+    assert _worker.warm(dynamic, tmp_path / "cache").status == "cached"
+
+
 def test_a_dynamic_entry_survives_export_and_import(dynamic_run, tmp_path, capsys):
     imported = ship(dynamic_run.prewarmed, tmp_path, capsys)
     assert main(["--cache-dir", str(imported), "cache", "verify"]) == 0
