@@ -111,7 +111,7 @@ class Override:
             return self._eager(f"unsupported input: {e}")
         with self._lock:
             runtime_ints, lookups = self.planner.runtime_ints(signature)
-        if published := _published_ints(self.cache(signature.device), self.name, lookups):
+        if lookups and (published := _published_ints(self, signature.device, lookups)):
             with self._lock:  # another process saw these ints move: its kernel serves this value too
                 runtime_ints = self.planner.ints_published(signature, published)
         if runtime_ints:
@@ -449,13 +449,14 @@ def installed() -> list[Override]:
         return list(_registry.installed.values())
 
 
-def _published_ints(cache: EntryStore, name: str, lookups: list[IntLookup]) -> frozenset[Position]:
+def _published_ints(override: Override, device: torch.device, lookups: list[IntLookup]) -> frozenset[Position]:
     """The ints of the first of ``lookups`` (the planner's) whose kernel the cache holds, or none."""
     try:
-        published = {key for _, key in cache.entries(name)} if lookups else set()
+        cache = override.cache(device)
+        published = {key for _, key in cache.entries(override.name)}
         for taken, key, family in lookups:
             kernels = [k for k in published if k == key or k.startswith(family)]
-            if any((entry := cache.lookup(name, k)) is not None and entry.library is not None for k in kernels):
+            if any((entry := cache.lookup(override.name, k)) is not None and entry.library is not None for k in kernels):
                 return taken
     except (DamagedEntry, UntrustedEntry, OSError):
         pass  # the miss finds it out again, and says so
