@@ -31,7 +31,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from aoti_eager import _background, _extension, _ops, _runtime, settings
+from aoti_eager import _background, _extension, _ops, _prewarm, _runtime, settings
 from aoti_eager._ops import OpSpec
 from aoti_eager.cache import default_root
 from aoti_eager.kernels import signature as _signature
@@ -55,6 +55,9 @@ def cache_dir() -> Path:
     """The cache directory in use: the one given to :func:`enable`, else
     ``$AOTI_EAGER_CACHE_DIR``, else the platform's per-user cache dir."""
     return _root if _root is not None else default_root()
+
+
+_prewarm.default_cache_dir = cache_dir
 
 
 def _default_devices() -> list[str]:

@@ -1,4 +1,4 @@
-"""Background compiles: a queue of manifest entries served by a pool of
+"""Background compiles: a queue of compile requests served by a pool of
 threads, each driving its own worker process (see :mod:`aoti_eager._worker`),
 kept while entries keep coming.
 
@@ -20,14 +20,15 @@ import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 from aoti_eager import _worker, settings
-from aoti_eager.kernels import toolchain
-from aoti_eager.manifest import ManifestEntry
+from aoti_eager.kernels import CompileRequest, toolchain
+from aoti_eager.kernels.signature import short_form
 
 log = logging.getLogger("aoti_eager")
 
-_queue: queue.Queue[tuple[ManifestEntry, Path, str | None, Future]] = queue.Queue()
+_queue: queue.Queue[tuple[CompileRequest, Path, str | None, Future]] = queue.Queue()
 _threads: set[threading.Thread] = set()
 _threads_lock = threading.Lock()
 # An idle worker holds torch and Inductor in memory: it is stopped after this long.
@@ -39,18 +40,58 @@ IDLE_SECONDS = 60.0
 NICENESS = 10
 
 
-def submit(entry: ManifestEntry, root: Path, remote: str | None = None) -> Future:
-    """Queues a compile of ``entry`` into the cache at ``root``, with the
+def submit(request: CompileRequest, root: Path, remote: str | None = None) -> Future:
+    """Queues a compile of ``request`` into the cache at ``root``, with the
     fleet cache at ``remote`` behind it (None: ``$AOTI_EAGER_REMOTE``, if
     set); the future's result is the worker's :class:`aoti_eager._worker.Outcome`."""
     future: Future = Future()
     with _threads_lock:
-        _queue.put((entry, root, remote, future))
+        _queue.put((request, root, remote, future))
         if len(_threads) < _jobs():
             thread = threading.Thread(target=_serve, name="aoti_eager-background-compiles", daemon=True)
             _threads.add(thread)
             thread.start()
     return future
+
+
+class Queued:
+    """One override's background compiles: the request, and the compile,
+    that each of its signatures waits for (by the signature's decision key)."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[Any, tuple[CompileRequest, Future]] = {}
+
+    def running(self) -> int:
+        """Compiles not finished yet."""
+        waiting = list(self._waiting.values())  # a copy under the GIL: the override's lock may be held by a compile
+        return len({id(future) for _, future in waiting if not future.done()})
+
+    def get(self, key: Any) -> Future | None:
+        """The compile ``key`` waits for, if any."""
+        waiting = self._waiting.get(key)
+        return None if waiting is None else waiting[1]
+
+    def finish(self, key: Any) -> tuple[CompileRequest, Any]:
+        """The request ``key`` waited for and the worker's outcome; no key waits
+        for that compile any more (a dynamic kernel found in C++ serves the
+        others, which may never ask again)."""
+        request, compiling = self._waiting[key]
+        for waiting in [k for k, (_, future) in self._waiting.items() if future is compiling]:
+            del self._waiting[waiting]
+        return request, compiling.result()
+
+    def add(self, key: Any, request: CompileRequest, root: Path, remote: str | None) -> bool:
+        """``key`` waits for a compile of ``request``: the one under way (the
+        shapes of one dynamic kernel wait for its one compile), else a new one
+        (True)."""
+        compiling = next((future for queued, future in self._waiting.values() if queued.id == request.id), None)
+        started = compiling is None
+        if started:
+            compiling = submit(request, root, remote)
+            log.info("aoti_eager: compiling %s for (%s) in the background%s", request.op, short_form(request.signature),
+                     " as a dynamic-shape kernel" if request.family else "")
+        self._waiting[key] = (request, compiling)
+        return started
 
 
 def prestart(devices: list[str]) -> None:
@@ -119,7 +160,7 @@ def _serve() -> None:
             worker.close()
 
 
-def _next() -> tuple[ManifestEntry, Path, str | None, Future] | None:
+def _next() -> tuple[CompileRequest, Path, str | None, Future] | None:
     """The next queued entry; None when the thread has left the pool: after
     ``IDLE_SECONDS`` without an entry, or where the pool is larger than the
     setting now allows."""

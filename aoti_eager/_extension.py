@@ -82,9 +82,8 @@ def _import_from(path: Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
     sys.modules[_QUALIFIED_NAME] = module
-    import aoti_eager
-
-    aoti_eager._C = module
+    # As an import of the submodule would: the package, imported before this module, names it.
+    setattr(sys.modules[_QUALIFIED_NAME.rpartition(".")[0]], "_C", module)
     return module
 
 

@@ -16,14 +16,24 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, TextIO
+from typing import Callable, Iterable, TextIO
 
-from aoti_eager import _worker
-from aoti_eager.manifest import ManifestEntry, read_manifest
+import torch
+
+from aoti_eager import _mechanism, _worker
+from aoti_eager.cache import UntrustedEntry, default_root
+from aoti_eager.kernels import CompileRequest
+from aoti_eager.kernels.signature import short_form
+from aoti_eager.manifest import read_manifest
+
+# The cache a prewarm fills when none is given: the package's cache_dir(),
+# which the package (a layer above) hands down.
+default_cache_dir: Callable[[], Path] = default_root
+
 
 @dataclass
 class Result:
-    entry: ManifestEntry
+    entry: CompileRequest
     outcome: _worker.Outcome
 
 
@@ -33,7 +43,7 @@ class PrewarmReport:
 
     results: list[Result] = field(default_factory=list)
     # Entries for devices that were not asked for or are not here.
-    skipped: list[ManifestEntry] = field(default_factory=list)
+    skipped: list[CompileRequest] = field(default_factory=list)
     seconds: float = 0.0
 
     def count(self, status: str) -> int:
@@ -45,26 +55,14 @@ class PrewarmReport:
 
 
 def _available_devices() -> list[str]:
-    import torch
-
     return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
 
 
-def _in_cache(entry: ManifestEntry, root: Path) -> _worker.Outcome | None:
+def _in_cache(entry: CompileRequest, root: Path) -> _worker.Outcome | None:
     """The outcome for an entry the cache already holds, else None. With
     ``$AOTI_EAGER_REMOTE`` set, an entry the fleet cache holds is fetched
     (verified) into the local cache here: no worker starts for it."""
-    import torch
-
-    from aoti_eager import settings
-    from aoti_eager.cache import KernelCache, UntrustedEntry, remote
-    from aoti_eager.kernels.compile import compile_options
-    from aoti_eager.kernels.toolchain import environment_name
-
-    cache = KernelCache(root, environment_name(torch.device(entry.device), compile_options(entry.device)))
-    url = settings.remote.get()
-    if url is not None:
-        cache.behind = remote.tier(url, cache.directory.name)
+    cache = _mechanism.open_cache(root, torch.device(entry.device), None, wait=0.0)
     try:
         published = cache.lookup(entry.op, entry.key)
     except UntrustedEntry as e:
@@ -148,9 +146,7 @@ def prewarm(
         >>> report.count("compiled"), report.failed
         (12, [])
     """
-    import aoti_eager
-
-    root = Path(cache_dir).expanduser() if cache_dir is not None else aoti_eager.cache_dir()
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     wanted = set(devices) if devices is not None else set(_available_devices())
     start = time.monotonic()
     report = PrewarmReport()
@@ -171,7 +167,7 @@ def prewarm(
     per_thread = threading.local()
     jobs = jobs or _worker.default_jobs()
 
-    def compile_entry(entry: ManifestEntry) -> _worker.Outcome:
+    def compile_entry(entry: CompileRequest) -> _worker.Outcome:
         if interrupted.is_set():
             return _worker.Outcome("failed", "interrupted")
         if not hasattr(per_thread, "worker"):
@@ -203,9 +199,7 @@ def prewarm(
     return report
 
 
-def _described(entry: ManifestEntry) -> str:
-    from aoti_eager.kernels.signature import short_form
-
+def _described(entry: CompileRequest) -> str:
     return short_form(entry.signature) + ("; dynamic-shape kernel" if entry.dynamic else "")
 
 

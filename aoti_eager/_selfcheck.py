@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+import aoti_eager
 from aoti_eager import settings
 
 # The stage a miss failed in, by how the runtime's reason starts.
@@ -41,8 +42,6 @@ def check_device(device: str) -> SelfCheck:
     """Compiles ``abs`` of a small tensor on ``device`` in a new empty cache,
     then calls it again, which must be a hit of the C++ path; both results must
     be eager's."""
-    import aoti_eager
-
     x = torch.linspace(-2.0, 2.0, 37, device=device)
     expected = torch.abs(x)
     # Eager may well be faster on 37 numbers: the kernel is what is checked here.

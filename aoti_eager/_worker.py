@@ -1,17 +1,13 @@
-"""Compiles manifest entries in worker processes.
+"""Compiles requests (kernels/request.py) in worker processes.
 
-Prewarming and background compiles run their entries in child processes
+Prewarming and background compiles run their requests in child processes
 (:data:`COMMAND` with the cache directory): a compiler that crashes or runs
 out of memory then takes down only the child. A child rebuilds each call from
-its signature and makes it with the op enabled, so the entry is compiled,
-validated and published exactly as the miss of a real call would be. A
-dynamic-shape entry's call comes after calls at the ends of the span of sizes
-recorded for it, made with ``compile="never"``: the op's shape family then
-knows the shapes the recording process had seen, and the call compiles the
-dynamic kernel compiled there, under the same key. Likewise an entry whose
-ints are runtime numbers (the recording process saw them move) comes after a
-call with each of them one higher, made with ``compile="never"``: the
-override then sees them move too.
+its signature and compiles the requested kernel through the pipeline
+(kernels/pipeline.py), validated and published as the miss of a real call
+would be: a dynamic-shape kernel is checked at the ends of the span of sizes
+recorded for it, and a kernel whose runtime ints fail leaves one with their
+values compiled in.
 
 A child compiles one entry after another (entries as JSON lines on its stdin,
 outcomes as JSON lines on its stdout), so that only its first entry pays for
@@ -35,8 +31,17 @@ import threading
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from aoti_eager import _zygote, settings
-from aoti_eager.manifest import ManifestEntry
+import torch
+
+from aoti_eager import _mechanism, _ops, _zygote, settings
+from aoti_eager._planner import Planner
+from aoti_eager.cache.entry_store import Entry, EntryStore
+from aoti_eager.kernels import CallSignature, CompileRequest
+from aoti_eager.kernels.dynamic import ShapeFamily, tensor_args
+from aoti_eager.kernels.examples import eager_accepted, example_arguments
+from aoti_eager.kernels.pipeline import NotCompiled, Published
+from aoti_eager.kernels.pipeline import Outcome as PipelineOutcome
+from aoti_eager.kernels.signature import qualified_name
 
 log = logging.getLogger("aoti_eager")
 
@@ -84,58 +89,59 @@ class Outcome:
     seconds: float = 0.0
 
 
-def warm(entry: ManifestEntry, root: Path) -> Outcome:
-    """Makes ``entry``'s call with its op enabled; runs in the worker process."""
-    import torch
-
-    import aoti_eager
-    from aoti_eager import _ops
-    from aoti_eager.cache import KernelCache
-    from aoti_eager.kernels.compile import call_op, compile_options
-    from aoti_eager.kernels.dynamic import ShapeFamily
-    from aoti_eager.kernels.examples import eager_accepted, example_arguments, with_runtime_ints_moved
-    from aoti_eager.kernels.signature import CallSignature
-    from aoti_eager.kernels.toolchain import environment_name
-
-    # A worker waits for another machine's compile of the entry (a user's call would run eagerly).
-    aoti_eager._runtime.fleet_wait = settings.lock_timeout.get()
-    op = _ops.overload_named(entry.op)
-    device = torch.device(entry.device)
+def warm(request: CompileRequest, root: Path, fleet_wait: float = 0.0) -> Outcome:
+    """Compiles ``request`` into the cache at ``root``, checked against eager
+    and published as a miss of its call would be; runs in the worker
+    process. ``fleet_wait``: how long to wait for another machine's compile
+    of it (the fleet cache's lock)."""
+    op = _ops.overload_named(request.op)
+    device = torch.device(request.device)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
-    args = eager_accepted(op, example_arguments(entry.signature, device))
-    signature = CallSignature.of(op, entry.device, args)
-    moved = with_runtime_ints_moved(entry.signature, args)
-    try:
-        if entry.dynamic is not None or moved is not None:
-            aoti_eager.enable([op], devices=[entry.device], cache_dir=root, record=None, compile="never")
-        if entry.dynamic is not None:
-            family = ShapeFamily(tuple(tuple(dims) for dims in entry.dynamic["dims"]), general=entry.dynamic.get("general", False))
-            aoti_eager._runtime.plan(entry.key, family)  # the runtime enable() installs
-            for seen in family.span_ends(signature, entry.dynamic["seen"]):
-                call_op(op, eager_accepted(op, list(seen.args)))
-        if moved is not None:
-            with contextlib.suppress(Exception):  # eager may refuse the value: the override has seen it
-                call_op(op, moved)
-        aoti_eager.enable([op], devices=[entry.device], cache_dir=root, record=None)
-        call_op(op, args)
-        stats = aoti_eager.stats()[entry.op]
-    finally:
-        aoti_eager.disable()
-        # Each entry is rebuilt alone: shapes this worker saw for an earlier entry would make a family.
-        aoti_eager._runtime.forget()
-    cache = KernelCache(root, environment_name(device, compile_options(device.type)))
-    published = cache.lookup(entry.op, entry.key)
+    args = eager_accepted(op, example_arguments(request.signature, device))
+    signature = CallSignature.of(op, request.device, args)
+    if request.runtime_ints:
+        signature = signature.with_runtime_ints(request.runtime_ints)
+    if (request.family.entry_key(signature) if request.family else signature.key) != request.key:
+        return Outcome("failed", "the rebuilt call does not produce the recorded cache entry")
+    cache = _mechanism.open_cache(root, device, None, wait=fleet_wait)
+    seen = [[t.sizes for t in tensor_args(end)] for end in request.family.span_ends(signature, request.seen or [])] if request.family else []
+    outcome = _compile_unless_published(op, request.key, signature, cache, request.family, seen)
+    if isinstance(outcome, Entry):
+        return Outcome("cached" if outcome.library else "eager", outcome.reason)
+    if isinstance(outcome, NotCompiled) and signature.runtime_arguments and not (outcome.eager_raised or outcome.any_values):
+        # No kernel takes these numbers at run time: the miss compiles their values in next.
+        constant = signature.with_constant_numbers()
+        _compile_unless_published(op, constant.key, constant, cache, None, [])
+    _mechanism.keep_size_limit(root)
+    published = cache.lookup(request.op, request.key)
+    seconds = outcome.seconds if isinstance(outcome, Published) else 0.0
     if published is None:
-        reason = stats["fallback_reason"] or "the rebuilt call did not produce the recorded cache entry"
-        if entry.dynamic is not None and stats["compiles"] and cache.lookup(entry.op, signature.key):
+        if isinstance(outcome, Published):
             # Export fixed a size the family moves (a 1 among its sizes, say): the parent's
             # shapes of this family compile alone from now on, and this one is in the cache.
-            reason = "no dynamic-shape kernel for the family: this shape was compiled alone"
-        return Outcome("failed", reason, seconds=stats["compile_seconds"])
+            return Outcome("failed", "no dynamic-shape kernel for the family: this shape was compiled alone", seconds)
+        return Outcome("failed", outcome.reason, seconds)
     if published.library is None:
         return Outcome("eager", published.reason)
-    return Outcome("compiled" if stats["compiles"] else "cached", seconds=stats["compile_seconds"])
+    return Outcome("compiled", seconds=seconds)
+
+
+def _compile_unless_published(
+    op: torch._ops.OpOverload, key: str, signature: CallSignature, cache: EntryStore, family: ShapeFamily | None,
+    seen: list[list[tuple[int, ...]]],
+) -> PipelineOutcome | Entry:
+    """Compiles the kernel of ``family`` (None: its own) for ``signature``
+    under its locks, unless the cache holds the entry ``key``: that entry then."""
+    name = qualified_name(op)
+    with cache.lock_signature(name, signature.key, timeout=settings.lock_timeout.get()), _mechanism.compile_lock:
+        if (published := cache.lookup(name, key)) is not None:
+            return published
+        if (why_not := _mechanism.cannot_compile(cache)) is not None:
+            return NotCompiled(why_not)
+        if (recorded := _mechanism.recorded_verdict(cache, name, Planner.verdict_keys(signature))) is not None:
+            return NotCompiled(recorded.reason)
+        return _mechanism.compile_kernel(op, signature, cache, family, seen)[0]
 
 
 # Workers running now, so that an interrupted parent can stop them.
@@ -197,7 +203,7 @@ class Worker:
                 os.setpriority(os.PRIO_PROCESS, self._process.pid, os.getpriority(os.PRIO_PROCESS, 0) + self.niceness)
         return self._process
 
-    def compile(self, entry: ManifestEntry, timeout: float | None = None) -> Outcome:
+    def compile(self, entry: CompileRequest, timeout: float | None = None) -> Outcome:
         """The outcome of ``entry``; never raises for what happens in the child
         (a crash or timeout is a ``failed`` outcome, and the child is gone)."""
         try:
@@ -205,7 +211,7 @@ class Worker:
         except ProcessLookupError as e:
             return Outcome("failed", str(e))
         try:
-            process.stdin.write(json.dumps(asdict(entry)) + "\n")
+            process.stdin.write(json.dumps(entry.to_json()) + "\n")
             process.stdin.flush()
             ready, _, _ = select.select([process.stdout], [], [], timeout)
             line = process.stdout.readline() if ready else None
@@ -363,12 +369,12 @@ def main() -> int:
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     cuda_started = False
     for line in sys.stdin:
-        entry = ManifestEntry(**json.loads(line))
+        entry = CompileRequest.from_json(json.loads(line))
         try:
             if entry.device.startswith("cuda") and not cuda_started:
                 cuda_started = True
                 _zygote.warm_beside_cuda(entry.device)
-            outcome = warm(entry, root)
+            outcome = warm(entry, root, fleet_wait=settings.lock_timeout.get())
         except Exception as e:  # noqa: BLE001 - reported to the parent as the reason
             outcome = Outcome("failed", f"{type(e).__name__}: {e}")
         log.info("aoti_eager: %s on %s: %s", entry.op, entry.device, outcome.status)

@@ -122,27 +122,3 @@ def _eager_accepts(op: torch._ops.OpOverload, args: list[Any]) -> bool:
     except Exception:  # noqa: BLE001 - a refusal of the values, or of CPU: either way, not these values'
         return False
     return True
-
-
-def with_runtime_ints_moved(signature: list[dict[str, Any]], args: list[Any]) -> list[Any] | None:
-    """``args`` of a call with the recorded ``signature`` with each runtime int
-    in it (an argument, or an item of an int list) one higher: a call the
-    override sees them move in. None where the signature has none.
-
-        >>> pad = {"kind": "list", "items": [{"kind": "int", "value": 0}, {"kind": "int", "value": 5, "runtime": True}]}
-        >>> with_runtime_ints_moved([pad], [[0, 5]]), with_runtime_ints_moved([{"kind": "int", "value": 5}], [5])
-        ([[0, 6]], None)
-    """
-    moved = False
-
-    def up(value: Any, described: dict[str, Any]) -> Any:
-        nonlocal moved
-        if described["kind"] == "list":
-            return [up(v, d) for v, d in zip(value, described["items"])]
-        if described["kind"] == "int" and described.get("runtime"):
-            moved = True
-            return value + 1
-        return value
-
-    args = [up(a, d) for a, d in zip(args, signature)]
-    return args if moved else None

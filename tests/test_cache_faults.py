@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import aoti_eager
-from aoti_eager import _runtime, cli
+from aoti_eager import _mechanism, _runtime, cli
 from aoti_eager._ops import qualified_name
 from aoti_eager.cache import KernelCache, inventory, signing
 from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE, read_entry, sha256_of
@@ -343,7 +343,7 @@ def test_a_library_swapped_between_its_check_and_its_load_never_runs(entry, tmp_
     elsewhere = tmp_path_factory.mktemp("planted")
     marker = elsewhere / "planted-code-ran"
     planted = planted_library(elsewhere, marker)
-    check_loads = _runtime.check_loads
+    check_loads = _mechanism.check_loads
 
     def swap_then_check(*args, **kwargs):
         # The moment between the entry's check and its load: the cache's file is replaced.
@@ -351,7 +351,7 @@ def test_a_library_swapped_between_its_check_and_its_load_never_runs(entry, tmp_
             os.replace(planted, entry / LIBRARY_FILE)
         return check_loads(*args, **kwargs)
 
-    monkeypatch.setattr(_runtime, "check_loads", swap_then_check)
+    monkeypatch.setattr(_mechanism, "check_loads", swap_then_check)
     stats, compiles = run_abs(tmp_path, monkeypatch)
     assert not planted.exists(), "the seam was not reached"
     assert not marker.exists(), "the swapped-in library ran"
@@ -412,8 +412,8 @@ def test_a_full_cache_disk_is_named_and_the_signature_compiles_once_space_is_fre
         return copyfile(source, target, **kwargs)
 
     monkeypatch.setattr(shutil, "copyfile", copy_onto_a_full_disk)
-    monkeypatch.setattr(_runtime, "_free_bytes", lambda root: disk["free"])
-    monkeypatch.setattr(_runtime, "DISK_FULL_RETRY_SECONDS", 0.0)
+    monkeypatch.setattr(_mechanism, "_free_bytes", lambda root: disk["free"])
+    monkeypatch.setattr(_mechanism, "DISK_FULL_RETRY_SECONDS", 0.0)
     compiles = []
     monkeypatch.setattr(pipeline, "compile_call", counting(pipeline.compile_call, compiles))
     other = torch.linspace(-2, 2, 100)

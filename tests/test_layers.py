@@ -1,7 +1,8 @@
 """The layers import only downward: aoti_eager/ (public API, runtime, CLI) ->
 kernels/ (aoti_eager.kernels) -> cache/ (aoti_eager.cache), with
 aoti_eager.settings and aoti_eager.version, stdlib-only leaves, open to every
-layer. Checked on the source, imports inside functions included."""
+layer. Inside aoti_eager/ too, each module imports only those below it in
+RUNTIME_ORDER. Checked on the source, imports inside functions included."""
 
 from __future__ import annotations
 
@@ -24,6 +25,14 @@ def _modules() -> dict[str, Path]:
 
 
 MODULES = _modules()
+
+# The modules of aoti_eager/, lowest first: each imports only those before it
+# (and kernels/, cache/ and the leaves, which are below them all).
+RUNTIME_ORDER = [
+    "aoti_eager._decisions", "aoti_eager._ops", "aoti_eager._zygote", "aoti_eager.manifest", "aoti_eager._extension",
+    "aoti_eager._planner", "aoti_eager._mechanism", "aoti_eager._worker", "aoti_eager._background", "aoti_eager._prewarm",
+    "aoti_eager._runtime", "aoti_eager._reach", "aoti_eager", "aoti_eager._selfcheck", "aoti_eager.cli", "aoti_eager.__main__",
+]
 
 
 def imported(path: Path) -> set[str]:
@@ -76,13 +85,32 @@ def test_kernels_import_nothing_of_the_runtime(name):
     assert not above
 
 
+def test_every_module_of_the_runtime_has_its_place_in_the_order():
+    assert sorted(RUNTIME_ORDER) == sorted(set(_in_layer("aoti_eager")) - LEAVES)
+
+
+@pytest.mark.parametrize("name", RUNTIME_ORDER)
+def test_a_module_of_the_runtime_imports_only_those_below_it(name):
+    below = set(RUNTIME_ORDER[:RUNTIME_ORDER.index(name)])
+    above = {i for i in imported(MODULES[name]) if i in RUNTIME_ORDER and i != name and i not in below}
+    assert not above
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_no_function_imports_the_package(name):
+    # What a function needs of the package is passed in, or imported at the top where the order allows.
+    inside = [
+        node.lineno
+        for function in ast.walk(ast.parse(MODULES[name].read_text()))
+        if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef))
+        for node in ast.walk(function)
+        if isinstance(node, ast.Import) and any(alias.name == "aoti_eager" for alias in node.names)
+    ]
+    assert not inside
+
+
 def test_there_are_no_import_cycles():
-    # The runtime's workers call the public API (the package, aoti_eager/__init__.py)
-    # at run time, as a user would: that is not an edge between modules' code.
-    graph = {
-        name: {i for i in imported(path) if i in MODULES and i not in (name, "aoti_eager")}
-        for name, path in MODULES.items()
-    }
+    graph = {name: {i for i in imported(path) if i in MODULES and i != name} for name, path in MODULES.items()}
     cycles = []
 
     def visit(name: str, path: list[str]) -> None:

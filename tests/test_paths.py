@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import aoti_eager
-from aoti_eager import _runtime
+from aoti_eager import _mechanism
 from aoti_eager.cache import layout
 from aoti_eager.kernels import toolchain
 from helpers import assert_same_as_eager
@@ -53,7 +53,7 @@ def test_an_isa_name_with_a_space_compiles(tmp_path, private_root, monkeypatch):
 def test_a_failing_compiler_says_why_and_is_given_up_after_a_few_signatures(tmp_path, monkeypatch, caplog):
     from torch._inductor.exc import CppCompileError
 
-    monkeypatch.setattr(_runtime, "_compiler_failures", _runtime._CompilerFailures())
+    monkeypatch.setattr(_mechanism, "compiler_failures", _mechanism.CompilerFailures())
     attempts = []
 
     def compiler_fails(*args, **kwargs):
@@ -69,7 +69,7 @@ def test_a_failing_compiler_says_why_and_is_given_up_after_a_few_signatures(tmp_
             stats = aoti_eager.stats()["aten::abs"]
     for result, x in zip(results, xs + xs):
         assert_same_as_eager(result, x.abs())
-    assert len(attempts) == _runtime._CompilerFailures.GIVE_UP_AFTER
+    assert len(attempts) == _mechanism.CompilerFailures.GIVE_UP_AFTER
     assert stats["compiles"] == 0 and "error: injected failure" in stats["fallback_reason"]
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "error: injected failure" in errors[0]

@@ -30,7 +30,7 @@ def run(op_names: list[str], calls, cache_dir, device="cpu", **options):
     with aoti_eager.enabled(op_names, devices=[device], cache_dir=cache_dir, **options):
         results = calls()
         stats = aoti_eager.stats()
-        ints = {o.name: o._ints for o in _runtime.installed()}
+        ints = {o.name: o.planner.ints for o in _runtime.installed()}
     for name in op_names:
         xfail_if_kernels_cannot_load(stats[name.removesuffix(".default")])
     return results, stats, ints

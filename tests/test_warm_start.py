@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import aoti_eager
-from aoti_eager import _background, _runtime, _worker
+from aoti_eager import _background, _decisions, _worker
 from aoti_eager._ops import overload_named, qualified_name
 from aoti_eager.cache import KernelCache, inventory, signing
 from aoti_eager.cache.store import LIBRARY_FILE
@@ -30,19 +30,20 @@ from aoti_eager.kernels.compile import call_op, compile_options
 from aoti_eager.kernels.examples import example_arguments
 from aoti_eager.kernels.signature import CallSignature
 from aoti_eager.kernels.toolchain import environment_name
-from aoti_eager.manifest import ManifestEntry, read_manifest
+from aoti_eager.kernels import CompileRequest
+from aoti_eager.manifest import read_manifest
 from helpers import assert_same_as_eager, publish_kernel, run_shapes
 
 A = torch.ops.aten
 
 
-def manifest_of(path: Path, calls: list[tuple[torch._ops.OpOverload, list]]) -> list[ManifestEntry]:
+def manifest_of(path: Path, calls: list[tuple[torch._ops.OpOverload, list]]) -> list[CompileRequest]:
     """Writes a manifest of ``calls`` (op, arguments as the dispatcher sees them)."""
     entries = []
     for op, args in calls:
         signature = CallSignature.of(op, "cpu", args)
-        entries.append(ManifestEntry(qualified_name(op), "cpu", signature.key, signature.to_json()))
-    path.write_text("".join(json.dumps(vars(e)) + "\n" for e in entries))
+        entries.append(CompileRequest(qualified_name(op), "cpu", signature.key, signature.to_json()))
+    path.write_text("".join(json.dumps(e.to_json()) + "\n" for e in entries))
     return entries
 
 
@@ -87,7 +88,7 @@ def test_two_processes_record_into_one_manifest(tmp_path, shared_cache):
     for p in processes:
         assert p.wait(timeout=1800) == 0, p.stderr.read()
     lines = manifest.read_text().splitlines()
-    entries = [ManifestEntry(**json.loads(line)) for line in lines]
+    entries = [CompileRequest.from_json(json.loads(line)) for line in lines]
     assert len({e.id for e in entries}) == len(entries), "a signature was recorded twice"
     # Each process's first size (3, 5) is its own kernel; its second makes the size a
     # symbol: the one dynamic kernel both processes recorded.
@@ -188,7 +189,7 @@ def test_prewarm_reports_entries_it_cannot_compile(shared_cache, tmp_path):
     manifest = tmp_path / "misses.jsonl"
     (entry,) = manifest_of(manifest, [(A.abs.default, [torch.randn(4, 4)])])
     # A key that the rebuilt call does not produce: its entry never appears.
-    manifest.write_text(json.dumps({**vars(entry), "key": "0" * 24}) + "\n")
+    manifest.write_text(json.dumps({**entry.to_json(), "key": "0" * 24}) + "\n")
     out = aoti_eager_cli("--cache-dir", str(shared_cache), "prewarm", str(manifest))
     assert out.returncode == 1, out.stdout + out.stderr
     assert "FAILED aten::abs on cpu (self=float32[4, 4])" in out.stdout
@@ -275,10 +276,10 @@ def test_calls_while_their_kernel_compiles_ask_for_it_once_a_retry_interval(tmp_
     elapsed = time.monotonic() - start
     stats = aoti_eager.stats()["aten::abs"]
     assert (stats["calls"], stats["fallbacks"], stats["queued"], stats["compiling"]) == (1000, 1000, 1, 1), stats
-    assert stats["misses"] <= 1 + elapsed / _runtime.BACKGROUND_RETRY_SECONDS, (stats, elapsed)
+    assert stats["misses"] <= 1 + elapsed / _decisions.BACKGROUND_RETRY_SECONDS, (stats, elapsed)
     for result in results[:: len(results) // 10]:
         assert_same_as_eager(result, x.abs(), atol=0, rtol=0)
-    time.sleep(_runtime.BACKGROUND_RETRY_SECONDS)
+    time.sleep(_decisions.BACKGROUND_RETRY_SECONDS)
     asked = stats["misses"]
     assert_same_as_eager(torch.abs(x), x.abs(), atol=0, rtol=0)
     assert aoti_eager.stats()["aten::abs"]["misses"] == asked + 1  # the compile is still running: asks again later
@@ -322,7 +323,7 @@ def test_background_compiles_run_side_by_side_up_to_the_setting(tmp_path, monkey
     monkeypatch.setattr(_worker, "COMMAND", [sys.executable, "-c", _SLOW_WORKER])
     monkeypatch.setenv("AOTI_EAGER_BACKGROUND_JOBS", str(jobs))
     # A root of its own: a thread left idle by another test starts a worker for it too.
-    entries = [ManifestEntry("aten::abs.default", "cpu", f"key-{i}", []) for i in range(3)]
+    entries = [CompileRequest("aten::abs.default", "cpu", f"key-{i}", []) for i in range(3)]
     futures = [_background.submit(entry, tmp_path / "cache") for entry in entries]
     answered_by = {future.result(timeout=120).reason for future in futures}
     assert len(answered_by) == workers
@@ -346,7 +347,7 @@ def test_one_worker_compiles_entry_after_entry_and_a_dead_one_is_replaced(tmp_pa
 def test_a_worker_that_does_not_answer_in_time_is_stopped(tmp_path, monkeypatch):
     monkeypatch.setattr(_worker, "COMMAND", [sys.executable, "-c", "import time; time.sleep(60)"])
     worker = _worker.Worker(tmp_path)
-    entry = ManifestEntry("aten::abs.default", "cpu", "key", [])
+    entry = CompileRequest("aten::abs.default", "cpu", "key", [])
     start = time.monotonic()
     outcome = worker.compile(entry, timeout=1)
     assert outcome.status == "failed" and "took over 1 s" in outcome.reason, outcome
@@ -358,7 +359,7 @@ def test_background_workers_yield_the_cpu_and_prewarms_do_not(tmp_path, monkeypa
     priority; prewarm's are the job itself."""
     answer = 'import json, os; input(); print(json.dumps({"status": "compiled", "reason": str(os.nice(0))}), flush=True)'
     monkeypatch.setattr(_worker, "COMMAND", [sys.executable, "-c", answer])
-    entry = ManifestEntry("aten::abs.default", "cpu", "key", [])
+    entry = CompileRequest("aten::abs.default", "cpu", "key", [])
     ours = os.nice(0)
     background = _background.submit(entry, tmp_path).result(timeout=60)
     prewarm_worker = _worker.Worker(tmp_path)
@@ -377,7 +378,7 @@ def test_workers_share_the_cores_as_inductors_compile_threads(tmp_path, monkeypa
     monkeypatch.setattr(_worker, "COMMAND", [sys.executable, "-c", answer])
     monkeypatch.setattr(_worker, "_cores", lambda: 16)
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
-    entry = ManifestEntry("aten::abs.default", "cpu", "key", [])
+    entry = CompileRequest("aten::abs.default", "cpu", "key", [])
 
     def threads(jobs: int) -> str:
         worker = _worker.Worker(tmp_path, jobs=jobs)
@@ -397,7 +398,7 @@ def test_workers_create_cuda_contexts_of_one_hardware_queue(tmp_path, monkeypatc
     answer = 'import json, os; input(); print(json.dumps({"status": "compiled", "reason": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")}), flush=True)'
     monkeypatch.setattr(_worker, "COMMAND", [sys.executable, "-c", answer])
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
-    entry = ManifestEntry("aten::abs.default", "cuda", "key", [])
+    entry = CompileRequest("aten::abs.default", "cuda", "key", [])
 
     def connections() -> str:
         worker = _worker.Worker(tmp_path)
@@ -491,6 +492,14 @@ def test_prewarm_compiles_a_dynamic_entry_into_the_kernel_the_run_compiled(dynam
     assert dynamic_entries(dynamic_run.prewarmed) == dynamic_entries(dynamic_run.compiled)
     compiles, stats = run_shapes("aten::add.Tensor", dynamic_run.prewarmed, torch.add, [33, 3], rows)
     assert compiles == [0, 0] and (stats["cache_loads"], stats["hits"]) == (1, 1), stats
+
+
+def test_a_worker_compiles_a_request_through_the_pipeline_without_enabling_its_op(dynamic_run, tmp_path):
+    _, dynamic = read_manifest(dynamic_run.manifest)
+    outcome = _worker.warm(dynamic, tmp_path / "cache")
+    assert (outcome.status, aoti_eager.stats()) == ("compiled", {}), outcome
+    assert dynamic_entries(tmp_path / "cache") == dynamic_entries(dynamic_run.compiled)
+    assert _worker.warm(dynamic, tmp_path / "cache").status == "cached"
 
 
 def test_a_dynamic_entry_survives_export_and_import(dynamic_run, tmp_path, capsys):

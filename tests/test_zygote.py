@@ -14,10 +14,10 @@ import torch
 
 import aoti_eager
 from aoti_eager import _worker, _zygote
-from aoti_eager.manifest import ManifestEntry
+from aoti_eager.kernels import CompileRequest
 
 # An entry a worker refuses at once: it shows that the worker ran, without a compile.
-UNKNOWN_OP = ManifestEntry("aten::no_such_op.default", "cpu", "key", [])
+UNKNOWN_OP = CompileRequest("aten::no_such_op.default", "cpu", "key", [])
 
 
 @pytest.fixture

@@ -1,0 +1,265 @@
+"""What compiling and loading kernels takes in a process, whoever asks: a
+miss of a user's call (aoti_eager/_runtime.py) or a worker process
+(aoti_eager/_worker.py). No policy: which kernel to compile is the
+planner's (aoti_eager/_planner.py).
+
+Per process: one Inductor compile at a time, the C++ compiler's failures,
+the cache disks found full, and the eager fallbacks already logged.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import logging
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from aoti_eager import _extension, settings
+from aoti_eager._planner import Eager
+from aoti_eager.cache import DamagedEntry, KernelCache, UntrustedEntry, inventory, remote
+from aoti_eager.cache.entry_store import Entry, EntryStore
+from aoti_eager.cache.store import TEMPORARY_PREFIX
+from aoti_eager.kernels import CallSignature
+from aoti_eager.kernels.compile import compile_options, flat_tensor_inputs
+from aoti_eager.kernels.dynamic import ShapeFamily
+from aoti_eager.kernels.load_probe import UnsafeToLoad, check_loads, runtime_crashes
+from aoti_eager.kernels.pipeline import Loader, NotCompiled, Outcome, Published, compile_signature
+from aoti_eager.kernels.speed import Timer, measured, time_against_eager
+from aoti_eager.kernels.signature import qualified_name
+from aoti_eager.kernels.toolchain import environment_name
+
+log = logging.getLogger("aoti_eager")
+
+# Inductor is not thread-safe: one compile at a time in a process (the cache's
+# file lock orders processes).
+compile_lock = threading.Lock()
+
+# How long the calls of a signature whose kernel did not fit on the cache's
+# disk run the original kernel before one looks whether space was freed.
+DISK_FULL_RETRY_SECONDS = 10.0
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+class CompilerFailures:
+    """The C++ compiler's failures in this process, by what it said.
+
+    A compiler that fails the same way on several signatures is the machine's
+    problem (a path it cannot take, a missing header, a full disk), not the
+    ops': after ``GIVE_UP_AFTER`` such failures no further compile is tried in
+    this process, so that each new signature does not pay seconds for nothing.
+    The failures are not recorded in the cache: a later process tries again.
+    """
+
+    GIVE_UP_AFTER = 3
+
+    def __init__(self) -> None:
+        self._counts: collections.Counter[str] = collections.Counter()
+        self.given_up: str | None = None  # what the compiler said, once given up
+
+    def add(self, said: str) -> None:
+        # Paths and digests differ from one signature to the next; the failure does not.
+        same_way = re.sub(r"\S*/\S*|\b[0-9a-f]{8,}\b", "_", said)
+        self._counts[same_way] += 1
+        if self._counts[same_way] >= self.GIVE_UP_AFTER and self.given_up is None:
+            self.given_up = said
+            log.error(
+                "aoti_eager: the C++ compiler failed the same way on %d signatures: %s. No further kernels are "
+                "compiled in this process (calls run eagerly); `aoti-eager doctor` checks the whole path.",
+                self.GIVE_UP_AFTER, said,
+            )
+
+
+compiler_failures = CompilerFailures()
+
+# (op, device, reason) already logged: one line per process, not per call.
+_logged: set[tuple[str, str, str]] = set()
+
+
+def log_eager_once(name: str, device: str, reason: str) -> None:
+    """Says that ``name`` on ``device`` runs eagerly and why, once per process."""
+    if (name, device, reason) not in _logged:
+        _logged.add((name, device, reason))
+        log.warning("aoti_eager: %s on %s runs eagerly: %s", name, device, reason)
+
+
+def open_cache(root: Path, device: torch.device, url: str | None, wait: float) -> EntryStore:
+    """The cache at ``root`` of kernels for ``device`` (keyed by its capability,
+    not its index), with the fleet cache at ``url`` behind it (None:
+    ``$AOTI_EAGER_REMOTE``, if set), whose lock a miss waits ``wait`` seconds for."""
+    cache = KernelCache(root, environment_name(device, compile_options(device.type)))
+    url = url or settings.remote.get()
+    if url is not None:
+        cache.behind = remote.tier(url, cache.directory.name, wait=wait)
+    return cache
+
+
+def not_loaded(crash: str) -> str:
+    return f"kernels of this cache environment are not loaded: {crash}"
+
+
+def cannot_compile(cache: EntryStore) -> str | None:
+    """Why no kernel is compiled for ``cache`` in this process, or None."""
+    if compiler_failures.given_up is not None:
+        return f"the C++ compiler failed on several signatures in this process: {compiler_failures.given_up}"
+    crash = runtime_crashes(cache.directory.name)
+    return None if crash is None else not_loaded(crash)
+
+
+def loader(cache: EntryStore, signature: CallSignature, known_good: bool) -> Loader:
+    """Loads a library of ``cache`` as the kernel of ``signature``, checked
+    against what the call will give it (its outputs against the output
+    counts: the C++ constructor checks them)."""
+
+    def load(library: Path, output_counts: list[int]) -> Any:
+        device = signature.device
+        check_loads(cache.directory.name, library, str(device), output_counts, known_good)
+        kernel = _extension.load().CompiledKernel(str(library), str(device), output_counts, signature.runtime_arguments)
+        inputs = len(flat_tensor_inputs(signature))
+        if kernel.num_inputs != inputs:
+            raise DamagedEntry(f"its library takes {kernel.num_inputs} inputs, a call ({signature.short()}) gives {inputs}")
+        return kernel
+
+    return load
+
+
+def load_entry(cache: EntryStore, signature: CallSignature, entry: Entry) -> Any:
+    """The kernel of a published ``entry`` of ``cache`` for ``signature``.
+    Raises UnsafeToLoad where kernels of the cache's environment crash this
+    process, and DamagedEntry where this entry's does not load."""
+    try:
+        return loader(cache, signature, known_good=True)(entry.library, entry.output_counts)
+    except (UnsafeToLoad, DamagedEntry):
+        raise
+    except Exception as e:  # noqa: BLE001 - the entry's problem, not the environment's
+        raise DamagedEntry(f"its kernel does not load: {e}") from e
+
+
+def recorded_verdict(cache: EntryStore, name: str, keys: list[tuple[str, str]]) -> Eager | None:
+    """The first eager verdict that ``cache`` holds for op ``name`` under
+    ``keys`` (each with the verdict's scope, as :meth:`Planner.verdict_keys`
+    gives them), or None."""
+    for key, scope in keys:
+        try:
+            entry = cache.lookup(name, key)
+        except (DamagedEntry, UntrustedEntry):
+            entry = None
+        if entry is not None and entry.library is None:
+            return Eager(entry.reason or "decided eager", scope)
+    return None
+
+
+def compile_kernel(
+    op: torch._ops.OpOverload, signature: CallSignature, cache: EntryStore, family: ShapeFamily | None,
+    seen: list[list[tuple[int, ...]]], timer: Timer | None = None,
+) -> tuple[Outcome, str | None]:
+    """The outcome of compiling ``signature``'s kernel of ``family`` (None:
+    its own), and why a dynamic kernel failed where it did: the shape is then
+    compiled alone (where the compiler itself failed, a static compile would too)."""
+    load = loader(cache, signature, known_good=False)
+    outcome: Outcome | None = None
+    failed = None
+    if family is not None:
+        outcome = compile_signature(op, signature, cache, load, family, seen=seen, timer=timer)
+        if isinstance(outcome, NotCompiled) and not outcome.eager_raised and outcome.compiler_error is None:
+            failed, outcome = outcome.reason, None
+            log.info("aoti_eager: no dynamic-shape kernel for %s (%s): %s; compiling this shape alone",
+                     qualified_name(op), signature.short(), failed)
+    if outcome is None:
+        outcome = compile_signature(op, signature, cache, load, timer=timer)
+    if isinstance(outcome, NotCompiled) and outcome.compiler_error is not None:
+        compiler_failures.add(outcome.compiler_error)
+    elif isinstance(outcome, Published):
+        stages = ", ".join(f"{stage} {t:.1f} s" for stage, t in outcome.stages.items())
+        described = outcome.family.short(signature.to_json()) if outcome.family else signature.short()
+        log.info("aoti_eager: compiled %s for (%s) in %.1f s (%s)", qualified_name(op), described, outcome.seconds, stages)
+    return outcome, failed
+
+
+def slower_here(kernel: Any, signature: CallSignature, op: torch._ops.OpOverload, timer: Timer | None) -> str | None:
+    """Why eager is faster than the dynamic ``kernel`` at ``signature``'s
+    call, or None where it is not (or the timing failed)."""
+    try:
+        timing = measured(kernel, signature, op, timer or time_against_eager)
+    except Exception as e:  # noqa: BLE001 - the kernel passed validation: keep it
+        log.debug("aoti_eager: timing %s against eager failed; keeping the kernel", op, exc_info=e)
+        return None
+    if not timing.eager_faster:
+        return None
+    reason = f"eager is faster at these sizes: kernel {timing.ratio:.2f}x eager's time"
+    log.info("aoti_eager: %s on %s keeps eager for sizes like (%s): %s", qualified_name(op), signature.device.type, signature.short(), reason)
+    return reason
+
+
+def keep_size_limit(root: Path) -> None:
+    """Evicts the least recently used entries of the cache at ``root`` past
+    its size limit: the whole root's, every environment of it."""
+    limit = settings.cache_size.get()
+    eviction = inventory.evict(root, max_bytes=limit)
+    if eviction.removed:
+        log.info(
+            "aoti_eager: evicted %d least recently used cache entries (%d bytes) to stay under %d bytes",
+            len(eviction.removed), sum(listing.bytes for listing in eviction.removed), limit,
+        )
+
+
+def unusable_cache(root: Path, error: OSError) -> str:
+    """Why the cache at ``root`` failed a miss, and what to do about it."""
+    path = Path(error.filename) if error.filename else None
+    if path is not None and path.name.startswith(TEMPORARY_PREFIX):
+        path = path.parent  # a new name each time: say where it was made
+    where = f": {path}" if path is not None else ""
+    return (
+        f"the cache at {root} cannot be used ({error.strerror or error}{where}); make it writable, "
+        "or give enable(cache_dir=...) or AOTI_EAGER_CACHE_DIR a directory of your own"
+    )
+
+
+# Cache roots whose disk was found full -> the bytes free then: a miss there
+# compiles again only once more is free.
+_full_disks: dict[Path, int] = {}
+
+
+def _free_bytes(root: Path) -> int:
+    try:
+        st = os.statvfs(root)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+def _mount_point(path: Path) -> Path:
+    path = Path(os.path.realpath(path))
+    device = path.stat().st_dev
+    while path.parent != path and path.parent.stat().st_dev == device:
+        path = path.parent
+    return path
+
+
+def disk_full(root: Path) -> str:
+    """Why a kernel could not be published into the cache at ``root``: its
+    disk is full (not the compile's scratch, which the error names)."""
+    _full_disks[root] = free = _free_bytes(root)
+    try:
+        where = f"the file system mounted at {_mount_point(root)}"
+    except OSError:
+        where = "its file system"
+    return (f"the cache at {root} is full ({where} has {free} bytes free); calls run eagerly, and the kernel is "
+            f"compiled again once space is freed (`aoti-eager cache prune`, or a smaller {settings.cache_size.name})")
+
+
+def still_full(root: Path) -> str | None:
+    """Why no kernel is compiled into the cache at ``root`` while its disk,
+    found full, has no more space free than then; None once it has."""
+    full_at = _full_disks.get(root)
+    if full_at is None:
+        return None
+    if _free_bytes(root) <= full_at:
+        return f"the cache at {root} is still full"
+    del _full_disks[root]
+    return None
