@@ -47,7 +47,7 @@ from aoti_eager.cache.entry_store import EntryStore, LockedElsewhere
 from aoti_eager.cache.store import TEMPORARY_PREFIX
 from aoti_eager.kernels import CallSignature, Unsupported
 from aoti_eager.kernels.compile import compile_options, flat_tensor_inputs
-from aoti_eager.kernels.load_probe import UnsafeToLoad, check_loads, runtime_crashes
+from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad, check_loads, runtime_crashes
 from aoti_eager.kernels.dynamic import (
     NotDynamic, ShapeFamily, changed_dims, family_key, family_limit_key, ints_key, kinds_key, tensor_args, tensor_sizes,
 )

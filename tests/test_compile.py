@@ -14,7 +14,8 @@ from torch._inductor.exc import CppCompileError
 
 from aoti_eager import _extension
 from aoti_eager.cache import KernelCache
-from aoti_eager.kernels import compile as compile_module, load_probe
+from aoti_eager.kernels import compile as compile_module
+from aoti_eager.kernels.inductor import load_probe
 from aoti_eager.kernels.compile import (
     CompileError,
     _OpCall,

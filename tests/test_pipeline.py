@@ -66,16 +66,16 @@ def test_a_kernel_is_validated_and_published(store):
     torch.testing.assert_close(kernel.run([x])[0], x.abs(), atol=0, rtol=0)
 
 
-def test_eagers_own_error_is_not_recorded(store, monkeypatch):
-    monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: pytest.fail("must not compile a call eager rejects"))
+def test_eagers_own_error_is_not_recorded(store, swap_compiler):
+    swap_compiler(compile=lambda *a, **k: pytest.fail("must not compile a call eager rejects"))
     signature = CallSignature.of(A.mm.default, "cpu", [torch.randn(2, 3), torch.randn(4, 5)])
     outcome = pipeline.compile_signature(A.mm.default, signature, store, load(signature))
     assert outcome == pipeline.NotCompiled("eager raised RuntimeError", eager_raised=True)
     assert list(store.entries()) == []
 
 
-def test_a_kernel_that_disagrees_with_eager_is_recorded_eager(store, tmp_path, monkeypatch):
-    monkeypatch.setattr(pipeline, "compile_call", fake_artifact(tmp_path))
+def test_a_kernel_that_disagrees_with_eager_is_recorded_eager(store, tmp_path, swap_compiler):
+    swap_compiler(compile=fake_artifact(tmp_path))
     signature = abs_signature()
     outcome = pipeline.compile_signature(A.abs.default, signature, store, lambda library, counts: Negated())
     assert isinstance(outcome, pipeline.NotCompiled) and outcome.recorded
@@ -84,8 +84,8 @@ def test_a_kernel_that_disagrees_with_eager_is_recorded_eager(store, tmp_path, m
     assert entry.library is None and entry.reason == outcome.reason
 
 
-def test_a_kernel_that_fails_to_load_is_recorded_eager(store, tmp_path, monkeypatch):
-    monkeypatch.setattr(pipeline, "compile_call", fake_artifact(tmp_path))
+def test_a_kernel_that_fails_to_load_is_recorded_eager(store, tmp_path, swap_compiler):
+    swap_compiler(compile=fake_artifact(tmp_path))
     signature = abs_signature()
 
     def does_not_load(library, counts):
@@ -96,28 +96,28 @@ def test_a_kernel_that_fails_to_load_is_recorded_eager(store, tmp_path, monkeypa
     assert store.lookup(NAME, signature.key).library is None
 
 
-def test_a_lasting_compile_error_is_recorded_and_a_compilers_is_not(store, monkeypatch):
+def test_a_lasting_compile_error_is_recorded_and_a_compilers_is_not(store, swap_compiler):
     signature = abs_signature()
-    monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: (_ for _ in ()).throw(CompileError("torch.export failed: X")))
+    swap_compiler(compile=lambda *a, **k: (_ for _ in ()).throw(CompileError("torch.export failed: X")))
     assert pipeline.compile_signature(A.abs.default, signature, store, load(signature)) == pipeline.NotCompiled(
         "torch.export failed: X", recorded=True
     )
     assert store.remove(NAME, signature.key)
 
     said = "kernel.cpp:1: error: no space left"
-    monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: (_ for _ in ()).throw(CompileError("AOTInductor failed", said)))
+    swap_compiler(compile=lambda *a, **k: (_ for _ in ()).throw(CompileError("AOTInductor failed", said)))
     outcome = pipeline.compile_signature(A.abs.default, signature, store, load(signature))
     assert outcome.compiler_error == said and not outcome.recorded
     assert list(store.entries()) == []
 
 
 @pytest.mark.parametrize("second, kept", [(1.5e-6, False), (1.01e-6, True)], ids=["slower twice", "slower once"])
-def test_eager_is_kept_only_where_the_kernel_is_slower_twice(store, tmp_path, monkeypatch, second, kept):
+def test_eager_is_kept_only_where_the_kernel_is_slower_twice(store, tmp_path, monkeypatch, second, kept, swap_compiler):
     monkeypatch.setenv("AOTI_EAGER_KEEP_FASTER", "1")
-    monkeypatch.setattr(pipeline, "compile_call", fake_artifact(tmp_path))
+    swap_compiler(compile=fake_artifact(tmp_path))
     measured = iter([Timing(2e-6, 1e-6), Timing(second, 1e-6)])
-    monkeypatch.setattr(pipeline, "time_against_eager", lambda *a: next(measured))
-    monkeypatch.setattr(pipeline, "check_matches_eager", lambda *a: None)
+    swap_compiler(timer=lambda *a: next(measured))
+    swap_compiler(check=lambda *a: None)
     signature = abs_signature()
     outcome = pipeline.compile_signature(A.abs.default, signature, store, lambda library, counts: Negated())
     assert isinstance(outcome, pipeline.Published)

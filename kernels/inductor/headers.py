@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from aoti_eager.cache import layout
-from aoti_eager.kernels.toolchain import vec_isa_named
+from aoti_eager.kernels.inductor.vec_isa import vec_isa_named
 
 _RECORD = "precompiled_headers.json"
 _KEYWORDS = {"aot_mode", "device_type", "use_mmap_weights", "use_mmap_weights_external", "use_relative_path",
@@ -51,7 +51,7 @@ def checked_ahead(shared_dir: Path | None) -> Iterator[None]:
     ``shared_dir`` run in threads from its start, and Inductor's own calls take
     their answers; the arguments of Inductor's calls are recorded for the next
     process. The block ends once the threads have: the checks use the scratch
-    directories of :func:`aoti_eager.kernels.scratch.compiling`, which must be
+    directories of :func:`aoti_eager.kernels.inductor.scratch.compiling`, which must be
     in effect around the block."""
     from torch._inductor import codecache
 
@@ -188,8 +188,9 @@ def check_recorded(compile_options: Callable[[str], dict[str, Any]], until: Call
     from torch._inductor import codecache
     from torch._inductor import config as inductor_config
 
-    from aoti_eager.kernels import scratch
-    from aoti_eager.kernels.toolchain import known_vec_isas, remembered_vec_isas
+    from aoti_eager.kernels.inductor import scratch
+    from aoti_eager.kernels.inductor.vec_isa import known_vec_isas
+    from aoti_eager.kernels.toolchain import remembered_vec_isas
 
     vec_isas = remembered_vec_isas()
     if vec_isas is None:
