@@ -16,7 +16,7 @@ Torch internals it touches (:data:`INTERNALS`), checked with torch 2.11,
 - The ``_is_*_supported`` flags the probe sets on an ISA (``_is_avx512_bf16_supported``,
   ``_is_amx_fp16_supported``): only flags the ISA's class declares are set.
 
-Where any of them has moved (:func:`check`), nothing is replaced: the ISA is
+Where any of them has moved (``missing(INTERNALS)``), nothing is replaced: the ISA is
 named ``unprobed`` in the environment, nothing is remembered, and Inductor
 probes for itself when it compiles, as it would without this package.
 """
@@ -43,11 +43,6 @@ INTERNALS = (
     "torch._inductor.cpu_vec_isa.VecISA.__bool__(self)",
     "torch._inductor.config.cpp.vec_isa_ok",
 )
-
-
-def check() -> list[str]:
-    """What moved of :data:`INTERNALS` in the installed torch (see :mod:`.internals`)."""
-    return missing(INTERNALS)
 
 
 def vec_isa_named(name: str) -> Any:
@@ -93,7 +88,7 @@ def known_vec_isas(usable: dict[str, list[str]] | None) -> Iterator[None]:
     from torch._inductor import config as inductor_config
     from torch._inductor import cpu_vec_isa
 
-    if usable is None or check():
+    if usable is None or missing(INTERNALS):
         yield
         return
     original = cpu_vec_isa.valid_vec_isa_list
@@ -202,7 +197,7 @@ def _vec_isas(torch_version: str) -> dict:
         return probed
     from torch._inductor import cpu_vec_isa
 
-    if check():
+    if missing(INTERNALS):
         return {"isa": UNPROBED, "usable": {}}
     isas = cpu_vec_isa.valid_vec_isa_list()  # the probe: it sets the extensions on each ISA it checks
     probed = {"isa": str(cpu_vec_isa.pick_vec_isa()) or "scalar", "usable": {str(isa): _extensions(isa) for isa in isas}}
