@@ -19,7 +19,6 @@ import torch
 from aoti_eager.cache import KernelCache, bundle, inventory, signing
 from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE
 from aoti_eager.cli import main
-from aoti_eager.kernels import compile as compile_module
 from aoti_eager.kernels import toolchain
 from aoti_eager.kernels.compile import compile_options
 from aoti_eager.kernels.toolchain import environment_name

@@ -8,7 +8,6 @@ import torch
 from torch._inductor import codecache, cpu_vec_isa
 from torch._inductor import config as inductor_config
 
-from aoti_eager.kernels import toolchain
 from aoti_eager.kernels.inductor import headers, scratch, vec_isa
 from aoti_eager.kernels.compile import compile_options
 

@@ -187,7 +187,7 @@ def _failing_compiles(swap_compiler) -> list[str]:
     return attempts
 
 
-def test_a_compile_limit_on_numbers_is_recorded_for_a_new_process(tmp_path, monkeypatch):
+def test_a_compile_limit_on_numbers_is_recorded_for_a_new_process(tmp_path, monkeypatch, swap_compiler):
     monkeypatch.setenv("AOTI_EAGER_MAX_VALUE_VARIANTS", "2")
     attempts = _failing_compiles(swap_compiler)
     x = torch.randn(8)
@@ -204,7 +204,7 @@ def test_a_compile_limit_on_numbers_is_recorded_for_a_new_process(tmp_path, monk
     assert stats["fallbacks"] == 2 and "AOTI_EAGER_MAX_VALUE_VARIANTS=2" in stats["fallback_reason"], stats
 
 
-def test_a_compile_limit_on_shapes_is_recorded_for_a_new_process(tmp_path, monkeypatch):
+def test_a_compile_limit_on_shapes_is_recorded_for_a_new_process(tmp_path, monkeypatch, swap_compiler):
     monkeypatch.setenv("AOTI_EAGER_MAX_SHAPE_COMPILES", "1")
     monkeypatch.setenv("AOTI_EAGER_DYNAMIC_SHAPES", "0")
     attempts = _failing_compiles(swap_compiler)

@@ -19,7 +19,6 @@ import torch
 
 import aoti_eager
 from aoti_eager import _runtime
-from aoti_eager.kernels import pipeline
 from helpers import assert_same_as_eager
 from training_loop import LOG_PREFIX, model_and_steps
 
