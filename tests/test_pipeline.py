@@ -4,6 +4,7 @@ published entry, and each way it ends without a kernel."""
 from __future__ import annotations
 
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from aoti_eager import _extension
 from aoti_eager.cache import KernelCache
 from aoti_eager.cache.store import LIBRARY_FILE
 from aoti_eager.kernels import CallSignature, CompileError, pipeline
-from aoti_eager.kernels.compile import Artifact, compile_options, flat_tensor_inputs
+from aoti_eager.kernels.compile import Artifact, compile_call, compile_options, flat_tensor_inputs
 from aoti_eager.kernels.speed import Timing
 from aoti_eager.kernels.toolchain import environment_name
 
@@ -127,3 +128,21 @@ def test_eager_is_kept_only_where_the_kernel_is_slower_twice(store, tmp_path, mo
     if not kept:
         assert entry.reason == "eager is faster: kernel 1.50x eager's time (measured at compile)"
         assert not any(tmp_path.rglob(LIBRARY_FILE))  # the workdir is gone, and no library was published
+
+
+def test_a_compiler_given_to_one_compile_serves_that_compile_alone(store):
+    signature = abs_signature()
+    refused = pipeline.Compiler(compile=lambda *a, **k: (_ for _ in ()).throw(CompileError("torch.export failed: X")))
+    outcome = pipeline.compile_signature(A.abs.default, signature, store, load(signature), compiler=refused)
+    assert outcome == pipeline.NotCompiled("torch.export failed: X", recorded=True)
+    assert pipeline.current() == pipeline.Compiler() and pipeline.current().compile is compile_call
+
+
+def test_a_scope_holds_in_every_thread_and_ends_with_its_block():
+    seen = []
+    with pytest.raises(RuntimeError), pipeline.scope(timer=len):
+        thread = threading.Thread(target=lambda: seen.append(pipeline.current().timer))
+        thread.start()
+        thread.join()
+        raise RuntimeError("the block fails")
+    assert seen == [len] and pipeline.current() == pipeline.Compiler()

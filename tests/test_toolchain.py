@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import platform
 import shutil
+import threading
 
 import pytest
 import torch
@@ -210,3 +211,13 @@ def test_known_vec_isas_set_the_extensions_the_probe_found():
         vars(avx512).clear()
         vars(avx512).update(saved)
 
+
+
+def test_a_toolchain_scope_names_the_environment_and_ends_with_its_block():
+    names = []
+    with toolchain.scope(cpu_isa=lambda: "an-isa", cpu_identity=lambda: "a-cpu"):
+        thread = threading.Thread(target=lambda: names.append(environment_name(CPU)))
+        thread.start()
+        thread.join()
+    assert names[0].startswith("cpu-an-isa-") and toolchain.current() == toolchain.Toolchain()
+    assert environment_name(CPU) != names[0]
