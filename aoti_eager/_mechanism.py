@@ -28,7 +28,7 @@ from aoti_eager.cache.store import TEMPORARY_PREFIX
 from aoti_eager.kernels import CallSignature
 from aoti_eager.kernels.compile import compile_options, flat_tensor_inputs
 from aoti_eager.kernels.dynamic import ShapeFamily
-from aoti_eager.kernels.load_probe import UnsafeToLoad, check_loads, runtime_crashes
+from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad, check_loads, runtime_crashes
 from aoti_eager.kernels.pipeline import Loader, NotCompiled, Outcome, Published, compile_signature
 from aoti_eager.kernels.speed import Timer, measured, time_against_eager
 from aoti_eager.kernels.signature import qualified_name

@@ -36,7 +36,7 @@ from aoti_eager.cache import DamagedEntry, Entry, UntrustedEntry
 from aoti_eager.cache.entry_store import EntryStore, LockedElsewhere
 from aoti_eager.kernels import CallSignature, CompileRequest, Unsupported
 from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily, family_key, tensor_args, tensor_sizes
-from aoti_eager.kernels.load_probe import UnsafeToLoad
+from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad
 from aoti_eager.kernels.pipeline import NotCompiled, Published, publish_verdict
 from aoti_eager.kernels.signature import Position, qualified_name
 from aoti_eager.kernels.speed import Timer

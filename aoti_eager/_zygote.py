@@ -247,7 +247,7 @@ def _set_triton_up(until: Callable[[], bool]) -> None:
     import triton.language as tl
     from triton.compiler import ASTSource
 
-    from aoti_eager.kernels import scratch
+    from aoti_eager.kernels.inductor import scratch
 
     @triton.jit
     def double(x, y, n, BLOCK: tl.constexpr):
@@ -298,7 +298,8 @@ def _first_gpu_target():
 
 
 def _check_recorded_headers(until: Callable[[], bool]) -> None:
-    from aoti_eager.kernels import compile, headers
+    from aoti_eager.kernels import compile
+    from aoti_eager.kernels.inductor import headers
 
     headers.check_recorded(compile.compile_options, until)
 

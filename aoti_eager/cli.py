@@ -201,7 +201,7 @@ def cache_clear(root: Path, args: argparse.Namespace) -> int:
         store.remove_tree(root, path)
         abandoned += 1
     if not args.op:
-        from aoti_eager.kernels.load_probe import forget_verdicts
+        from aoti_eager.kernels.inductor.load_probe import forget_verdicts
 
         forget_verdicts()
     if not args.json and quarantined:
@@ -429,7 +429,7 @@ def _cache_directory_report(root: Path) -> tuple[dict[str, Any], list[str]]:
 
 def _load_probe_report() -> tuple[dict[str, str | None], list[str]]:
     """Per cache environment judged on this machine, why its kernels are not loaded (None: they load)."""
-    from aoti_eager.kernels.load_probe import recorded_verdicts
+    from aoti_eager.kernels.inductor.load_probe import recorded_verdicts
 
     verdicts = recorded_verdicts()
     return verdicts, [f"kernels of {env} run eagerly: {reason}" for env, reason in verdicts.items() if reason]

@@ -19,12 +19,12 @@ Apart from any cache root, each user has a private directory
 (:func:`private_root`, never shared) for what is about this machine rather than
 about kernels::
 
-    <private>/machine/vec-isas-<cpu>-torch<version>.json  the CPU's vector ISAs, probed once (kernels/toolchain.py)
+    <private>/machine/vec-isas-<cpu>-torch<version>.json  the CPU's vector ISAs, probed once (kernels/inductor/vec_isa.py)
     <private>/machine/compiler-*.json                     the C++ compiler's choice and version (kernels/toolchain.py)
-    <private>/load-probe/<environment>.json               whether its kernels load without crashing here (kernels/load_probe.py)
-    <private>/shared/<environment>/                       what every compile of an environment shares (kernels/wrapper_split.py)
+    <private>/load-probe/<environment>.json               whether its kernels load without crashing here (kernels/inductor/load_probe.py)
+    <private>/shared/<environment>/                       what every compile of an environment shares (kernels/inductor/wrapper_split.py)
     <private>/extension/torch-<version>-<digest>/_C.so    the C++ extension, built once per torch build (aoti_eager/_extension.py)
-    <private>/scratch/compile-<host>-<pid>-*/             compiles in progress (kernels/scratch.py)
+    <private>/scratch/compile-<host>-<pid>-*/             compiles in progress (kernels/inductor/scratch.py)
     <private>/load/load-<host>-<pid>-*/                   a verified library's copy while it is loaded (cache/store.py)
 """
 
@@ -61,6 +61,11 @@ def private_root() -> Path:
     the runtime would believe or load without checking.
     """
     return Path(platformdirs.user_cache_dir("aoti_eager")) / "private"
+
+
+def machine_record(name: str) -> Path:
+    """Where a fact about this machine is remembered: ``<private>/machine/<name>``."""
+    return private_directory("machine") / name
 
 
 def private_directory(*names: str) -> Path:

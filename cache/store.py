@@ -657,7 +657,7 @@ class KernelCache(EntryStore):
 
     def shared_directory(self) -> Path:
         """Build products that every compile of this environment shares (see
-        :mod:`aoti_eager.kernels.wrapper_split`), in the user's private
+        :mod:`aoti_eager.kernels.inductor.wrapper_split`), in the user's private
         directory: every cache root of the user shares them, and no one else
         can change what goes into the kernels."""
         return layout.private_directory("shared", self.directory.name)

@@ -98,7 +98,7 @@ size_t library_num_inputs(const std::string& library_path, AOTInductorModelConta
   return num_inputs;
 }
 
-// A library whose wrapper was built in parts (kernels/wrapper_split.py)
+// A library whose wrapper was built in parts (kernels/inductor/wrapper_split.py)
 // allocates through a hook, left empty (the shim) until set here, and has its
 // own entry point. Returns that entry point (or null), and sets `borrows` to
 // whether the library borrows its inputs instead of taking them over.

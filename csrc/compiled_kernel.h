@@ -17,7 +17,7 @@
 
 namespace aoti_eager {
 
-// kernels/wrapper_split.py: _ENTRY_POINT.
+// kernels/inductor/wrapper_split.py: _ENTRY_POINT.
 using LibraryEntryPoint = AOTIRuntimeError (*)(
     AOTInductorModelContainerHandle,
     AtenTensorHandle*,
@@ -71,11 +71,11 @@ class CompiledKernel {
   AOTInductorModelContainerHandle container_ = nullptr;
   AOTIProxyExecutorHandle proxy_executor_ = nullptr;
   decltype(&AOTInductorModelContainerRun) run_func_ = nullptr;
-  // kernels/wrapper_split.py: _ENTRY_POINT; null in a library built whole.
+  // kernels/inductor/wrapper_split.py: _ENTRY_POINT; null in a library built whole.
   LibraryEntryPoint entry_point_ = nullptr;
   size_t num_inputs_ = 0;
   size_t num_outputs_ = 0;
-  bool borrows_inputs_ = false; // kernels/wrapper_split.py: _borrow_inputs
+  bool borrows_inputs_ = false; // kernels/inductor/wrapper_split.py: _borrow_inputs
   mutable std::mutex run_mutex_;
   std::vector<int64_t> output_counts_;
   std::vector<RuntimeNumber> runtime_numbers_;

@@ -29,13 +29,14 @@ from torch._prims_common import (
 from torch.fx.experimental import _config as fx_config
 
 from aoti_eager.cache.store import LIBRARY_FILE
-from aoti_eager.kernels import headers, scratch
-from aoti_eager.kernels.parallel_grain import parallel_above_grain
+from aoti_eager.kernels.inductor import headers, scratch
+from aoti_eager.kernels.inductor.parallel_grain import parallel_above_grain
+from aoti_eager.kernels.inductor.vec_isa import known_vec_isas
+from aoti_eager.kernels.inductor.wrapper_split import split_wrapper_builds
 from aoti_eager.kernels.signature import (
     Arg, CallSignature, ListArg, NumberArg, RuntimeNumberArg, TensorArg, clone_args, kernel_inputs,
 )
-from aoti_eager.kernels.toolchain import cpp_compiler, known_vec_isas, linker
-from aoti_eager.kernels.wrapper_split import split_wrapper_builds
+from aoti_eager.kernels.toolchain import cpp_compiler, linker
 
 
 # Inductor's defaults, changed where an op-sized kernel differs from a model.
@@ -292,7 +293,7 @@ def _dynamic_options(signature: CallSignature, dynamic_shapes: tuple[Any, ...] |
     thread (4-16x a static kernel's time at 512 and 8192 rows of 1024 on 16
     cores). With dynamic threads every loop nest has a parallel region, and
     OpenMP sizes it when the kernel runs; below ATen's grain it runs on one
-    thread (:mod:`aoti_eager.kernels.parallel_grain`)."""
+    thread (:mod:`aoti_eager.kernels.inductor.parallel_grain`)."""
     if dynamic_shapes is None or signature.device.type != "cpu":
         return {}
     return {"cpp.dynamic_threads": True}
@@ -350,11 +351,11 @@ def compile_call(
 ) -> Artifact:
     """Compiles ``signature``'s call with the Inductor ``options`` (see
     :func:`compile_options`) into a library in ``workdir`` (default: a new
-    directory of :mod:`aoti_eager.kernels.scratch`), which the artifact then owns. ``shared_dir`` keeps
+    directory of :mod:`aoti_eager.kernels.inductor.scratch`), which the artifact then owns. ``shared_dir`` keeps
     what compiles with the same options share (see
-    :mod:`aoti_eager.kernels.wrapper_split`); without it, nothing is shared.
+    :mod:`aoti_eager.kernels.inductor.wrapper_split`); without it, nothing is shared.
     ``vec_isas``: the vector ISAs Inductor found usable here before (see
-    :func:`aoti_eager.kernels.toolchain.known_vec_isas`); without them, it probes.
+    :func:`aoti_eager.kernels.inductor.vec_isa.known_vec_isas`); without them, it probes.
 
     ``eager_result`` is what the original kernel returned for the call; it fixes
     the structure of the outputs (e.g. the length of a returned Tensor[]).
@@ -376,7 +377,7 @@ def compile_call(
 
     try:
         # Inductor's settings and vector ISAs hold from the start, for the header
-        # checks that run beside the export (see kernels/headers.py).
+        # checks that run beside the export (see kernels/inductor/headers.py).
         with warnings.catch_warnings(), scratch.compiling(), inductor_config.patch(inductor_options), \
                 known_vec_isas(vec_isas), headers.checked_ahead(shared_dir), _size_oblivious(dynamic_shapes is not None):
             # Deprecation notices from PyTorch internals are not the user's concern.

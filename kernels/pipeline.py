@@ -9,11 +9,13 @@ faster or the kernel failed. Nobody loads a library this did not check.
 
 The runtime holds the signature's lock around :func:`compile_signature` and
 turns its outcome into the call's decision; what it needs of ``_C`` (loading a
-library as a kernel) it passes in.
+library as a kernel) it passes in. What makes, checks and times a kernel is a
+:class:`Compiler`, which a test gives with :func:`scope`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ from aoti_eager.cache.entry_store import Entry, EntryStore
 from aoti_eager.kernels import quiet
 from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily
 from aoti_eager.kernels.compile import Artifact, CompileError, call_op, compile_call, compile_options, sidecar_files
+from aoti_eager.kernels.seam import Seam
 from aoti_eager.kernels.signature import CallSignature, clone_args, qualified_name
 from aoti_eager.kernels.speed import Timer, Timing, measured, time_against_eager
 from aoti_eager.kernels.toolchain import usable_vec_isas
@@ -70,6 +73,24 @@ class NotCompiled:
 Outcome = Union[Published, NotCompiled]
 
 
+@dataclass(frozen=True)
+class Compiler:
+    """What :func:`compile_signature` makes, checks and times a kernel with:
+    ``compile`` as :func:`~aoti_eager.kernels.compile.compile_call` (raises
+    CompileError), ``check`` as :func:`~aoti_eager.kernels.validate.check_matches_eager`
+    (raises Mismatch), ``timer`` as :func:`~aoti_eager.kernels.speed.time_against_eager`.
+    By default those; a test gives its own with :func:`scope`."""
+
+    compile: Callable[..., Artifact] = compile_call
+    check: Callable[..., None] = check_matches_eager
+    timer: Timer = time_against_eager
+
+
+_compiler = Seam(Compiler())
+# What compiles where compile_signature is given no compiler; scope(compile=...) swaps parts within a block.
+current, scope = _compiler.current, _compiler.scope
+
+
 def compile_signature(
     op: torch._ops.OpOverload,
     signature: CallSignature,
@@ -78,6 +99,7 @@ def compile_signature(
     family: ShapeFamily | None = None,
     seen: list[list[tuple[int, ...]]] | None = None,
     timer: Timer | None = None,
+    compiler: Compiler | None = None,
 ) -> Outcome:
     """Compiles, validates, times and publishes the kernel of ``signature``.
     Another process's entry may have been published first: the store keeps
@@ -87,14 +109,18 @@ def compile_signature(
     also checked against eager at the ``seen`` shapes (each tensor's sizes)
     its guards admit and at one further shape, and published under its
     family's key. A dynamic kernel that fails is not recorded: the caller
-    compiles the shape statically instead. ``timer`` times the kernel
-    against eager (default: kernels/speed.py's).
+    compiles the shape statically instead. ``compiler`` makes, checks and
+    times the kernel (default: :func:`current`); ``timer``, where given,
+    times it instead of the compiler's.
 
     What it all prints is logged at DEBUG level, not shown (kernels/quiet.py)."""
     output: list[str] = []
     try:
         with quiet.captured(output):
-            return _compile_signature(op, signature, store, load, family, seen, timer or time_against_eager)
+            chosen = compiler or current()
+            if timer is not None:
+                chosen = dataclasses.replace(chosen, timer=timer)
+            return _compile_signature(op, signature, store, load, family, seen, chosen)
     finally:
         if output:
             log.debug("aoti_eager: what compiling %s for (%s) printed:\n%s", qualified_name(op), signature.short(), "\n".join(output))
@@ -107,7 +133,7 @@ def _compile_signature(
     load: Loader,
     family: ShapeFamily | None,
     seen: list[list[tuple[int, ...]]] | None,
-    timer: Timer,
+    compiler: Compiler,
 ) -> Outcome:
     name = qualified_name(op)
     key = signature.key if family is None else family.entry_key(signature)
@@ -124,7 +150,7 @@ def _compile_signature(
         store.remove(name, key)
     start = time.perf_counter()
     try:
-        artifact, family = _compile(example, signature, expected, store, family)
+        artifact, family = _compile(compiler, example, signature, expected, store, family)
     except (CompileError, NotDynamic) as e:
         log.debug("aoti_eager: compiling %s failed", name, exc_info=e.__cause__)
         said = getattr(e, "compiler_error", None)
@@ -139,12 +165,12 @@ def _compile_signature(
             loading = time.perf_counter()
             kernel = load(artifact.library, artifact.output_counts)
             artifact.seconds["load"] = time.perf_counter() - loading
-            check_matches_eager(kernel, signature, op, reference_args, expected)
+            compiler.check(kernel, signature, op, reference_args, expected)
             if signature.runtime_arguments:
                 # It must follow its runtime numbers, not hold the values it was traced with.
-                _check_other_numbers(kernel, op, signature)
+                _check_other_numbers(compiler.check, kernel, op, signature)
             if family is not None:
-                checked, family = _check_other_shapes(kernel, op, signature, family, seen or [])
+                checked, family = _check_other_shapes(compiler.check, kernel, op, signature, family, seen or [])
                 if not checked:
                     return NotCompiled("dynamic kernel: eager takes none of its further shapes, so it cannot be checked")
         except Exception as e:  # noqa: BLE001
@@ -155,7 +181,7 @@ def _compile_signature(
                 return NotCompiled(f"dynamic kernel: {failed}")
             return _publish_eager(store, name, signature, failed)
         seconds = time.perf_counter() - start
-        timing = _time(kernel, signature, op, name, timer)
+        timing = _time(kernel, signature, op, name, compiler.timer)
         entry = _entry(name, signature, artifact, seconds, timing, family)
         store.publish(key, entry, sidecar_files(artifact) if entry.library else None)
     finally:
@@ -164,12 +190,13 @@ def _compile_signature(
 
 
 def _compile(
-    example: CallSignature, signature: CallSignature, expected: Any, store: EntryStore, family: ShapeFamily | None
+    compiler: Compiler, example: CallSignature, signature: CallSignature, expected: Any, store: EntryStore,
+    family: ShapeFamily | None,
 ) -> tuple[Artifact, ShapeFamily | None]:
     """The library of ``signature``'s kernel, exported from ``example``, and
     ``family`` with the guards it was compiled with. Raises CompileError or
     NotDynamic."""
-    artifact = compile_call(
+    artifact = compiler.compile(
         example, expected, compile_options(signature.device.type), shared_dir=store.shared_directory(),
         vec_isas=usable_vec_isas(), dynamic_shapes=family.export_shapes(example) if family else None,
     )
@@ -185,30 +212,31 @@ def _compile(
     return artifact, guarded
 
 
-def _check_other_numbers(kernel: Any, op: torch._ops.OpOverload, signature: CallSignature) -> None:
+def _check_other_numbers(check: Callable[..., None], kernel: Any, op: torch._ops.OpOverload, signature: CallSignature) -> None:
     """Checks a kernel with runtime numbers against eager at other values of
     them (raises Mismatch): the first that eager takes. Eager may refuse one
     (``topk``'s k one past the size); where it takes none, the kernel's own
     checks refuse such values at run time, and the call runs eagerly."""
     for other in (signature.with_other_numbers(), signature.with_other_numbers(lower=True)):
-        if _check_at(kernel, op, other):
+        if _check_at(check, kernel, op, other):
             return
 
 
 def _check_other_shapes(
-    kernel: Any, op: torch._ops.OpOverload, signature: CallSignature, family: ShapeFamily, seen: list[list[tuple[int, ...]]]
+    check: Callable[..., None], kernel: Any, op: torch._ops.OpOverload, signature: CallSignature, family: ShapeFamily,
+    seen: list[list[tuple[int, ...]]],
 ) -> tuple[int, ShapeFamily]:
     """Checks a dynamic kernel against eager at its further shapes (raises
     Mismatch): the number of shapes eager took, and the family with each
     symbol admitted from 1 where a call with it at 1 agreed with eager, else
     from 2 (export traced 0 and 1 size-obliviously; see kernels/compile.py)."""
-    checked = sum(_check_at(kernel, op, other) for other in _other_shapes(signature, family, seen))
+    checked = sum(_check_at(check, kernel, op, other) for other in _other_shapes(signature, family, seen))
     own = family.symbol_values(signature) or {}
     lows = []
     for symbol, (low, high) in enumerate(family.ranges):
         at_one = family.resized(signature, {**own, symbol: 1}) if low <= 1 <= high else None
         try:
-            agrees = at_one is not None and (own.get(symbol) == 1 or _check_at(kernel, op, at_one))
+            agrees = at_one is not None and (own.get(symbol) == 1 or _check_at(check, kernel, op, at_one))
         except Mismatch as e:
             log.debug("aoti_eager: %s's dynamic kernel is not used at size 1 of s%d: %s", qualified_name(op), symbol, e)
             agrees = False
@@ -216,8 +244,8 @@ def _check_other_shapes(
     return checked, family.from_size(lows)
 
 
-def _check_at(kernel: Any, op: torch._ops.OpOverload, call: CallSignature) -> bool:
-    """Checks ``kernel`` against eager at ``call`` (raises Mismatch); False
+def _check_at(check: Callable[..., None], kernel: Any, op: torch._ops.OpOverload, call: CallSignature) -> bool:
+    """Checks ``kernel`` against eager at ``call`` with ``check`` (raises Mismatch); False
     where eager rejects it. A resized call keeps the values of the tensors
     whose sizes do not move (the indices of ``embedding``), which may be out
     of range at another size: eager's error there checks nothing."""
@@ -228,7 +256,7 @@ def _check_at(kernel: Any, op: torch._ops.OpOverload, call: CallSignature) -> bo
         expected = call_op(op, reference)
     except Exception:  # noqa: BLE001 - see above
         return False
-    check_matches_eager(kernel, call, op, reference, expected)
+    check(kernel, call, op, reference, expected)
     return True
 
 

@@ -383,7 +383,7 @@ def _with(values: tuple[Any, ...], position: Position, new: Any) -> tuple[Any, .
 # kernel is called and hands it to the device code by value: ints and floats
 # arrive right on CPU and CUDA (torch 2.11, H100: arange at 20 ends, add and
 # mul at 20 floats, all equal to eager's). On CUDA a float does so only since
-# kernels.wrapper_split types its launch parameter double: Inductor's int64_t
+# kernels.inductor.wrapper_split types its launch parameter double: Inductor's int64_t
 # made 3.7 a 3.
 _RUNTIME_NUMBER_DEVICES = ("cpu", "cuda")
 

@@ -11,7 +11,7 @@ new, empty cache with the server behind it; one more process, "cold local",
 compiles the same signatures into a new cache with no server. The target:
 warm fleet <= warm local + 150 ms, and <= 5% of cold local. Both run on a machine whose user
 has loaded kernels of the environment before (the load probe's verdict,
-kernels/load_probe.py, is the user's, not a cache's), as the publisher did.
+kernels/inductor/load_probe.py, is the user's, not a cache's), as the publisher did.
 Every result is checked against eager.
 
     python scripts/bench_remote.py [--runs 3]

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 import aoti_eager
 from aoti_eager.cache import KernelCache, signing
-from aoti_eager.kernels import toolchain
+from aoti_eager.kernels import pipeline, toolchain
 from aoti_eager.kernels.toolchain import environment_name
 
 # The tests check that compiled kernels run (hits, compiles); timing them
@@ -28,11 +29,29 @@ def shared_cache(tmp_path_factory):
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
+def cache(tmp_path):
     """An empty store of this machine's CPU environment at ``tmp_path``, the
     CPU's ISA fixed (no probe)."""
-    monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx2")
-    return KernelCache(tmp_path, environment_name(torch.device("cpu")))
+    with toolchain.scope(cpu_isa=lambda: "avx2"):
+        yield KernelCache(tmp_path, environment_name(torch.device("cpu")))
+
+
+@pytest.fixture
+def swap_compiler():
+    """``swap_compiler(compile=..., check=..., timer=...)``: those parts of
+    every compile's :class:`~aoti_eager.kernels.pipeline.Compiler` for the rest
+    of the test (:func:`~aoti_eager.kernels.pipeline.scope`)."""
+    with contextlib.ExitStack() as scopes:
+        yield lambda **parts: scopes.enter_context(pipeline.scope(**parts))
+
+
+@pytest.fixture
+def swap_toolchain():
+    """``swap_toolchain(cpu_isa=..., ...)``: those answers of the
+    :class:`~aoti_eager.kernels.toolchain.Toolchain` for the rest of the test
+    (:func:`~aoti_eager.kernels.toolchain.scope`)."""
+    with contextlib.ExitStack() as scopes:
+        yield lambda **answers: scopes.enter_context(toolchain.scope(**answers))
 
 
 @pytest.fixture
@@ -50,26 +69,26 @@ def private_root(tmp_path, monkeypatch):
     remembered of the machine is forgotten before and after."""
     from aoti_eager import _extension
     from aoti_eager.cache import layout
-    from aoti_eager.kernels import scratch, toolchain
+    from aoti_eager.kernels import toolchain
+    from aoti_eager.kernels.inductor import scratch
 
     _extension.load()
     # Inductor's caches stay where other tests keep them: precompiled headers take seconds to build.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR", str(scratch.root() / "inductor")))
-    remembered = (toolchain._vec_isas, toolchain.compiler_identity, toolchain.cpp_compiler, scratch.root)
-    for function in remembered:
-        function.cache_clear()
+    toolchain.forget()
+    scratch.root.cache_clear()
     monkeypatch.setattr(layout, "private_root", lambda: tmp_path / "private")
     yield tmp_path / "private"
-    for function in remembered:
-        function.cache_clear()
+    toolchain.forget()
+    scratch.root.cache_clear()
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_load_verdicts(tmp_path_factory):
-    """The load probe's verdicts (kernels/load_probe.py) of this process are
+    """The load probe's verdicts (kernels/inductor/load_probe.py) of this process are
     kept in a directory of the session's, not in the user's private
     directory: a verdict a test provokes is never believed outside it."""
-    from aoti_eager.kernels import load_probe
+    from aoti_eager.kernels.inductor import load_probe
 
     directory = tmp_path_factory.mktemp("load-probe")
     with pytest.MonkeyPatch.context() as patch:
@@ -81,7 +100,7 @@ def _session_load_verdicts(tmp_path_factory):
 def load_verdicts(tmp_path, monkeypatch):
     """A directory of the test's own for the load probe's verdicts, with none
     yet, on disk or in this process: every environment is probed again."""
-    from aoti_eager.kernels import load_probe
+    from aoti_eager.kernels.inductor import load_probe
 
     directory = tmp_path / "load-probe"
     directory.mkdir()

@@ -19,7 +19,6 @@ import torch
 from aoti_eager.cache import KernelCache, bundle, inventory, signing
 from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE
 from aoti_eager.cli import main
-from aoti_eager.kernels import compile as compile_module
 from aoti_eager.kernels import toolchain
 from aoti_eager.kernels.compile import compile_options
 from aoti_eager.kernels.toolchain import environment_name
@@ -27,11 +26,10 @@ from helpers import publish_kernel
 
 
 @pytest.fixture(autouse=True)
-def _no_probes(monkeypatch):
+def _no_probes(swap_toolchain):
     """Every new cache directory would probe the CPU ISA and check the C++
     compiler (seconds each); both sides of a bundle agree on stand-ins."""
-    monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx2")
-    monkeypatch.setattr(compile_module, "cpp_compiler", lambda: "g++")
+    swap_toolchain(cpu_isa=lambda: "avx2", compiler=lambda: "g++")
 
 
 @pytest.fixture
@@ -173,8 +171,7 @@ def test_a_manifest_changed_after_signing_is_refused(stand_in_cache, key, tmp_pa
 
 
 def test_import_skips_entries_of_another_environment(tmp_path, key, monkeypatch, capsys):
-    with monkeypatch.context() as another_machine:
-        another_machine.setattr(toolchain, "cpu_isa", lambda: "another-isa")
+    with toolchain.scope(cpu_isa=lambda: "another-isa"):
         foreign = KernelCache(tmp_path / "foreign", environment_name(torch.device("cpu"), compile_options("cpu")))
     publish_kernel(foreign, tmp_path, "0123abcd")
     path = export(capsys, foreign, tmp_path / "foreign.tar.gz", "--sign-key", key)

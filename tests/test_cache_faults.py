@@ -20,7 +20,8 @@ from aoti_eager import _mechanism, _runtime, cli
 from aoti_eager._ops import qualified_name
 from aoti_eager.cache import KernelCache, inventory, signing
 from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE, read_entry, sha256_of
-from aoti_eager.kernels import CallSignature, CompileError, load_probe, pipeline
+from aoti_eager.kernels import CallSignature, CompileError, pipeline
+from aoti_eager.kernels.inductor import load_probe
 from aoti_eager.kernels.compile import compile_options
 from aoti_eager.kernels.toolchain import environment_name
 from helpers import assert_same_as_eager, edit_entry_json
@@ -59,7 +60,7 @@ def entry(compiled_entry, tmp_path):
     return copy_entry(compiled_entry, tmp_path)
 
 
-def run_abs(cache_dir, monkeypatch):
+def run_abs(cache_dir):
     """abs(X) with the entry's cache; a compile, were one tried, fails (eager)."""
     compiles = []
 
@@ -67,8 +68,7 @@ def run_abs(cache_dir, monkeypatch):
         compiles.append(signature)
         raise CompileError("injected: no compile in this test")
 
-    monkeypatch.setattr(pipeline, "compile_call", no_compile)
-    with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=cache_dir):
+    with pipeline.scope(compile=no_compile), aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=cache_dir):
         results = [torch.abs(X) for _ in range(3)]
         stats = aoti_eager.stats()["aten::abs"]
     _runtime.forget()  # the next call starts as a new process
@@ -78,7 +78,7 @@ def run_abs(cache_dir, monkeypatch):
 
 
 def test_the_intact_copy_is_loaded(entry, tmp_path, monkeypatch):
-    stats, compiles = run_abs(tmp_path, monkeypatch)
+    stats, compiles = run_abs(tmp_path)
     assert (stats["cache_loads"], stats["hits"], stats["fallbacks"]) == (1, 2, 0), stats
     assert not compiles
 
@@ -102,7 +102,7 @@ def test_a_damaged_entry_is_set_aside_and_the_call_runs_eagerly(damage, entry, t
     inflict, reason = DAMAGES[damage]
     inflict(entry)
     with caplog.at_level(logging.WARNING, logger="aoti_eager"):
-        stats, compiles = run_abs(tmp_path, monkeypatch)
+        stats, compiles = run_abs(tmp_path)
     assert any("set aside" in r.message and reason in r.message for r in caplog.records), caplog.text
     assert (stats["cache_loads"], stats["hits"], stats["fallbacks"]) == (0, 0, 3), stats
     assert len(compiles) == 1  # set aside, then compiled again (here: fails, so eager)
@@ -127,7 +127,7 @@ def make_group_writable(entry):
 def test_an_entry_someone_else_could_write_is_refused(tamper, entry, tmp_path, monkeypatch, caplog):
     tamper(entry)
     with caplog.at_level(logging.WARNING, logger="aoti_eager"):
-        stats, compiles = run_abs(tmp_path, monkeypatch)
+        stats, compiles = run_abs(tmp_path)
     assert any("refused an untrusted cache entry" in r.message for r in caplog.records), caplog.text
     assert (stats["cache_loads"], stats["hits"], stats["fallbacks"]) == (0, 0, 3), stats
     assert not compiles
@@ -137,7 +137,7 @@ def test_an_entry_someone_else_could_write_is_refused(tamper, entry, tmp_path, m
 def test_last_use_is_recorded_once_per_process_not_per_call(entry, tmp_path, monkeypatch):
     os.utime(entry, (1000, 1000))
     monkeypatch.setattr(KernelCache, "lookup", counting(KernelCache.lookup, lookups := []))
-    stats, _ = run_abs(tmp_path, monkeypatch)
+    stats, _ = run_abs(tmp_path)
     assert stats["hits"] == 2 and len(lookups) == 1
     assert entry.stat().st_mtime > 1000
 
@@ -253,7 +253,7 @@ def test_a_library_that_fails_to_load_is_set_aside_not_the_environment(entry, co
     bogus = tmp_path / "bogus.so"
     bogus.write_bytes(b"not a shared library")
     replace_library(entry, bogus)
-    stats, compiles = run_abs(tmp_path, monkeypatch)
+    stats, compiles = run_abs(tmp_path)
     assert (stats["cache_loads"], stats["hits"]) == (0, 0) and len(compiles) == 1, stats
     assert len(inventory.quarantined(tmp_path)) == 1
     assert load_probe.recorded_verdicts() == {}
@@ -261,7 +261,7 @@ def test_a_library_that_fails_to_load_is_set_aside_not_the_environment(entry, co
     # Intact again (in place of the eager entry the failed compile left): the next process loads it.
     shutil.rmtree(entry)
     copy_entry(compiled_entry, tmp_path)
-    stats, compiles = run_abs(tmp_path, monkeypatch)
+    stats, compiles = run_abs(tmp_path)
     assert (stats["cache_loads"], stats["hits"], stats["fallbacks"]) == (1, 2, 0), stats
     assert load_probe.recorded_verdicts() == {entry.parents[1].name: None}
 
@@ -269,7 +269,7 @@ def test_a_library_that_fails_to_load_is_set_aside_not_the_environment(entry, co
 def test_a_crash_loading_a_known_good_kernel_keeps_its_environment_eager_until_cache_clear(entry, load_verdicts, tmp_path, capsys):
     with pytest.MonkeyPatch.context() as crashing:
         crashing.setattr(load_probe, "_CHILD", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
-        stats, compiles = run_abs(tmp_path, crashing)
+        stats, compiles = run_abs(tmp_path)
         assert (stats["cache_loads"], stats["hits"], stats["fallbacks"]) == (0, 0, 3), stats
         assert "crashed a test process loading a known-good cpu kernel (signal 11)" in stats["fallback_reason"]
         assert not compiles  # nothing compiled for an environment whose kernels crash the runtime
@@ -305,9 +305,9 @@ def make_read_only(root, entry):
             os.geteuid() == 0, reason="chmod does not stop root's writes (misplace_paths blocks them for root)")),
     ],
 )
-def test_a_cache_that_cannot_be_written_serves_its_kernels_and_runs_misses_eagerly(block, entry, tmp_path, monkeypatch, caplog):
+def test_a_cache_that_cannot_be_written_serves_its_kernels_and_runs_misses_eagerly(block, entry, tmp_path, swap_compiler, caplog):
     block(tmp_path, entry)
-    monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: pytest.fail("must not compile: the cache cannot be written"))
+    swap_compiler(compile=lambda *a, **k: pytest.fail("must not compile: the cache cannot be written"))
     other = torch.linspace(-1, 1, 96)
     try:
         with caplog.at_level(logging.WARNING, logger="aoti_eager"):
@@ -352,7 +352,7 @@ def test_a_library_swapped_between_its_check_and_its_load_never_runs(entry, tmp_
         return check_loads(*args, **kwargs)
 
     monkeypatch.setattr(_mechanism, "check_loads", swap_then_check)
-    stats, compiles = run_abs(tmp_path, monkeypatch)
+    stats, compiles = run_abs(tmp_path)
     assert not planted.exists(), "the seam was not reached"
     assert not marker.exists(), "the swapped-in library ran"
     # What was loaded is what was verified: the kernel serves the calls.
@@ -389,7 +389,7 @@ def test_a_team_cache_loads_another_members_library_only_when_a_trusted_key_sign
     if trusted is not None:
         monkeypatch.setenv("AOTI_EAGER_TRUSTED_KEYS", str(keys / f"{trusted}.pub"))
     with caplog.at_level(logging.WARNING, logger="aoti_eager"):
-        stats, compiles = run_abs(tmp_path, monkeypatch)
+        stats, compiles = run_abs(tmp_path)
     assert (stats["cache_loads"], stats["hits"]) == ((1, 2) if loaded else (0, 0)), stats
     assert compiles == []  # refused, not compiled again over another member's entry
     refused = [r.getMessage() for r in caplog.records if "another user" in r.getMessage()]
@@ -398,7 +398,7 @@ def test_a_team_cache_loads_another_members_library_only_when_a_trusted_key_sign
         assert "AOTI_EAGER_TRUSTED_KEYS" in refused[0]
 
 
-def test_a_full_cache_disk_is_named_and_the_signature_compiles_once_space_is_freed(tmp_path, monkeypatch, caplog):
+def test_a_full_cache_disk_is_named_and_the_signature_compiles_once_space_is_freed(tmp_path, monkeypatch, caplog, swap_compiler):
     disk = {"full": True, "free": 4096}
     sources = []
     copyfile = shutil.copyfile
@@ -415,7 +415,7 @@ def test_a_full_cache_disk_is_named_and_the_signature_compiles_once_space_is_fre
     monkeypatch.setattr(_mechanism, "_free_bytes", lambda root: disk["free"])
     monkeypatch.setattr(_mechanism, "DISK_FULL_RETRY_SECONDS", 0.0)
     compiles = []
-    monkeypatch.setattr(pipeline, "compile_call", counting(pipeline.compile_call, compiles))
+    swap_compiler(compile=counting(pipeline.compile_call, compiles))
     other = torch.linspace(-2, 2, 100)
     with caplog.at_level(logging.WARNING, logger="aoti_eager"), \
             aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
@@ -432,11 +432,11 @@ def test_a_full_cache_disk_is_named_and_the_signature_compiles_once_space_is_fre
     assert not any(source in said[0] for source in sources), said
 
 
-def test_a_call_makes_nothing_in_a_cache_root_it_refuses(tmp_path, monkeypatch, caplog):
+def test_a_call_makes_nothing_in_a_cache_root_it_refuses(tmp_path, swap_compiler, caplog):
     root = tmp_path / "cache"
     root.mkdir()
     os.chmod(root, 0o775)
-    monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: pytest.fail("must not compile into a refused root"))
+    swap_compiler(compile=lambda *a, **k: pytest.fail("must not compile into a refused root"))
     with caplog.at_level(logging.WARNING, logger="aoti_eager"), \
             aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=root):
         results = [torch.abs(X) for _ in range(3)]

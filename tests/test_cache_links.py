@@ -19,8 +19,8 @@ from helpers import publish_kernel
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx2")
+def cache(tmp_path, swap_toolchain):
+    swap_toolchain(cpu_isa=lambda: "avx2")
     cache = KernelCache(tmp_path / "cache", environment_name(torch.device("cpu")))
     publish_kernel(cache, tmp_path, "sig")
     return cache

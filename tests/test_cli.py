@@ -38,9 +38,9 @@ def test_unknown_command_exits_2():
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
+def cache(tmp_path, swap_toolchain):
     """A cache with two entries of abs (the older one used a day ago) and one of add."""
-    monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx2")
+    swap_toolchain(cpu_isa=lambda: "avx2")
     cache = KernelCache(tmp_path / "cache", environment_name(torch.device("cpu")))
     publish_kernel(cache, tmp_path, "old", content=b"old kernel")
     os.utime(cache.entry_dir("aten::abs", "old"), (time.time() - 86400,) * 2)
@@ -222,8 +222,8 @@ FAILURES = [
 
 @pytest.mark.parametrize("json_output", [False, True], ids=["text", "json"])
 @pytest.mark.parametrize("argv, settings", FAILURES, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
-def test_every_failure_is_one_line_never_a_traceback(cache, tmp_path, capsys, monkeypatch, argv, settings, json_output):
-    monkeypatch.setattr(toolchain, "cpp_compiler", lambda: "g++")  # doctor: no compiler check
+def test_every_failure_is_one_line_never_a_traceback(cache, tmp_path, capsys, monkeypatch, argv, settings, json_output, swap_toolchain):
+    swap_toolchain(compiler=lambda: "g++")  # doctor: no compiler check
     (tmp_path / "a-dir").mkdir()
     names = {"dir": tmp_path / "a-dir", "file": _regular_file(tmp_path), "cut": _truncated_bundle(tmp_path),
              "missing": tmp_path / "missing"}

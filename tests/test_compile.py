@@ -14,7 +14,7 @@ from torch._inductor.exc import CppCompileError
 
 from aoti_eager import _extension
 from aoti_eager.cache import KernelCache
-from aoti_eager.kernels import compile as compile_module, load_probe
+from aoti_eager.kernels.inductor import load_probe
 from aoti_eager.kernels.compile import (
     CompileError,
     _OpCall,
@@ -180,14 +180,12 @@ def test_a_compile_does_not_build_inductors_whole_graph_pattern_tables(shared_ca
     assert (joint_graph.lazy_init, post_grad.lazy_init) == recorders
 
 
-def test_where_the_faster_linker_fails_the_library_is_linked_as_inductor_links_it(shared_cache, monkeypatch):
-    monkeypatch.setattr(compile_module, "linker", lambda: "no-such-linker")
+def test_where_the_faster_linker_fails_the_library_is_linked_as_inductor_links_it(shared_cache, swap_toolchain):
     signature = CallSignature.of(A.abs.default, "cpu", [torch.randn(37)])
     options = compile_options("cpu")
-    artifact = compile_call(
-        signature, signature.args[0].abs(), options,
-        shared_dir=KernelCache(shared_cache, environment_name(CPU, options)).shared_directory(), vec_isas=usable_vec_isas(),
-    )
+    shared_dir = KernelCache(shared_cache, environment_name(CPU, options)).shared_directory()
+    swap_toolchain(linker=lambda: "no-such-linker")  # the environment's own linker fails
+    artifact = compile_call(signature, signature.args[0].abs(), options, shared_dir=shared_dir, vec_isas=usable_vec_isas())
     try:
         assert artifact.library.exists() and "link" in artifact.seconds
     finally:

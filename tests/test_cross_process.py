@@ -16,7 +16,8 @@ import torch
 
 import aoti_eager
 from aoti_eager.cache import KernelCache, inventory
-from aoti_eager.kernels import scratch, toolchain
+from aoti_eager.kernels import toolchain
+from aoti_eager.kernels.inductor import scratch
 from aoti_eager.kernels.toolchain import environment_name
 from helpers import assert_same_as_eager
 
@@ -49,10 +50,10 @@ def test_second_process_makes_no_compile(tmp_path):
     assert second["fallbacks"] == 0
 
 
-def test_a_lock_whose_holder_died_is_taken_over(tmp_path, monkeypatch):
+def test_a_lock_whose_holder_died_is_taken_over(tmp_path, swap_toolchain):
     # The lock is an flock(2): the kernel drops it with its holder's last file
     # descriptor, however the holder dies. That is how a dead holder is detected.
-    monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx2")
+    swap_toolchain(cpu_isa=lambda: "avx2")
     cache = KernelCache(tmp_path, environment_name(torch.device("cpu")))
     lock_path = cache.lock("aten::abs").lock_file
     holder = subprocess.Popen(

@@ -20,7 +20,8 @@ import aoti_eager  # noqa: F401 - gives kernels/ the wrapped-number test that ex
 # key or a library built first: they show use, and are not run.
 MODULES = [
     "aoti_eager._ops", "aoti_eager._reach", "aoti_eager.kernels.compile", "aoti_eager.kernels.dynamic",
-    "aoti_eager.kernels.examples", "aoti_eager.kernels.request", "aoti_eager.kernels.signature", "aoti_eager.kernels.wrapper_split",
+    "aoti_eager.kernels.examples", "aoti_eager.kernels.request", "aoti_eager.kernels.signature",
+    "aoti_eager.kernels.inductor.wrapper_split", "aoti_eager.kernels.inductor.internals", "aoti_eager.kernels.seam",
 ]
 
 

@@ -8,7 +8,7 @@ import torch
 from torch._inductor import codecache, cpu_vec_isa
 from torch._inductor import config as inductor_config
 
-from aoti_eager.kernels import headers, scratch, toolchain
+from aoti_eager.kernels.inductor import headers, scratch, vec_isa
 from aoti_eager.kernels.compile import compile_options
 
 HEADER = "torch/csrc/inductor/cpp_prefix.h"
@@ -133,15 +133,15 @@ def test_the_calls_are_recorded_where_settings_are_module_globals_too(inductors_
     assert json.loads((tmp_path / headers._RECORD).read_text()) == [headers._key(HEADER, command, ARGUMENTS)]
 
 
-def test_checks_made_before_a_fork_answer_the_forked_compiles(inductors_check, private_root, monkeypatch):
+def test_checks_made_before_a_fork_answer_the_forked_compiles(inductors_check, private_root, monkeypatch, swap_toolchain):
     """The zygote makes the recorded checks under each device's compile
     options; a worker's compile then takes Inductor's memo, which tells the
     order of the keywords apart: Inductor passes the wrapper header's
     ``min_optimize`` first."""
     monkeypatch.setattr(headers, "_settings_per_context", lambda: False)
     usable = {str(ISA): []}
-    monkeypatch.setattr(toolchain, "remembered_vec_isas", lambda: usable)
-    with inductor_config.patch(compile_options("cpu")), toolchain.known_vec_isas(usable):
+    swap_toolchain(remembered_vec_isas=lambda: usable)
+    with inductor_config.patch(compile_options("cpu")), vec_isa.known_vec_isas(usable):
         command = headers._command(ARGUMENTS)
     arguments = {"min_optimize": True, **ARGUMENTS}
     shared = private_root / "shared" / "cpu-some-environment"
@@ -165,19 +165,19 @@ def test_checks_made_before_a_fork_answer_the_forked_compiles(inductors_check, p
     assert os.waitpid(child, 0)[1] == 0
 
 
-def test_without_a_record_of_the_vector_isas_nothing_is_checked(inductors_check, private_root, monkeypatch):
+def test_without_a_record_of_the_vector_isas_nothing_is_checked(inductors_check, private_root, swap_toolchain):
     """Their probe takes up to a minute: the compiles pay it, not the zygote."""
     shared = private_root / "shared" / "cpu-some-environment"
     shared.mkdir(parents=True)
     (shared / headers._RECORD).write_text(json.dumps([headers._key(HEADER, headers._command(ARGUMENTS), ARGUMENTS)]))
-    monkeypatch.setattr(toolchain, "_remembered_vec_isas", lambda version: None)
-    monkeypatch.setattr(toolchain, "_vec_isas", lambda version: pytest.fail("probed the vector ISAs"))
+    probe = lambda: pytest.fail("probed the vector ISAs")  # noqa: E731
+    swap_toolchain(remembered_vec_isas=lambda: None, vec_isas_known=lambda: False, cpu_isa=probe, usable_vec_isas=probe)
     headers.check_recorded(compile_options)
     assert inductors_check == []
 
 
-def test_the_checks_stop_when_asked(inductors_check, private_root, monkeypatch):
-    monkeypatch.setattr(toolchain, "remembered_vec_isas", lambda: {})
+def test_the_checks_stop_when_asked(inductors_check, private_root, swap_toolchain):
+    swap_toolchain(remembered_vec_isas=lambda: {})
     shared = private_root / "shared" / "cpu-some-environment"
     shared.mkdir(parents=True)
     (shared / headers._RECORD).write_text(json.dumps([headers._key(HEADER, headers._command(ARGUMENTS), ARGUMENTS)]))
@@ -185,12 +185,12 @@ def test_the_checks_stop_when_asked(inductors_check, private_root, monkeypatch):
     assert inductors_check == []
 
 
-def test_a_header_not_built_yet_is_left_to_the_compiles(private_root, tmp_path, monkeypatch):
+def test_a_header_not_built_yet_is_left_to_the_compiles(private_root, tmp_path, monkeypatch, swap_toolchain):
     """Building one takes seconds that the zygote, about to fork, must not
     spend: its check answers nothing, and Inductor memoizes nothing."""
     usable = {str(ISA): []}
-    monkeypatch.setattr(toolchain, "remembered_vec_isas", lambda: usable)
-    with inductor_config.patch(compile_options("cpu")), toolchain.known_vec_isas(usable):
+    swap_toolchain(remembered_vec_isas=lambda: usable)
+    with inductor_config.patch(compile_options("cpu")), vec_isa.known_vec_isas(usable):
         command = headers._command(ARGUMENTS)
     shared = private_root / "shared" / "cpu-some-environment"
     shared.mkdir(parents=True)

@@ -24,10 +24,9 @@ NESTED = "[" * 200000
 
 
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
+def cache(tmp_path, swap_toolchain):
     """An empty cache of this machine's environment, as the command line names it (no probes)."""
-    monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx2")
-    monkeypatch.setattr(compile_module, "cpp_compiler", lambda: "g++")
+    swap_toolchain(cpu_isa=lambda: "avx2", compiler=lambda: "g++")
     return KernelCache(tmp_path / "cache", environment_name(torch.device("cpu"), compile_module.compile_options("cpu")))
 
 

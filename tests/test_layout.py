@@ -31,9 +31,9 @@ def test_default_root_is_per_user(monkeypatch, tmp_path, xdg):
     assert layout.default_root() == expected
 
 
-def test_a_shared_cache_is_created_for_the_group(tmp_path, monkeypatch):
+def test_a_shared_cache_is_created_for_the_group(tmp_path, monkeypatch, swap_toolchain):
     monkeypatch.setenv("AOTI_EAGER_CACHE_GROUP", str(os.getgid()))
-    monkeypatch.setattr(toolchain, "cpu_isa", lambda: "avx2")
+    swap_toolchain(cpu_isa=lambda: "avx2")
     cache = KernelCache(tmp_path / "team", environment_name(CPU))
     published = publish_kernel(cache, tmp_path)
     for path in (published.library.parent, published.library.parent.parent, tmp_path / "team"):

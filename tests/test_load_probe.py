@@ -1,4 +1,4 @@
-"""Loading a kernel first in a child process (aoti_eager.kernels.load_probe):
+"""Loading a kernel first in a child process (aoti_eager.kernels.inductor.load_probe):
 who is blamed for a crash, and what is remembered of it, where."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch
 
 import aoti_eager
 from aoti_eager import cli
-from aoti_eager.kernels import load_probe
-from aoti_eager.kernels.load_probe import LibraryDoesNotLoad, UnsafeToLoad
+from aoti_eager.kernels.inductor import load_probe
+from aoti_eager.kernels.inductor.load_probe import LibraryDoesNotLoad, UnsafeToLoad
 from helpers import assert_same_as_eager
 
 ENVIRONMENT = "cpu-test-environment"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from aoti_eager.kernels.compile import compile_options
-from aoti_eager.kernels.parallel_grain import GRAIN_SIZE, parallel_above_grain
+from aoti_eager.kernels.inductor.parallel_grain import GRAIN_SIZE, parallel_above_grain
 from helpers import assert_same_as_eager
 
 

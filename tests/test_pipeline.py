@@ -4,6 +4,7 @@ published entry, and each way it ends without a kernel."""
 from __future__ import annotations
 
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from aoti_eager import _extension
 from aoti_eager.cache import KernelCache
 from aoti_eager.cache.store import LIBRARY_FILE
 from aoti_eager.kernels import CallSignature, CompileError, pipeline
-from aoti_eager.kernels.compile import Artifact, compile_options, flat_tensor_inputs
+from aoti_eager.kernels.compile import Artifact, compile_call, compile_options, flat_tensor_inputs
 from aoti_eager.kernels.signature import qualified_name
 from aoti_eager.kernels.speed import Timing
 from aoti_eager.kernels.toolchain import environment_name
@@ -67,16 +68,16 @@ def test_a_kernel_is_validated_and_published(store):
     torch.testing.assert_close(kernel.run([x])[0], x.abs(), atol=0, rtol=0)
 
 
-def test_eagers_own_error_is_not_recorded(store, monkeypatch):
-    monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: pytest.fail("must not compile a call eager rejects"))
+def test_eagers_own_error_is_not_recorded(store, swap_compiler):
+    swap_compiler(compile=lambda *a, **k: pytest.fail("must not compile a call eager rejects"))
     signature = CallSignature.of(A.mm.default, "cpu", [torch.randn(2, 3), torch.randn(4, 5)])
     outcome = pipeline.compile_signature(A.mm.default, signature, store, load(signature))
     assert outcome == pipeline.NotCompiled("eager raised RuntimeError", eager_raised=True)
     assert list(store.entries()) == []
 
 
-def test_a_kernel_that_disagrees_with_eager_is_recorded_eager(store, tmp_path, monkeypatch):
-    monkeypatch.setattr(pipeline, "compile_call", fake_artifact(tmp_path))
+def test_a_kernel_that_disagrees_with_eager_is_recorded_eager(store, tmp_path, swap_compiler):
+    swap_compiler(compile=fake_artifact(tmp_path))
     signature = abs_signature()
     outcome = pipeline.compile_signature(A.abs.default, signature, store, lambda library, counts: Negated())
     assert isinstance(outcome, pipeline.NotCompiled) and outcome.recorded
@@ -85,8 +86,8 @@ def test_a_kernel_that_disagrees_with_eager_is_recorded_eager(store, tmp_path, m
     assert entry.library is None and entry.reason == outcome.reason
 
 
-def test_a_kernel_that_fails_to_load_is_recorded_eager(store, tmp_path, monkeypatch):
-    monkeypatch.setattr(pipeline, "compile_call", fake_artifact(tmp_path))
+def test_a_kernel_that_fails_to_load_is_recorded_eager(store, tmp_path, swap_compiler):
+    swap_compiler(compile=fake_artifact(tmp_path))
     signature = abs_signature()
 
     def does_not_load(library, counts):
@@ -97,16 +98,16 @@ def test_a_kernel_that_fails_to_load_is_recorded_eager(store, tmp_path, monkeypa
     assert store.lookup(NAME, signature.key).library is None
 
 
-def test_a_lasting_compile_error_is_recorded_and_a_compilers_is_not(store, monkeypatch):
+def test_a_lasting_compile_error_is_recorded_and_a_compilers_is_not(store, swap_compiler):
     signature = abs_signature()
-    monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: (_ for _ in ()).throw(CompileError("torch.export failed: X")))
+    swap_compiler(compile=lambda *a, **k: (_ for _ in ()).throw(CompileError("torch.export failed: X")))
     assert pipeline.compile_signature(A.abs.default, signature, store, load(signature)) == pipeline.NotCompiled(
         "torch.export failed: X", recorded=True
     )
     assert store.remove(NAME, signature.key)
 
     said = "kernel.cpp:1: error: no space left"
-    monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: (_ for _ in ()).throw(CompileError("AOTInductor failed", said)))
+    swap_compiler(compile=lambda *a, **k: (_ for _ in ()).throw(CompileError("AOTInductor failed", said)))
     outcome = pipeline.compile_signature(A.abs.default, signature, store, load(signature))
     assert outcome.compiler_error == said and not outcome.recorded
     assert list(store.entries()) == []
@@ -126,12 +127,12 @@ def test_a_kernel_that_only_calls_eagers_kernels_keeps_eager(store, monkeypatch)
 
 
 @pytest.mark.parametrize("second, kept", [(1.5e-6, False), (1.01e-6, True)], ids=["slower twice", "slower once"])
-def test_eager_is_kept_only_where_the_kernel_is_slower_twice(store, tmp_path, monkeypatch, second, kept):
+def test_eager_is_kept_only_where_the_kernel_is_slower_twice(store, tmp_path, monkeypatch, second, kept, swap_compiler):
     monkeypatch.setenv("AOTI_EAGER_KEEP_FASTER", "1")
-    monkeypatch.setattr(pipeline, "compile_call", fake_artifact(tmp_path))
+    swap_compiler(compile=fake_artifact(tmp_path))
     measured = iter([Timing(2e-6, 1e-6), Timing(second, 1e-6)])
-    monkeypatch.setattr(pipeline, "time_against_eager", lambda *a: next(measured))
-    monkeypatch.setattr(pipeline, "check_matches_eager", lambda *a: None)
+    swap_compiler(timer=lambda *a: next(measured))
+    swap_compiler(check=lambda *a: None)
     signature = abs_signature()
     outcome = pipeline.compile_signature(A.abs.default, signature, store, lambda library, counts: Negated())
     assert isinstance(outcome, pipeline.Published)
@@ -141,3 +142,21 @@ def test_eager_is_kept_only_where_the_kernel_is_slower_twice(store, tmp_path, mo
     if not kept:
         assert entry.reason == "eager is faster: kernel 1.50x eager's time (measured at compile)"
         assert not any(tmp_path.rglob(LIBRARY_FILE))  # the workdir is gone, and no library was published
+
+
+def test_a_compiler_given_to_one_compile_serves_that_compile_alone(store):
+    signature = abs_signature()
+    refused = pipeline.Compiler(compile=lambda *a, **k: (_ for _ in ()).throw(CompileError("torch.export failed: X")))
+    outcome = pipeline.compile_signature(A.abs.default, signature, store, load(signature), compiler=refused)
+    assert outcome == pipeline.NotCompiled("torch.export failed: X", recorded=True)
+    assert pipeline.current() == pipeline.Compiler() and pipeline.current().compile is compile_call
+
+
+def test_a_scope_holds_in_every_thread_and_ends_with_its_block():
+    seen = []
+    with pytest.raises(RuntimeError), pipeline.scope(timer=len):
+        thread = threading.Thread(target=lambda: seen.append(pipeline.current().timer))
+        thread.start()
+        thread.join()
+        raise RuntimeError("the block fails")
+    assert seen == [len] and pipeline.current() == pipeline.Compiler()

@@ -11,7 +11,8 @@ import torch
 import aoti_eager
 from aoti_eager import _runtime
 from aoti_eager.cache import KernelCache, UntrustedEntry
-from aoti_eager.kernels import CompileError, load_probe, pipeline
+from aoti_eager.kernels import CompileError, pipeline
+from aoti_eager.kernels.inductor import load_probe
 from aoti_eager.kernels.signature import CallSignature
 from conftest import DEVICES
 from helpers import assert_same_as_eager
@@ -19,14 +20,14 @@ from helpers import assert_same_as_eager
 A = torch.ops.aten
 
 
-def test_failed_compile_falls_back_once_and_is_remembered(tmp_path, monkeypatch, caplog):
+def test_failed_compile_falls_back_once_and_is_remembered(tmp_path, swap_compiler, caplog):
     attempts = []
 
     def failing_compile(signature, *args, **kwargs):
         attempts.append(signature.short())
         raise CompileError("AOTInductor failed: RuntimeError: injected")
 
-    monkeypatch.setattr(pipeline, "compile_call", failing_compile)
+    swap_compiler(compile=failing_compile)
     x = torch.randn(16)
     with caplog.at_level(logging.WARNING, logger="aoti_eager"):
         aoti_eager.enable(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path)
@@ -49,7 +50,7 @@ def test_failed_compile_falls_back_once_and_is_remembered(tmp_path, monkeypatch,
     assert len(attempts) == 1
 
 
-def test_an_eager_call_does_not_compile_the_overloads_its_kernel_calls(tmp_path, monkeypatch):
+def test_an_eager_call_does_not_compile_the_overloads_its_kernel_calls(tmp_path, swap_compiler):
     # abs.default's CPU kernel calls abs.out through the dispatcher: with the
     # whole packet enabled, that inner call is part of the eager call, not a
     # user call of abs.out to key and compile.
@@ -60,7 +61,7 @@ def test_an_eager_call_does_not_compile_the_overloads_its_kernel_calls(tmp_path,
             raise CompileError("AOTInductor failed: RuntimeError: injected")
         return compile_call(signature, *args, **kwargs)
 
-    monkeypatch.setattr(pipeline, "compile_call", abs_default_fails)
+    swap_compiler(compile=abs_default_fails)
     x = torch.randn(16)
     aoti_eager.enable(["aten::abs"], devices=["cpu"], cache_dir=tmp_path)
     results = [torch.abs(x) for _ in range(2)]
@@ -73,14 +74,14 @@ def test_an_eager_call_does_not_compile_the_overloads_its_kernel_calls(tmp_path,
     assert stats["aten::abs.out"]["compiles"] == 0
 
 
-def test_a_failed_cpp_compiler_is_not_recorded_in_the_cache(tmp_path, monkeypatch):
+def test_a_failed_cpp_compiler_is_not_recorded_in_the_cache(tmp_path, swap_compiler):
     attempts = []
 
     def compiler_fails(signature, *args, **kwargs):
         attempts.append(signature.short())
         raise CompileError("AOTInductor failed: the C++ compiler said: error: injected", compiler_error="error: injected")
 
-    monkeypatch.setattr(pipeline, "compile_call", compiler_fails)
+    swap_compiler(compile=compiler_fails)
     x = torch.randn(16)
     for _ in range(2):  # two processes, as far as the cache can tell
         aoti_eager.enable(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path)
@@ -105,12 +106,12 @@ def test_a_runtime_that_crashes_on_load_leaves_kernels_eager(tmp_path, load_verd
     assert "crashed a test process" in stats["fallback_reason"] and "signal 11" in stats["fallback_reason"]
 
 
-def test_untrusted_cache_entry_runs_eagerly(tmp_path, monkeypatch):
+def test_untrusted_cache_entry_runs_eagerly(tmp_path, monkeypatch, swap_compiler):
     def untrusted(self, op, key, copy_as=None):
         raise UntrustedEntry(f"{self.directory} is writable by group or others (mode 775)")
 
     monkeypatch.setattr(KernelCache, "lookup", untrusted)
-    monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: pytest.fail("must not compile"))
+    swap_compiler(compile=lambda *a, **k: pytest.fail("must not compile"))
     x = torch.randn(8)
     aoti_eager.enable(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path)
     y = torch.abs(x)
@@ -120,9 +121,9 @@ def test_untrusted_cache_entry_runs_eagerly(tmp_path, monkeypatch):
     assert "refused an untrusted cache entry" in stats["fallback_reason"]
 
 
-def test_waiting_on_another_process_compile_times_out_to_eager(tmp_path, monkeypatch):
+def test_waiting_on_another_process_compile_times_out_to_eager(tmp_path, monkeypatch, swap_compiler):
     monkeypatch.setenv("AOTI_EAGER_LOCK_TIMEOUT", "0.2")
-    monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: pytest.fail("must not compile without the lock"))
+    swap_compiler(compile=lambda *a, **k: pytest.fail("must not compile without the lock"))
     x = torch.randn(8)
     aoti_eager.enable(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path)
     override = _runtime.installed()[0]
@@ -150,7 +151,7 @@ def test_another_signature_of_the_op_compiles_while_one_is_compiling(tmp_path, m
     assert (stats["compiles"], stats["fallbacks"]) == (1, 0), stats
 
 
-def test_new_scalar_values_stop_compiling_past_the_limit(tmp_path, monkeypatch, caplog):
+def test_new_scalar_values_stop_compiling_past_the_limit(tmp_path, monkeypatch, caplog, swap_compiler):
     attempts = []
 
     def failing_compile(signature, *args, **kwargs):
@@ -158,7 +159,7 @@ def test_new_scalar_values_stop_compiling_past_the_limit(tmp_path, monkeypatch, 
         raise CompileError("AOTInductor failed: RuntimeError: injected")
 
     monkeypatch.setenv("AOTI_EAGER_MAX_VALUE_VARIANTS", "2")
-    monkeypatch.setattr(pipeline, "compile_call", failing_compile)
+    swap_compiler(compile=failing_compile)
     x = torch.randn(8)
     aoti_eager.enable(["aten::mul.Tensor"], devices=["cpu"], cache_dir=tmp_path)
     with caplog.at_level(logging.WARNING, logger="aoti_eager"):
@@ -174,7 +175,7 @@ def test_new_scalar_values_stop_compiling_past_the_limit(tmp_path, monkeypatch, 
     assert sum("AOTI_EAGER_MAX_VALUE_VARIANTS" in r.message for r in caplog.records) == 1
 
 
-def _failing_compiles(monkeypatch) -> list[str]:
+def _failing_compiles(swap_compiler) -> list[str]:
     """Makes every compile fail (at once); the signatures tried."""
     attempts = []
 
@@ -182,13 +183,13 @@ def _failing_compiles(monkeypatch) -> list[str]:
         attempts.append(signature.short())
         raise CompileError("AOTInductor failed: RuntimeError: injected")
 
-    monkeypatch.setattr(pipeline, "compile_call", failing_compile)
+    swap_compiler(compile=failing_compile)
     return attempts
 
 
-def test_a_compile_limit_on_numbers_is_recorded_for_a_new_process(tmp_path, monkeypatch):
+def test_a_compile_limit_on_numbers_is_recorded_for_a_new_process(tmp_path, monkeypatch, swap_compiler):
     monkeypatch.setenv("AOTI_EAGER_MAX_VALUE_VARIANTS", "2")
-    attempts = _failing_compiles(monkeypatch)
+    attempts = _failing_compiles(swap_compiler)
     x = torch.randn(8)
     with aoti_eager.enabled(["aten::mul.Tensor"], devices=["cpu"], cache_dir=tmp_path):
         [torch.mul(x, s) for s in (2, 3, 4)]
@@ -203,10 +204,10 @@ def test_a_compile_limit_on_numbers_is_recorded_for_a_new_process(tmp_path, monk
     assert stats["fallbacks"] == 2 and "AOTI_EAGER_MAX_VALUE_VARIANTS=2" in stats["fallback_reason"], stats
 
 
-def test_a_compile_limit_on_shapes_is_recorded_for_a_new_process(tmp_path, monkeypatch):
+def test_a_compile_limit_on_shapes_is_recorded_for_a_new_process(tmp_path, monkeypatch, swap_compiler):
     monkeypatch.setenv("AOTI_EAGER_MAX_SHAPE_COMPILES", "1")
     monkeypatch.setenv("AOTI_EAGER_DYNAMIC_SHAPES", "0")
-    attempts = _failing_compiles(monkeypatch)
+    attempts = _failing_compiles(swap_compiler)
     with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
         [torch.abs(torch.randn(n)) for n in (4, 6)]
     assert len(attempts) == 1
@@ -276,8 +277,8 @@ def test_a_cleared_override_misses_again_though_its_calls_were_hot(shared_cache)
     assert after["calls"] == before["calls"] + 1
 
 
-def test_eagers_own_error_reaches_the_caller(tmp_path, monkeypatch):
-    monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: pytest.fail("must not compile a failing call"))
+def test_eagers_own_error_reaches_the_caller(tmp_path, swap_compiler):
+    swap_compiler(compile=lambda *a, **k: pytest.fail("must not compile a failing call"))
     a, b = torch.randn(3), torch.randn(4)
     with pytest.raises(RuntimeError) as eager_error:
         torch.add(a, b)
@@ -297,8 +298,8 @@ def test_eagers_own_error_reaches_the_caller(tmp_path, monkeypatch):
     ],
     ids=["sparse", "meta", "quantized"],
 )
-def test_inputs_that_never_reach_the_override_run_eagerly(make, tmp_path, monkeypatch):
-    monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: pytest.fail("must not compile"))
+def test_inputs_that_never_reach_the_override_run_eagerly(make, tmp_path, swap_compiler):
+    swap_compiler(compile=lambda *a, **k: pytest.fail("must not compile"))
     x = make()
     expected = torch.abs(x) if not x.is_quantized else None
     aoti_eager.enable(["aten::abs"], devices=["cpu"], cache_dir=tmp_path)
@@ -451,8 +452,8 @@ def test_unboxed_overrides_match_eager_and_return_the_written_argument(case, sha
     assert stats["hits"] >= 2 and stats["fallbacks"] == 0, stats
 
 
-def test_a_signature_decided_eager_runs_the_original_kernel_unboxed(tmp_path, monkeypatch):
-    monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: (_ for _ in ()).throw(CompileError("no kernel")))
+def test_a_signature_decided_eager_runs_the_original_kernel_unboxed(tmp_path, swap_compiler):
+    swap_compiler(compile=lambda *a, **k: (_ for _ in ()).throw(CompileError("no kernel")))
     a, b = torch.randn(8, 8), torch.randn(8, 8)
     with aoti_eager.enabled(["aten::add.Tensor"], devices=["cpu"], cache_dir=tmp_path):
         results = [torch.add(a, b, alpha=2) for _ in range(3)]

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from aoti_eager.cache import layout
-from aoti_eager.kernels import scratch
+from aoti_eager.kernels.inductor import scratch
 
 
 def test_compiles_run_at_a_path_without_spaces_even_when_the_private_directory_has_one(private_root, monkeypatch, tmp_path):

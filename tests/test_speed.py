@@ -50,9 +50,9 @@ def published(tmp_path, op, device: str, args) -> dict:
     return json.loads((cache.entry_dir(qualified_name(op), signature.key) / "entry.json").read_text())
 
 
-def test_a_kernel_slower_than_eager_keeps_eager_once_per_machine(tmp_path, monkeypatch, caplog):
+def test_a_kernel_slower_than_eager_keeps_eager_once_per_machine(tmp_path, swap_compiler, caplog):
     timings = FixedTimings((1.3e-6, 1.0e-6))
-    monkeypatch.setattr(pipeline, "time_against_eager", timings)
+    swap_compiler(timer=timings)
     x = torch.randn(64)
     with caplog.at_level(logging.INFO, logger="aoti_eager"):
         with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
@@ -72,7 +72,7 @@ def test_a_kernel_slower_than_eager_keeps_eager_once_per_machine(tmp_path, monke
 
     # A fresh enable, as a new process would, finds the verdict: no compile, no timing.
     _runtime.forget()
-    monkeypatch.setattr(pipeline, "compile_call", lambda *a, **k: pytest.fail("must not compile again"))
+    swap_compiler(compile=lambda *a, **k: pytest.fail("must not compile again"))
     with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
         y = torch.abs(x)
         stats = aoti_eager.stats()["aten::abs"]
@@ -100,10 +100,10 @@ print(json.dumps(stats))
     assert stats["fallback_reason"].startswith("eager is faster")
 
 
-def test_a_kernel_measured_slower_once_only_is_kept(tmp_path, monkeypatch):
+def test_a_kernel_measured_slower_once_only_is_kept(tmp_path, swap_compiler):
     # Noise: slower on the first measurement, not on the repeat.
     timings = FixedTimings((1.3e-6, 1.0e-6), (1.02e-6, 1.0e-6))
-    monkeypatch.setattr(pipeline, "time_against_eager", timings)
+    swap_compiler(timer=timings)
     x = torch.randn(48)
     with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
         results = [torch.abs(x) for _ in range(3)]
@@ -117,12 +117,12 @@ def test_a_kernel_measured_slower_once_only_is_kept(tmp_path, monkeypatch):
     assert entry["timing"]["ratio"] == 1.02  # the kernel's better showing is recorded
 
 
-def test_an_in_place_call_with_runtime_numbers_kept_eager_never_compiles_again(tmp_path, monkeypatch):
+def test_an_in_place_call_with_runtime_numbers_kept_eager_never_compiles_again(tmp_path, swap_compiler):
     timings = FixedTimings((2.0e-6, 1.0e-6))
-    monkeypatch.setattr(pipeline, "time_against_eager", timings)
+    swap_compiler(timer=timings)
     compiles = []
     compile_call = pipeline.compile_call
-    monkeypatch.setattr(pipeline, "compile_call", lambda signature, *a, **k: compiles.append(signature) or compile_call(signature, *a, **k))
+    swap_compiler(compile=lambda signature, *a, **k: compiles.append(signature) or compile_call(signature, *a, **k))
     p, g = torch.randn(16, 16), torch.randn(16, 16)
     expected = p.clone()
     rates = [0.1, 0.05, 0.025]
@@ -141,7 +141,7 @@ def test_an_in_place_call_with_runtime_numbers_kept_eager_never_compiles_again(t
     assert stats["fallback_reason"].startswith("eager is faster: kernel 2.00x")
 
 
-def test_timing_is_on_by_default_and_runs_a_real_op_end_to_end(tmp_path, monkeypatch):
+def test_timing_is_on_by_default_and_runs_a_real_op_end_to_end(tmp_path, monkeypatch, swap_compiler):
     monkeypatch.delenv("AOTI_EAGER_KEEP_FASTER")
     measured = []
     real = pipeline.time_against_eager
@@ -150,7 +150,7 @@ def test_timing_is_on_by_default_and_runs_a_real_op_end_to_end(tmp_path, monkeyp
         measured.append(real(*args, **kwargs))
         return measured[-1]
 
-    monkeypatch.setattr(pipeline, "time_against_eager", timed)
+    swap_compiler(timer=timed)
     p, g = torch.randn(128, 128), torch.randn(128, 128)
     before = p.clone()
     with aoti_eager.enabled(["aten::add_.Tensor"], devices=["cpu"], cache_dir=tmp_path):
@@ -170,9 +170,9 @@ def test_timing_is_on_by_default_and_runs_a_real_op_end_to_end(tmp_path, monkeyp
         assert stats["hits"] >= 1 and stats["fallback_reason"] is None, stats
 
 
-def test_off_switch_times_nothing(tmp_path, monkeypatch):
+def test_off_switch_times_nothing(tmp_path, monkeypatch, swap_compiler):
     monkeypatch.setenv("AOTI_EAGER_KEEP_FASTER", "0")
-    monkeypatch.setattr(pipeline, "time_against_eager", lambda *a, **k: pytest.fail("must not time"))
+    swap_compiler(timer=lambda *a, **k: pytest.fail("must not time"))
     x = torch.randn(64)  # the signature of the first test: compiled into this new cache
     with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
         results = [torch.abs(x) for _ in range(2)]
@@ -183,8 +183,8 @@ def test_off_switch_times_nothing(tmp_path, monkeypatch):
     assert published(tmp_path, A.abs.default, "cpu", [x])["timing"] is None
 
 
-def test_with_the_timing_off_a_signature_kept_eager_for_speed_gets_its_kernel(tmp_path, monkeypatch):
-    monkeypatch.setattr(pipeline, "time_against_eager", FixedTimings((1.3e-6, 1.0e-6)))
+def test_with_the_timing_off_a_signature_kept_eager_for_speed_gets_its_kernel(tmp_path, monkeypatch, swap_compiler):
+    swap_compiler(timer=FixedTimings((1.3e-6, 1.0e-6)))
     x = torch.randn(72)
     with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
         torch.abs(x)

@@ -19,7 +19,6 @@ import torch
 
 import aoti_eager
 from aoti_eager import _runtime
-from aoti_eager.kernels import pipeline
 from helpers import assert_same_as_eager
 from training_loop import LOG_PREFIX, model_and_steps
 
@@ -70,10 +69,10 @@ def test_a_kernel_that_needs_the_proxy_executor_is_refused_for_every_value(cold_
     assert "proxy executor" in norm["fallback_reason"]
 
 
-def test_a_refused_kernel_is_not_tried_again_in_a_new_process(cold_run, monkeypatch):
+def test_a_refused_kernel_is_not_tried_again_in_a_new_process(cold_run, swap_compiler):
     cache, _, _, _ = cold_run
     tried = []
-    monkeypatch.setattr(pipeline, "compile_call", lambda signature, *a, **k: tried.append(signature.short()))
+    swap_compiler(compile=lambda signature, *a, **k: tried.append(signature.short()))
     grads = [torch.randn(16, 8), torch.randn(16), torch.randn(4, 16), torch.randn(4)]  # the loop's
     with aoti_eager.enabled(["aten::_foreach_norm.Scalar"], devices=["cpu"], cache_dir=cache):
         norms = [torch._foreach_norm(grads, ord) for ord in (2.0, 3.0, 2.0)]

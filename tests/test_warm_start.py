@@ -224,21 +224,21 @@ def test_background_compile_answers_eagerly_at_once_then_hits(shared_cache):
     assert aoti_eager.stats()["aten::abs"]["cache_loads"] == 1
 
 
-def test_no_call_waits_for_the_probe_of_the_cpus_vector_isas(shared_cache, monkeypatch):
+def test_no_call_waits_for_the_probe_of_the_cpus_vector_isas(shared_cache, monkeypatch, swap_toolchain):
     """CPU kernels' cache is named by the vector ISA, which Inductor probes
     once per machine (30 s on an H100 host): a background miss before the
     probe ends runs eagerly at once, counted as compiling (its compile is to
     come), and a later one compiles."""
     probe_may_end, probed = threading.Event(), threading.Event()
-    cpu_isa = toolchain.cpu_isa
+    cpu_isa = toolchain.current().cpu_isa
 
     def slow_probe() -> str:
         probe_may_end.wait(timeout=30)
         probed.set()
         return cpu_isa()
 
-    monkeypatch.setattr(toolchain, "vec_isas_known", probed.is_set)
-    monkeypatch.setattr(toolchain, "cpu_isa", slow_probe)
+    swap_toolchain(vec_isas_known=probed.is_set)
+    swap_toolchain(cpu_isa=slow_probe)
     monkeypatch.setattr(_background, "_probe", None)
     x = torch.randn(7, 2)
     aoti_eager.enable(["aten::abs"], devices=["cpu"], cache_dir=shared_cache, compile="background")

@@ -15,7 +15,7 @@ import torch
 import aoti_eager
 from aoti_eager import _runtime
 from aoti_eager.cache import layout
-from aoti_eager.kernels import wrapper_split
+from aoti_eager.kernels.inductor import wrapper_split
 from conftest import DEVICES
 from helpers import assert_same_as_eager
 

@@ -10,8 +10,17 @@ more than a decode step's op (add 2.21x the static kernel at 8 rows of 1024 on
 many threads as ``at::parallel_for`` would give the loop nest's element
 count: one per grain, so a call below the grain runs on the calling thread.
 
-This patches two private pieces of Inductor's C++ code generation; where a
-PyTorch release lacks them, kernels are generated as Inductor writes them.
+Torch internals it touches (:data:`INTERNALS`), checked with torch 2.11, 2.13
+and 2.14.1: ``torch._inductor.codegen.cpp.CppKernelProxy.codegen_loops_impl``
+and ``torch._inductor.codegen.cpp.WorkSharing.parallel``, replaced within
+:func:`parallel_above_grain`; ``torch._inductor.codegen.cpp.cexpr_index`` and
+``torch._inductor.codegen.cpp.sympy_product``, which write the loop nest's
+element count from its kernel's ``call_ranges`` and ``rename_indexing``; the
+lines of the ``WorkSharing``'s code buffer (``torch._inductor.utils.IndentedBuffer``),
+where the pragma is rewritten. Where one of them has moved (``missing(INTERNALS)``),
+or a kernel or buffer lacks what is read of it, kernels are generated as
+Inductor writes them: a dynamic kernel then forks its threads below the
+grain too, slower but the same results.
 """
 
 from __future__ import annotations
@@ -19,6 +28,8 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+
+from aoti_eager.kernels.inductor.internals import missing
 
 # at::internal::GRAIN_SIZE (ATen/Parallel.h).
 GRAIN_SIZE = 32768
@@ -29,43 +40,43 @@ _PARALLEL_PRAGMA = "#pragma omp parallel"
 _loop_nest = threading.local()
 
 
-def _patch_points():
-    try:
-        from torch._inductor.codegen import cpp
-    except ImportError:
-        return None
-    worksharing = getattr(cpp, "WorkSharing", None)
-    proxy = getattr(cpp, "CppKernelProxy", None)
-    if worksharing is None or proxy is None or not hasattr(proxy, "codegen_loops_impl") or not hasattr(worksharing, "parallel"):
-        return None
-    return cpp, worksharing, proxy
+INTERNALS = (
+    "torch._inductor.codegen.cpp.CppKernelProxy.codegen_loops_impl(self, loop_nest, code, worksharing)",
+    "torch._inductor.codegen.cpp.WorkSharing.parallel(self, threads)",
+    "torch._inductor.codegen.cpp.cexpr_index()",
+    "torch._inductor.codegen.cpp.sympy_product()",
+    "torch._inductor.utils.IndentedBuffer",
+)
 
 
 @contextlib.contextmanager
 def parallel_above_grain() -> Iterator[None]:
-    points = _patch_points()
-    if points is None:
+    """Within the block, each parallel region Inductor writes for a CPU
+    kernel takes one thread per grain of its loop nest's work; where an
+    internal has moved (``missing(INTERNALS)``), the block changes nothing."""
+    if missing(INTERNALS):
         yield
         return
-    cpp, worksharing, proxy = points
+    from torch._inductor.codegen import cpp
+
+    worksharing, proxy = cpp.WorkSharing, cpp.CppKernelProxy
     codegen_loops_impl, parallel = proxy.codegen_loops_impl, worksharing.parallel
 
     def loops_with_work(kernel, loop_nest, code, sharing):
         ranges = getattr(kernel, "call_ranges", None)
-        _loop_nest.elements = (
-            cpp.cexpr_index(kernel.rename_indexing(cpp.sympy_product(ranges))) if ranges else None
-        )
+        rename = getattr(kernel, "rename_indexing", None)
+        _loop_nest.elements = cpp.cexpr_index(rename(cpp.sympy_product(ranges))) if ranges and rename else None
         try:
             return codegen_loops_impl(kernel, loop_nest, code, sharing)
         finally:
             _loop_nest.elements = None
 
     def parallel_if_enough(sharing, threads):
-        lines = sharing.code._lines
-        written = len(lines)
+        lines = getattr(getattr(sharing, "code", None), "_lines", None)
+        written = len(lines) if isinstance(lines, list) else None
         parallel(sharing, threads)
         elements = getattr(_loop_nest, "elements", None)
-        if elements is None:
+        if elements is None or written is None:
             return
         for i in range(written, len(lines)):
             line = lines[i]

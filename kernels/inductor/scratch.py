@@ -10,6 +10,15 @@ Each compile has its own directory, named after its host and process, so that
 what a killed process left is removed by the next compile on that host.
 Inductor's own caches and the compiler's temporary files stay under the same
 root during a compile (see :func:`compiling`).
+
+Torch internals it touches (:data:`INTERNALS`), checked with torch 2.11, 2.13
+and 2.14.1: ``torch._inductor.runtime.cache_dir_utils.default_cache_dir``, to
+tell the user's ``TORCHINDUCTOR_CACHE_DIR`` from Inductor's own default, and
+``torch._inductor.codecache._HEADER_DIR`` and
+``torch._inductor.codecache._HEADER_LOCK_DIR``, set for a compile (Inductor
+fixes them at import). Where one of them has moved (``missing(INTERNALS)``),
+Inductor's caches stay where Inductor puts them; the compiler's temporary
+files still go to the scratch root.
 """
 
 from __future__ import annotations
@@ -23,6 +32,13 @@ from pathlib import Path
 from typing import Iterator
 
 from aoti_eager.cache import layout
+from aoti_eager.kernels.inductor.internals import missing
+
+INTERNALS = (
+    "torch._inductor.runtime.cache_dir_utils.default_cache_dir()",
+    "torch._inductor.codecache._HEADER_DIR",
+    "torch._inductor.codecache._HEADER_LOCK_DIR",
+)
 
 # What no shell or build tool splits or expands.
 _SAFE_PATH = re.compile(r"[A-Za-z0-9._+/-]+")
@@ -79,19 +95,15 @@ def compiling() -> Iterator[None]:
     processes that inherit them and serve later compiles.
     """
     from torch._inductor import codecache
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     variables = {"TMPDIR": str(_temporary())}
     attributes = {}
-    # Inductor writes its default into the variable when it first needs it:
-    # only another value is the user's choice.
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
+    if not missing(INTERNALS) and not _users_cache_directory():
         inductor = root() / "inductor"
         variables["TORCHINDUCTOR_CACHE_DIR"] = str(inductor)
         # Precompiled headers go to the default directory whatever the variable says.
-        if hasattr(codecache, "_HEADER_DIR") and hasattr(codecache, "_HEADER_LOCK_DIR"):
-            attributes = {"_HEADER_DIR": str(inductor / "precompiled_headers"),
-                          "_HEADER_LOCK_DIR": str(inductor / "precompiled_headers" / "locks")}
+        attributes = {"_HEADER_DIR": str(inductor / "precompiled_headers"),
+                      "_HEADER_LOCK_DIR": str(inductor / "precompiled_headers" / "locks")}
     saved_variables = {name: os.environ.get(name) for name in variables}
     saved_attributes = {name: getattr(codecache, name) for name in attributes}
     os.environ.update(variables)
@@ -110,6 +122,15 @@ def compiling() -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def _users_cache_directory() -> bool:
+    """Whether ``$TORCHINDUCTOR_CACHE_DIR`` is the user's choice. Inductor
+    writes its default into the variable when it first needs it: only
+    another value is the user's."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    return os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) != default_cache_dir()
 
 
 @contextlib.contextmanager

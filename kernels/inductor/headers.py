@@ -19,6 +19,20 @@ that process makes the recorded checks before its first fork
 (:func:`check_recorded`), one after the other, and each worker inherits
 Inductor's answers, which every worker's first compile would otherwise make
 (BENCHMARKS.md, "A model's first forward").
+
+Torch internals it touches (:data:`INTERNALS`), checked with torch 2.11, 2.13
+and 2.14.1: ``torch._inductor.codecache._precompile_header``, replaced within
+:func:`checked_ahead` and called with the recorded arguments (keywords among
+``_KEYWORDS``); ``torch._inductor.codecache._worker_compile_cpp``, replaced
+while :func:`check_recorded` checks; ``torch._inductor.cpp_builder.CppBuilder.__init__``,
+``torch._inductor.cpp_builder.CppBuilder.get_command_line`` and
+``torch._inductor.cpp_builder.CppTorchDeviceOptions.__init__``, which give the
+compiler command a header is named by; ``torch._inductor.cpu_vec_isa.invalid_vec_isa``,
+a recorded ISA. Where torch keeps Inductor's settings in module globals
+(torch 2.11: no ``torch._inductor.config._hash_dirty_var``), no check is
+started ahead. Where one of the internals has moved (``missing(INTERNALS)``), nothing
+is replaced and nothing is checked ahead: Inductor checks its headers itself,
+as it does without this package.
 """
 
 from __future__ import annotations
@@ -33,7 +47,17 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from aoti_eager.cache import layout
-from aoti_eager.kernels.toolchain import vec_isa_named
+from aoti_eager.kernels.inductor.internals import missing
+from aoti_eager.kernels.inductor.vec_isa import vec_isa_named
+
+INTERNALS = (
+    "torch._inductor.codecache._precompile_header(header, hashable_cmd_line)",
+    "torch._inductor.codecache._worker_compile_cpp(lock_path)",
+    "torch._inductor.cpp_builder.CppBuilder.__init__(name, sources, BuildOption)",
+    "torch._inductor.cpp_builder.CppBuilder.get_command_line(self)",
+    "torch._inductor.cpp_builder.CppTorchDeviceOptions.__init__(vec_isa, device_type, aot_mode)",
+    "torch._inductor.cpu_vec_isa.invalid_vec_isa",
+)
 
 _RECORD = "precompiled_headers.json"
 _KEYWORDS = {"aot_mode", "device_type", "use_mmap_weights", "use_mmap_weights_external", "use_relative_path",
@@ -51,14 +75,15 @@ def checked_ahead(shared_dir: Path | None) -> Iterator[None]:
     ``shared_dir`` run in threads from its start, and Inductor's own calls take
     their answers; the arguments of Inductor's calls are recorded for the next
     process. The block ends once the threads have: the checks use the scratch
-    directories of :func:`aoti_eager.kernels.scratch.compiling`, which must be
-    in effect around the block."""
+    directories of :func:`aoti_eager.kernels.inductor.scratch.compiling`, which must be
+    in effect around the block. Where an internal has moved (``missing(INTERNALS)``),
+    the block changes nothing."""
     from torch._inductor import codecache
 
-    original = getattr(codecache, "_precompile_header", None)
-    if shared_dir is None or original is None:
+    if shared_dir is None or missing(INTERNALS):
         yield
         return
+    original = codecache._precompile_header
     record = shared_dir / _RECORD
     calls = []
 
@@ -184,14 +209,15 @@ def check_recorded(compile_options: Callable[[str], dict[str, Any]], until: Call
     compiled nothing and runs no thread (:mod:`aoti_eager._zygote`): Inductor's
     settings are then these alone, whichever torch keeps them. Where no process
     has probed the vector ISAs yet, it checks nothing (the probe takes up to a
-    minute)."""
+    minute), nor where an internal has moved (``missing(INTERNALS)``)."""
     from torch._inductor import codecache
     from torch._inductor import config as inductor_config
 
-    from aoti_eager.kernels import scratch
-    from aoti_eager.kernels.toolchain import known_vec_isas, remembered_vec_isas
+    from aoti_eager.kernels.inductor import scratch
+    from aoti_eager.kernels.inductor.vec_isa import known_vec_isas
+    from aoti_eager.kernels.toolchain import remembered_vec_isas
 
-    vec_isas = remembered_vec_isas()
+    vec_isas = None if missing(INTERNALS) else remembered_vec_isas()
     if vec_isas is None:
         return
 
@@ -224,9 +250,7 @@ def _nothing_built() -> Iterator[None]:
     Inductor's lock while the others go on). Inductor memoizes no answer then."""
     from torch._inductor import codecache
 
-    build = getattr(codecache, "_worker_compile_cpp", None)
-    if build is None:  # another torch, whose check may build: none is made
-        raise _WouldBuild
+    build = codecache._worker_compile_cpp
 
     def build_only_what_is_built(lock_path: str, builders: Any) -> None:
         if not all(os.path.isfile(builder.get_target_file_path()) for builder in builders):

@@ -53,6 +53,20 @@ Both parts are compiled with Inductor's own command line. A wrapper that does
 not have the expected shape, or a part that fails to compile, gets Inductor's
 own build instead: the split can change how long a compile takes, not what it
 produces. ``AOTI_EAGER_SPLIT_WRAPPER=0`` turns it off.
+
+Torch internals it touches (:data:`INTERNALS`), checked with torch 2.11, 2.13
+and 2.14.1: ``torch._inductor.cpp_builder.CppBuilder.build``, replaced within
+:func:`split_wrapper_builds`; ``torch._inductor.cpp_builder.CppBuilder.get_command_line``,
+read and extended; the builder's ``_name`` and ``_output_dir``, which
+``torch._inductor.cpp_builder.CppBuilder.__init__`` sets, and
+``torch._inductor.cpp_builder._BUILD_TEMP_DIR``, where Inductor runs its
+command; besides, the text AOTInductor generates (the model container's C
+interface, the model's constructor, ``run_impl``'s inputs, the launch helpers),
+each matched where it is rewritten. Where one of the internals has moved
+(``missing(INTERNALS)``), nothing is replaced: Inductor builds as it does without this
+package (no split, no stage times, no version script, no other linker), and
+the checks against eager stand between a launch helper's parameter types and
+a wrong result. Text of another shape is left as Inductor wrote it.
 """
 
 from __future__ import annotations
@@ -70,13 +84,26 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from filelock import FileLock, Timeout
-from torch._inductor import cpp_builder
 
 from aoti_eager import settings
 from aoti_eager.cache import layout
+from aoti_eager.kernels.inductor.internals import missing
+
+try:
+    from torch._inductor import cpp_builder
+except ImportError:  # missing(INTERNALS) names it, and the builds are Inductor's own
+    cpp_builder = None
 
 
 log = logging.getLogger("aoti_eager")
+
+INTERNALS = (
+    "torch._inductor.cpp_builder.CppBuilder.build(self)",
+    "torch._inductor.cpp_builder.CppBuilder.get_command_line(self)",
+    "torch._inductor.cpp_builder.CppBuilder.__init__(name, sources, BuildOption, output_dir)",
+    "torch._inductor.cpp_builder._BUILD_TEMP_DIR",
+)
+
 
 _INTERFACE_END = '\n} // extern "C"\n'
 _BASE = "torch::aot_inductor::AOTInductorModelBase<torch::aot_inductor::AOTInductorModel>"
@@ -433,7 +460,13 @@ def split_wrapper_builds(shared_dir: Path | None, seconds: dict[str, float], lin
     stage), libraries are linked with ``linker`` (see
     :func:`aoti_eager.kernels.toolchain.linker`) and, with a ``shared_dir``,
     wrappers are built in two parts. Not thread-safe: a process compiles one
-    call at a time (Inductor is not thread-safe either)."""
+    call at a time (Inductor is not thread-safe either). Where an internal
+    has moved (``missing(INTERNALS)``), Inductor builds as it is."""
+    moved = missing(INTERNALS)
+    if moved:
+        log.debug("aoti_eager: Inductor's own builds: %s", "; ".join(moved))
+        yield
+        return
     original = cpp_builder.CppBuilder.build
     pending: list[Callable[[], None]] = []
 
