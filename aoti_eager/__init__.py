@@ -163,8 +163,8 @@ def enable(
     recorder = Recorder(record) if record is not None else None
     devices = list(devices) if devices is not None else _default_devices()
     for device in devices:
-        if device not in _runtime.DISPATCH_KEYS:
-            raise ValueError(f"aoti_eager: devices are {sorted(_runtime.DISPATCH_KEYS)}, not {device!r}")
+        if device not in _ops.DISPATCH_KEYS:
+            raise ValueError(f"aoti_eager: devices are {sorted(_ops.DISPATCH_KEYS)}, not {device!r}")
     if "cuda" in devices and not torch.cuda.is_available():
         raise ValueError("aoti_eager: devices=['cuda'] was asked for, but torch.cuda.is_available() is False")
     selected = _selected(ops)

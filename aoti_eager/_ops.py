@@ -76,6 +76,9 @@ def dispatcher_overloads(packet: OpOverloadPacket) -> tuple[OpOverload, ...]:
     return tuple(op for op in overloads if _in_dispatcher(op))
 
 
+# The dispatch key each device type's kernels are overridden at.
+DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+
 # Ops that return views of their input although their schemas carry no alias
 # annotation (autograd and functionalization know them by name too).
 _UNANNOTATED_VIEWS = {"aten::_unsafe_view", "aten::unsafe_split", "aten::unsafe_split_with_sizes", "aten::unsafe_chunk"}

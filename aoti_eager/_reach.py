@@ -112,7 +112,7 @@ class _Observer(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def _first_seen(self, op: OpOverload, device: str) -> str | None:
-        if device in _runtime.DISPATCH_KEYS and _ops.decomposes(op, (_runtime.DISPATCH_KEYS[device],)):
+        if device in _ops.DISPATCH_KEYS and _ops.decomposes(op, (_ops.DISPATCH_KEYS[device],)):
             return self._DECOMPOSES
         reason = _refusal(op, device)
         if reason is None:
@@ -142,8 +142,8 @@ def _device_type(args: tuple, kwargs: dict) -> str:
 def _refusal(op: OpOverload, device: str) -> str | None:
     """Why ``enable()`` would not serve ``op``'s calls on ``device``, or None."""
     reason = _ops.refusal(op)
-    if reason is None and device not in _runtime.DISPATCH_KEYS:
-        reason = f"it ran on the {device} device; aoti_eager overrides {' and '.join(_runtime.DISPATCH_KEYS)} kernels only"
-    elif reason is None and not torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), _runtime.DISPATCH_KEYS[device]):
+    if reason is None and device not in _ops.DISPATCH_KEYS:
+        reason = f"it ran on the {device} device; aoti_eager overrides {' and '.join(_ops.DISPATCH_KEYS)} kernels only"
+    elif reason is None and not torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), _ops.DISPATCH_KEYS[device]):
         reason = f"it has no {device} kernel to override"
     return reason

@@ -30,6 +30,7 @@ import torch
 from torch._ops import OpOverload
 
 from aoti_eager import _background, _extension, _mechanism, settings
+from aoti_eager._ops import DISPATCH_KEYS
 from aoti_eager._decisions import BACKGROUND_RETRY_SECONDS, Decision, RetryLater, RunEagerly, UseKernel
 from aoti_eager._planner import Eager, IntLookup, Planner
 from aoti_eager.cache import DamagedEntry, Entry, UntrustedEntry
@@ -43,8 +44,6 @@ from aoti_eager.kernels.speed import Timer
 from aoti_eager.manifest import Recorder
 
 log = logging.getLogger("aoti_eager")
-
-DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 
 
 @dataclass
