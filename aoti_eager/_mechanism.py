@@ -29,8 +29,8 @@ from aoti_eager.kernels import CallSignature
 from aoti_eager.kernels.compile import compile_options, flat_tensor_inputs
 from aoti_eager.kernels.dynamic import ShapeFamily
 from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad, check_loads, runtime_crashes
-from aoti_eager.kernels.pipeline import Loader, NotCompiled, Outcome, Published, compile_signature
-from aoti_eager.kernels.speed import Timer, measured, time_against_eager
+from aoti_eager.kernels.pipeline import Loader, NotCompiled, Outcome, Published, compile_signature, time_kernel
+from aoti_eager.kernels.speed import Timer
 from aoti_eager.kernels.signature import qualified_name
 from aoti_eager.kernels.toolchain import environment_name
 
@@ -184,12 +184,8 @@ def compile_kernel(
 def slower_here(kernel: Any, signature: CallSignature, op: torch._ops.OpOverload, timer: Timer | None) -> str | None:
     """Why eager is faster than the dynamic ``kernel`` at ``signature``'s
     call, or None where it is not (or the timing failed)."""
-    try:
-        timing = measured(kernel, signature, op, timer or time_against_eager)
-    except Exception as e:  # noqa: BLE001 - the kernel passed validation: keep it
-        log.debug("aoti_eager: timing %s against eager failed; keeping the kernel", op, exc_info=e)
-        return None
-    if not timing.eager_faster:
+    timing = time_kernel(kernel, signature, op, timer)
+    if timing is None or not timing.eager_faster:
         return None
     reason = f"eager is faster at these sizes: kernel {timing.ratio:.2f}x eager's time"
     log.info("aoti_eager: %s on %s keeps eager for sizes like (%s): %s", qualified_name(op), signature.device.type, signature.short(), reason)

@@ -181,7 +181,7 @@ def _compile_signature(
                 return NotCompiled(f"dynamic kernel: {failed}")
             return _publish_eager(store, name, signature, failed)
         seconds = time.perf_counter() - start
-        timing = _time(kernel, signature, op, name, compiler.timer)
+        timing = time_kernel(kernel, signature, op, compiler.timer)
         entry = _entry(name, signature, artifact, seconds, timing, family)
         store.publish(key, entry, sidecar_files(artifact) if entry.library else None)
     finally:
@@ -306,12 +306,15 @@ def _entry(
     return entry
 
 
-def _time(kernel: Any, signature: CallSignature, op: torch._ops.OpOverload, name: str, timer: Timer) -> Timing | None:
-    """The kernel's time against eager's (:func:`measured`); None where timing is off or failed."""
+def time_kernel(kernel: Any, signature: CallSignature, op: torch._ops.OpOverload, timer: Timer | None = None) -> Timing | None:
+    """``kernel``'s time against eager's at ``signature``'s call
+    (:func:`measured`, with ``timer`` or the current compiler's); None where
+    timing is off or failed."""
     if not settings.keep_faster.get():
         return None
+    name = qualified_name(op)
     try:
-        timing = measured(kernel, signature, op, timer)
+        timing = measured(kernel, signature, op, timer or current().timer)
     except Exception as e:  # noqa: BLE001 - the kernel passed validation: keep it
         log.debug("aoti_eager: timing %s against eager failed; keeping the kernel", name, exc_info=e)
         return None
