@@ -366,13 +366,71 @@ def compile_call(
     module = _OpCall(signature, eager_result)
     # Fresh copies: tracing an in-place op must not touch the caller's tensors.
     example = tuple(flat_tensor_inputs(signature, clone_args(signature.args)))
+    dynamic = _dynamic_options(signature, dynamic_shapes)
+    artifact, exported = _export_and_compile(
+        module, example, signature.device.type, {**options, **dynamic}, workdir, shared_dir, vec_isas, dynamic_shapes,
+        whole_graph=False,
+    )
+    artifact.output_counts = module.output_counts(eager_result)
+    if dynamic_shapes is not None:
+        inputs = {node.name: node for node in exported.graph.nodes if node.op == "placeholder"}
+        artifact.input_shapes = [tuple(inputs[name].meta["val"].shape) for name in exported.graph_signature.user_inputs]
+        artifact.input_strides = [tuple(inputs[name].meta["val"].stride()) for name in exported.graph_signature.user_inputs]
+        artifact.range_constraints = dict(exported.range_constraints)
+    return artifact
+
+
+def compile_module(
+    module: torch.nn.Module,
+    example: tuple[torch.Tensor, ...],
+    device_type: str,
+    options: dict[str, Any],
+    shared_dir: Path | None = None,
+    vec_isas: dict[str, list[str]] | None = None,
+) -> Artifact:
+    """Compiles ``module``, whose forward takes the tensors ``example`` and
+    returns a tuple of tensors, as :func:`compile_call` compiles an op's call.
+    Its library returns one tensor per output (output counts all -1). A
+    module that mutates its inputs is refused: nothing would write the
+    mutation back. Raises CompileError with the stage and cause on failure."""
+    artifact, exported = _export_and_compile(
+        module, example, device_type, options, None, shared_dir, vec_isas, None, whole_graph=True,
+        check_exported=_refuse_mutations,
+    )
+    outputs = exported.graph_signature.user_outputs
+    artifact.output_counts = [-1] * len(outputs)
+    return artifact
+
+
+def _refuse_mutations(exported: torch.export.ExportedProgram) -> None:
+    mutated = exported.graph_signature.user_inputs_to_mutate
+    if mutated:
+        raise CompileError(f"torch.export failed: the forward mutates {len(mutated)} of its inputs (parameters, "
+                           "buffers or arguments), which a compiled region cannot write back", any_values=True)
+
+
+def _export_and_compile(
+    module: torch.nn.Module,
+    example: tuple[Any, ...],
+    device_type: str,
+    inductor_options: dict[str, Any],
+    workdir: tempfile.TemporaryDirectory | None,
+    shared_dir: Path | None,
+    vec_isas: dict[str, list[str]] | None,
+    dynamic_shapes: tuple[Any, ...] | None,
+    whole_graph: bool,
+    check_exported: Any = None,
+) -> tuple[Artifact, Any]:
+    """``torch.export`` of ``module`` at ``example``, then AOTInductor: the
+    artifact (its output counts left to the caller) and the exported program.
+    ``whole_graph``: Inductor builds its pattern tables for whole graphs (see
+    :func:`_without_whole_graph_patterns`), which a module's graph has use for.
+    ``check_exported`` may refuse the exported program (raises CompileError)."""
     if workdir is None:
         workdir = scratch.compile_directory()
     library = Path(workdir.name) / LIBRARY_FILE
     seconds: dict[str, float] = {}
     stage = "torch.export"
-    dynamic = _dynamic_options(signature, dynamic_shapes)
-    inductor_options = {**options, **dynamic}
     from torch._inductor import config as inductor_config
 
     try:
@@ -385,12 +443,15 @@ def compile_call(
             start = time.perf_counter()
             exported = torch.export.export(module, example, dynamic_shapes=dynamic_shapes, strict=False)
             seconds["export"] = time.perf_counter() - start
+            if check_exported is not None:
+                check_exported(exported)
             stage = "AOTInductor"
             start = time.perf_counter()
             generated_before = _generated_kernels()
-            grain = parallel_above_grain() if dynamic else contextlib.nullcontext()
-            with split_wrapper_builds(shared_dir, seconds, linker()), grain, \
-                    _without_whole_graph_patterns(signature.device.type):
+            # Dynamic threads: a dynamic-shape kernel (see _dynamic_options).
+            grain = parallel_above_grain() if inductor_options.get("cpp.dynamic_threads") else contextlib.nullcontext()
+            patterns = contextlib.nullcontext() if whole_graph else _without_whole_graph_patterns(device_type)
+            with split_wrapper_builds(shared_dir, seconds, linker()), grain, patterns:
                 torch._inductor.aot_compile(
                     exported.module(), example,
                     options={**inductor_options, "aot_inductor.output_path": str(library)},
@@ -403,6 +464,9 @@ def compile_call(
             for path in library.parent.glob("*.json"):
                 if not path.name.endswith("_metadata.json") and path != library.with_suffix(".json"):
                     shutil.copyfile(path, library.with_suffix(".json"))
+    except CompileError:
+        workdir.cleanup()
+        raise
     except Exception as e:  # noqa: BLE001 - any failure means "run eagerly"
         workdir.cleanup()
         said = compiler_error(e)
@@ -417,13 +481,7 @@ def compile_call(
             f"AOTInductor leaves {', '.join(left)} to its proxy executor (it has no C shim): the kernel would only "
             "call the eager op, at a cost", any_values=True,
         )
-    artifact = Artifact(library, module.output_counts(eager_result), seconds, workdir, generated_kernels=generated)
-    if dynamic_shapes is not None:
-        inputs = {node.name: node for node in exported.graph.nodes if node.op == "placeholder"}
-        artifact.input_shapes = [tuple(inputs[name].meta["val"].shape) for name in exported.graph_signature.user_inputs]
-        artifact.input_strides = [tuple(inputs[name].meta["val"].stride()) for name in exported.graph_signature.user_inputs]
-        artifact.range_constraints = dict(exported.range_constraints)
-    return artifact
+    return Artifact(library, [], seconds, workdir, generated_kernels=generated), exported
 
 
 def _generated_kernels() -> int | None:
