@@ -117,15 +117,25 @@ def loader(cache: EntryStore, signature: CallSignature, known_good: bool) -> Loa
     counts: the C++ constructor checks them)."""
 
     def load(library: Path, output_counts: list[int]) -> Any:
-        device = signature.device
-        check_loads(cache.directory.name, library, str(device), output_counts, known_good)
-        kernel = _extension.load().CompiledKernel(str(library), str(device), output_counts, signature.runtime_arguments)
         inputs = len(flat_tensor_inputs(signature))
-        if kernel.num_inputs != inputs:
-            raise DamagedEntry(f"its library takes {kernel.num_inputs} inputs, a call ({signature.short()}) gives {inputs}")
-        return kernel
+        return load_library(cache, signature.device, library, output_counts, inputs, signature.short(), known_good,
+                            signature.runtime_arguments)
 
     return load
+
+
+def load_library(
+    cache: EntryStore, device: torch.device, library: Path, output_counts: list[int], inputs: int, call: str,
+    known_good: bool, runtime_arguments: list[Any] | tuple[Any, ...] = (),
+) -> Any:
+    """A library of ``cache`` loaded as a kernel on ``device`` (probed first
+    where none of its environment has loaded yet), checked to take the
+    ``inputs`` tensors that the call ``call`` gives it."""
+    check_loads(cache.directory.name, library, str(device), output_counts, known_good)
+    kernel = _extension.load().CompiledKernel(str(library), str(device), output_counts, runtime_arguments)
+    if kernel.num_inputs != inputs:
+        raise DamagedEntry(f"its library takes {kernel.num_inputs} inputs, a call ({call}) gives {inputs}")
+    return kernel
 
 
 def load_entry(cache: EntryStore, signature: CallSignature, entry: Entry) -> Any:
