@@ -53,7 +53,7 @@ class _Decided:
 log = logging.getLogger("aoti_eager")
 
 _stats: dict[str, RegionStats] = {}
-# (cache environment directory, key) -> what its calls run.
+# (cache directory of the environment, key) -> what its calls run.
 _decided: dict[tuple[str, str], _Decided] = {}
 _caches: dict[tuple[Path, str], EntryStore] = {}
 _lock = threading.RLock()
@@ -176,9 +176,9 @@ def _decide(instance: _Instance, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         raise NotARegion("grad is enabled and its parameters or inputs require grad (regions run without autograd)")
     cache = _cache(instance.root, call.device)
     with _lock:
-        decided = _decided.get((cache.directory.name, call.key))
+        decided = _decided.get((str(cache.directory), call.key))
         if decided is None:
-            decided = _decided[(cache.directory.name, call.key)] = _miss(instance, cache, call)
+            decided = _decided[(str(cache.directory), call.key)] = _miss(instance, cache, call)
     return decided, call
 
 
