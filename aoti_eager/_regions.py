@@ -68,6 +68,7 @@ class _Prepared:
     names: tuple[str, ...]
     tensors: tuple[torch.Tensor, ...]
     fingerprint: list[tuple[Any, ...]]
+    training: list[bool]  # of its submodules, which .train() and .eval() set
     structure: str
     assignments: int
 
@@ -120,10 +121,11 @@ class _Instance:
     def state(self) -> _Prepared:
         """The prepared state, prepared again where it changed. Raises NotARegion."""
         p = self.prepared
-        if p is None or p.assignments != _assignments or p.fingerprint != _fingerprint(p.tensors):
+        training = [m.training for m in self.module.modules()]
+        if p is None or p.assignments != _assignments or p.fingerprint != _fingerprint(p.tensors) or p.training != training:
             names, tensors = state_of(self.module)
-            p = self.prepared = _Prepared(names, tensors, _fingerprint(tensors), state_structure(self.module, names, tensors),
-                                          _assignments)
+            p = self.prepared = _Prepared(names, tensors, _fingerprint(tensors), training,
+                                          state_structure(self.module, names, tensors), _assignments)
         return p
 
 
@@ -143,7 +145,10 @@ def _call(instance: _Instance, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     if decided.outputs is None:
         # Loaded from the cache: the result's structure is learnt from one eager call in this process.
         result = instance.original(*args, **kwargs)
-        decided.outputs = Outputs.of(result)
+        try:
+            decided.outputs = Outputs.of(result)
+        except NotARegion as e:
+            decided.kernel, decided.reason = None, str(e)
         return result
     stats.hits += 1
     return decided.outputs.rebuild(decided.kernel.run(call.inputs()))
@@ -174,6 +179,8 @@ def _decide(instance: _Instance, args: tuple[Any, ...], kwargs: dict[str, Any]) 
     call = RegionCall.of(instance.name, state.names, state.tensors, state.structure, args, kwargs)
     if torch.is_grad_enabled() and any(t.requires_grad for t in call.inputs()):
         raise NotARegion("grad is enabled and its parameters or inputs require grad (regions run without autograd)")
+    if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
+        raise NotARegion("autocast is on (regions are compiled without it)")
     cache = _cache(instance.root, call.device)
     with _lock:
         decided = _decided.get((str(cache.directory), call.key))

@@ -146,7 +146,9 @@ class RegionCall:
     @property
     def key(self) -> str:
         """The digest naming the call's cache entry."""
-        return _digest([self.structure, str(self.spec), [d.to_json() for _, d in self.described]])
+        # The default dtype: a forward's new tensors (torch.ones(n)) take it.
+        default_dtype = str(torch.get_default_dtype())
+        return _digest([self.structure, default_dtype, str(self.spec), [d.to_json() for _, d in self.described]])
 
     def to_json(self) -> list[dict[str, Any]]:
         """The call's inputs as a cache entry lists them."""

@@ -243,6 +243,36 @@ def test_fuse_names_the_modules_or_classes(shared_cache):
         aoti_eager.fuse(model, compile="background")
 
 
+def test_compile_never_runs_eagerly_on_a_miss(tmp_path):
+    model, x = _model(), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, compile="never", cache_dir=tmp_path)
+    before = _row(Block)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x))
+    assert _delta(before, Block) == {"calls": 3, "hits": 0, "fallbacks": 3, "compiles": 0, "cache_loads": 0}
+    assert "compile='never'" in _row(Block)["fallback_reason"]
+    assert _cache_entries(tmp_path) == []
+
+
+def test_training_flags_and_autocast_are_part_of_the_call(shared_cache):
+    model, x = _model(), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    instance = _regions._fused(model.blocks[0])
+    in_eval = instance.state().structure
+    model.train()
+    assert instance.state().structure != in_eval
+    model.eval()
+    assert instance.state().structure == in_eval
+    before = _row(Block)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        actual, expected = model(x), reference(x)
+    assert actual.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(actual, expected)
+    assert _delta(before, Block)["fallbacks"] == 3 and "autocast" in _row(Block)["fallback_reason"]
+
+
 def test_gpt2_blocks(shared_cache):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
