@@ -403,10 +403,32 @@ def compile_module(
 
 
 def _refuse_mutations(exported: torch.export.ExportedProgram) -> None:
-    mutated = exported.graph_signature.user_inputs_to_mutate
-    if mutated:
-        raise CompileError(f"torch.export failed: the forward mutates {len(mutated)} of its inputs (parameters, "
-                           "buffers or arguments), which a compiled region cannot write back", any_values=True)
+    """Raises CompileError where the program writes into one of its inputs
+    (or a view of one): the exported graph keeps in-place ops as they are."""
+    for node in exported.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.is_mutable:
+            continue
+        for argument, value in zip(schema.arguments, node.args):
+            written = _input_of(value) if argument.alias_info is not None and argument.alias_info.is_write else None
+            if written is not None:
+                index = exported.graph_signature.user_inputs.index(written)
+                raise CompileError(
+                    f"torch.export failed: the forward writes into its input {index} (inputs: its parameters and "
+                    f"buffers, then the call's tensors) with {node.target}, which a compiled module does not keep",
+                    any_values=True,
+                )
+
+
+def _input_of(value: Any) -> str | None:
+    """The placeholder that ``value`` (a graph node) is, or is a view of; None for another value."""
+    while isinstance(value, torch.fx.Node) and value.op == "call_function":
+        schema = getattr(value.target, "_schema", None)
+        returns = schema.returns if schema is not None else []
+        if not (returns and returns[0].alias_info is not None and value.args):
+            return None  # new memory, not a view
+        value = value.args[0]
+    return value.name if isinstance(value, torch.fx.Node) and value.op == "placeholder" else None
 
 
 def _export_and_compile(

@@ -60,6 +60,18 @@ class Gate(torch.nn.Module):
         return x - self.scale
 
 
+class Counting(Block):
+    """Writes into its own buffer, which a compiled region cannot write back."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return super().forward(x)
+
+
 @dataclasses.dataclass
 class Pair:
     out: torch.Tensor
@@ -180,6 +192,38 @@ def test_a_region_that_does_not_export_runs_eagerly_with_its_reason(tmp_path, ca
     assert _row(Gate)["fallback_reason"].startswith("torch.export failed")
     lines = [r.getMessage() for r in caplog.records if "Gate" in r.getMessage()]
     assert len(lines) == 1 and "runs eagerly: torch.export failed" in lines[0]
+
+
+def test_a_region_that_mutates_its_state_runs_eagerly(tmp_path):
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(Counting(), Counting()).eval()
+    reference = copy.deepcopy(blocks)
+    aoti_eager.fuse(blocks, cache_dir=tmp_path)
+    before = _row(Counting)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(blocks(x), reference(x))
+    assert [int(b.calls) for b in blocks] == [2, 2]
+    assert _delta(before, Counting)["fallbacks"] == 4 and "writes into its input 6" in _row(Counting)["fallback_reason"]
+
+
+def test_a_kernel_that_disagrees_with_eager_is_not_used(tmp_path, monkeypatch):
+    from aoti_eager.kernels import region
+    from aoti_eager.kernels.validate import Mismatch
+
+    def disagree(what, actual, expected):
+        raise Mismatch(f"{what}: made to differ")
+
+    monkeypatch.setattr(region, "compare", disagree)
+    model, x = _model(seed=3), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=tmp_path)
+    before = _row(Block)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x))
+    assert _delta(before, Block)["hits"] == 0
+    assert _row(Block)["fallback_reason"] == "compiled kernel disagrees with eager: the region's result: made to differ"
 
 
 def test_grad_enabled_calls_run_eagerly(shared_cache):
