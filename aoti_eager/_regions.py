@@ -150,8 +150,14 @@ def _call(instance: _Instance, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
         except NotARegion as e:
             decided.kernel, decided.reason = None, str(e)
         return result
+    try:
+        tensors = decided.kernel.run(call.inputs())
+    except Exception as e:  # noqa: BLE001 - one line, not the runtime's C++ error
+        said = (str(e).strip().splitlines() or [""])[0][:200]
+        decided.kernel, decided.reason = None, f"compiled kernel failed to run: {type(e).__name__}: {said}"
+        return _eagerly(instance, stats, decided.reason, args, kwargs)
     stats.hits += 1
-    return decided.outputs.rebuild(decided.kernel.run(call.inputs()))
+    return decided.outputs.rebuild(tensors)
 
 
 def _eagerly(instance: _Instance, stats: RegionStats, reason: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -208,7 +214,9 @@ def _miss(instance: _Instance, cache: EntryStore, call: RegionCall) -> _Decided:
         return _Decided(reason=f"{type(e).__name__}: {e}")
 
 
-def _from_cache(instance: _Instance, cache: EntryStore, call: RegionCall) -> _Decided | None:
+def _from_cache(instance: _Instance, cache: EntryStore, call: RegionCall, compiled: bool = False) -> _Decided | None:
+    """What the cache holds for ``call``, its kernel loaded; None where it holds nothing
+    usable. ``compiled``: the entry was just published here (not counted as a load)."""
     try:
         with cache.hold(call.name, call.key) as entry:
             if entry is None:
@@ -219,7 +227,7 @@ def _from_cache(instance: _Instance, cache: EntryStore, call: RegionCall) -> _De
                                              call.short(), known_good=True)
     except DamagedEntry:
         return None
-    _stats_of(instance.name).cache_loads += 1
+    _stats_of(instance.name).cache_loads += not compiled
     return _Decided(kernel=kernel)
 
 
@@ -237,10 +245,9 @@ def _compile(instance: _Instance, cache: EntryStore, call: RegionCall) -> _Decid
     stats.compiles += 1
     stats.compile_seconds = round(stats.compile_seconds + outcome.seconds, 3)
     log.info("aoti_eager: compiled %s for (%s) in %.1f s", call.name, call.short(), outcome.seconds)
-    decided = _from_cache(instance, cache, call)
+    decided = _from_cache(instance, cache, call, compiled=True)
     if decided is None or decided.kernel is None:
         return decided or _Decided(reason="its published kernel is not in the cache")
-    stats.cache_loads -= 1  # the kernel just compiled, not one found
     decided.outputs = outputs
     return decided
 

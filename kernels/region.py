@@ -255,6 +255,10 @@ class RegionModule(torch.nn.Module):
             result = torch.func.functional_call(self._instance, dict(zip(self.call.names, flat[:n])), tuple(args), kwargs)
         if self.outputs is None:
             return result
+        for value in pytree.tree_leaves(result):
+            if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                # A number the kernel does not return: eager's value would be kept for every call.
+                raise NotARegion("its result holds a number computed from its tensors' data")
         return tuple(_in_order(t, order) for t, order in zip(self.outputs.tensors(result), self.outputs.orders))
 
 

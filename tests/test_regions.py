@@ -72,6 +72,14 @@ class Counting(Block):
         return super().forward(x)
 
 
+class Scoring(Block):
+    """Returns a Python number read from the data, which a kernel does not return."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y, y.sum().item()
+
+
 @dataclasses.dataclass
 class Pair:
     out: torch.Tensor
@@ -224,6 +232,41 @@ def test_a_kernel_that_disagrees_with_eager_is_not_used(tmp_path, monkeypatch):
         torch.testing.assert_close(model(x), reference(x))
     assert _delta(before, Block)["hits"] == 0
     assert _row(Block)["fallback_reason"] == "compiled kernel disagrees with eager: the region's result: made to differ"
+
+
+def test_a_number_read_from_the_data_keeps_eager(tmp_path):
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(Scoring() for _ in range(2)).eval()
+    aoti_eager.fuse(blocks, cache_dir=tmp_path)
+    before = _row(Scoring)
+    with torch.no_grad():
+        for x in (torch.randn(4, 16), torch.randn(4, 16)):
+            y, total = blocks[0](x)
+            assert total == y.sum().item()
+    assert _delta(before, Scoring)["hits"] == 0
+    assert "computed from its tensors' data" in _row(Scoring)["fallback_reason"]
+
+
+def test_a_kernel_that_fails_to_run_falls_back_with_one_line(shared_cache, monkeypatch, caplog):
+    class Failing:
+        def run(self, inputs):
+            raise RuntimeError("a C++ error\nwith a frame dump")
+
+    model, x = _model(), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    with torch.no_grad():
+        model(x)  # decided: the kernel
+        for where, decided in list(_regions._decided.items()):
+            if decided.kernel is not None:
+                monkeypatch.setitem(_regions._decided, where, _regions._Decided(Failing(), decided.outputs))
+        before = _row(Block)
+        with caplog.at_level(logging.WARNING, logger="aoti_eager"):
+            torch.testing.assert_close(model(x), reference(x))
+    assert _delta(before, Block)["fallbacks"] == 3
+    assert _row(Block)["fallback_reason"] == "compiled kernel failed to run: RuntimeError: a C++ error"
+    assert [r.getMessage() for r in caplog.records if "failed to run" in r.getMessage()] == [
+        f"aoti_eager: region::{Block.__module__}.Block runs eagerly: compiled kernel failed to run: RuntimeError: a C++ error"]
 
 
 def test_grad_enabled_calls_run_eagerly(shared_cache):
