@@ -10,6 +10,7 @@ serves run the original forward, with one log line per region and reason.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -271,7 +272,8 @@ def _has_forward(module: torch.nn.Module) -> bool:
 def chosen(model: torch.nn.Module, modules: Iterable[Any] | None) -> list[torch.nn.Module]:
     """The instances ``fuse`` makes regions of: those of ``modules`` (module
     instances or classes), else those of the classes that repeat (two or more
-    instances of one structure); never one inside another chosen one."""
+    instances of one structure outside each other); never one inside another
+    chosen one."""
     if modules is not None:
         wanted = list(modules)
         picks = lambda m: any(m is w or (isinstance(w, type) and isinstance(m, w)) for w in wanted)  # noqa: E731
@@ -288,6 +290,10 @@ def chosen(model: torch.nn.Module, modules: Iterable[Any] | None) -> list[torch.
             continue
         result.append(m)
         inside.update(id(sub) for sub in m.modules())
+    if modules is None:
+        # A class that repeats only inside the regions (a final norm like the blocks' own) is no region of its own.
+        left = collections.Counter(_structure(m) for m in result)
+        result = [m for m in result if left[_structure(m)] >= 2]
     return result
 
 

@@ -369,6 +369,8 @@ def test_gpt2_blocks(shared_cache):
     block = type(model.transformer.h[0])
     before = _row(block)
     aoti_eager.fuse(model, cache_dir=shared_cache)
+    # The blocks; not the final norm nor the embeddings' dropout, whose kind repeats only inside the blocks.
+    assert [name for name, m in model.named_modules() if "forward" in m.__dict__] == ["transformer.h.0", "transformer.h.1"]
     ids = torch.randint(0, 100, (2, 12))
     with torch.no_grad():
         actual = model(ids, use_cache=False).logits
@@ -376,3 +378,19 @@ def test_gpt2_blocks(shared_cache):
     torch.testing.assert_close(actual, expected)
     delta = _delta(before, block)
     assert (delta["compiles"], delta["hits"]) == (1, 2), _row(block)["fallback_reason"]
+
+
+def test_gpt2_generate_with_its_kv_cache_runs_the_blocks_eagerly(shared_cache):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64, bos_token_id=0,
+                                     eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    ids = torch.randint(1, 100, (1, 5))
+    with torch.no_grad():
+        tokens = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        expected = reference.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert tokens.tolist() == expected.tolist()
+    assert "unsupported input: a value of type DynamicCache" in _row(type(model.transformer.h[0]))["fallback_reason"]
