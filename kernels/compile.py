@@ -202,7 +202,7 @@ def traced_call(op: torch._ops.OpOverload, args: list[Any]) -> Any:
     return [t for r in results for t in r] if op._schema.returns else None
 
 
-def _dense_order(t: Any) -> tuple[int, ...] | None:
+def dense_order(t: Any) -> tuple[int, ...] | None:
     """The dims of ``t`` outermost first in memory, if it is dense (a
     permutation of a contiguous tensor); None for anything else."""
     if not isinstance(t, torch.Tensor) or t.dim() < 2 or not is_non_overlapping_and_dense_or_false(t):
@@ -211,7 +211,7 @@ def _dense_order(t: Any) -> tuple[int, ...] | None:
     return tuple(perm)
 
 
-def _in_order(t: Any, order: tuple[int, ...] | None) -> Any:
+def in_order(t: Any, order: tuple[int, ...] | None) -> Any:
     """``t`` laid out densely with its dims in ``order``, outermost first.
     Inductor drops the copy where ``t`` already is (a copy between equal
     layouts is one of its no-ops), and keeps it where dropping it would hand
@@ -234,7 +234,7 @@ class _OpCall(torch.nn.Module):
     decompositions give an output, which are not always eager's (``cat`` of
     one non-empty tensor is its ``clone``, in the input's layout, where eager
     returns a contiguous tensor); where they are eager's, the copy into
-    eager's layout costs nothing (see :func:`_in_order`)."""
+    eager's layout costs nothing (see :func:`in_order`)."""
 
     def __init__(self, signature: CallSignature, eager_result: Any = None):
         super().__init__()
@@ -242,7 +242,7 @@ class _OpCall(torch.nn.Module):
         self.signature = signature
         # Returns that hand back a mutated argument (in-place, out=).
         self.aliased = [i is not None for i in return_alias_indices(signature.op)]
-        self.orders = [_dense_order(t) for t in self._outputs(eager_result)] if eager_result is not None else None
+        self.orders = [dense_order(t) for t in self._outputs(eager_result)] if eager_result is not None else None
 
     def _arguments(self, tensors: list[torch.Tensor]) -> list[Any]:
         it = iter(tensors)
@@ -262,7 +262,7 @@ class _OpCall(torch.nn.Module):
 
     def forward(self, *tensors: torch.Tensor):
         outputs = self._outputs(traced_call(self.op, self._arguments(list(tensors))))
-        return tuple(_in_order(t, order) for t, order in zip(outputs, self.orders or itertools.repeat(None)))
+        return tuple(in_order(t, order) for t, order in zip(outputs, self.orders or itertools.repeat(None)))
 
     def _outputs(self, result: Any) -> list[Any]:
         """The returns of ``result`` the kernel gives back, flat."""

@@ -34,7 +34,7 @@ import torch.utils._pytree as pytree
 
 from aoti_eager.cache.entry_store import Entry, EntryStore
 from aoti_eager.kernels import quiet
-from aoti_eager.kernels.compile import CompileError, _dense_order, _in_order, compile_module, compile_options, sidecar_files
+from aoti_eager.kernels.compile import CompileError, dense_order, in_order, compile_module, compile_options, sidecar_files
 from aoti_eager.kernels.pipeline import Loader, NotCompiled, Outcome, Published
 from aoti_eager.kernels.signature import Arg, ConstantArg, NoneArg, NumberArg, TensorArg, Unsupported, clone_args
 from aoti_eager.kernels.toolchain import usable_vec_isas
@@ -190,7 +190,7 @@ class Outputs:
 
     spec: pytree.TreeSpec
     leaves: tuple[Any, ...]  # _TENSOR where a tensor goes
-    orders: tuple[Any, ...]  # each tensor's dims in memory (see compile._dense_order)
+    orders: tuple[Any, ...]  # each tensor's dims in memory (see compile.dense_order)
 
     @classmethod
     def of(cls, result: Any) -> "Outputs":
@@ -203,7 +203,7 @@ class Outputs:
                     "(register_dataclass, register_pytree_node) for its tensors to be returned"
                 )
         tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
-        return cls(spec, tuple(_TENSOR if isinstance(v, torch.Tensor) else v for v in leaves), tuple(map(_dense_order, tensors)))
+        return cls(spec, tuple(_TENSOR if isinstance(v, torch.Tensor) else v for v in leaves), tuple(map(dense_order, tensors)))
 
     def tensors(self, result: Any) -> list[torch.Tensor]:
         return [v for v in pytree.tree_leaves(result) if isinstance(v, torch.Tensor)]
@@ -259,7 +259,7 @@ class RegionModule(torch.nn.Module):
             if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
                 # A number the kernel does not return: eager's value would be kept for every call.
                 raise NotARegion("its result holds a number computed from its tensors' data")
-        return tuple(_in_order(t, order) for t, order in zip(self.outputs.tensors(result), self.outputs.orders))
+        return tuple(in_order(t, order) for t, order in zip(self.outputs.tensors(result), self.outputs.orders))
 
 
 def compile_region(
