@@ -54,8 +54,8 @@ class _Decided:
 log = logging.getLogger("aoti_eager")
 
 _stats: dict[str, RegionStats] = {}
-# (cache directory of the environment, key) -> what its calls run.
-_decided: dict[tuple[str, str], _Decided] = {}
+# (cache directory of the environment, key, compile mode) -> what its calls run.
+_decided: dict[tuple[str, str, str], _Decided] = {}
 _caches: dict[tuple[Path, str], EntryStore] = {}
 _lock = threading.RLock()
 
@@ -190,9 +190,10 @@ def _decide(instance: _Instance, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         raise NotARegion("autocast is on (regions are compiled without it)")
     cache = _cache(instance.root, call.device)
     with _lock:
-        decided = _decided.get((str(cache.directory), call.key))
+        where = (str(cache.directory), call.key, instance.compile)
+        decided = _decided.get(where)
         if decided is None:
-            decided = _decided[(str(cache.directory), call.key)] = _miss(instance, cache, call)
+            decided = _decided[where] = _miss(instance, cache, call)
     return decided, call
 
 

@@ -340,6 +340,12 @@ def test_compile_never_runs_eagerly_on_a_miss(tmp_path):
     assert _delta(before, Block) == {"calls": 3, "hits": 0, "fallbacks": 3, "compiles": 0, "cache_loads": 0}
     assert "compile='never'" in _row(Block)["fallback_reason"]
     assert _cache_entries(tmp_path) == []
+    aoti_eager.unfuse(model)
+    aoti_eager.fuse(model, cache_dir=tmp_path)  # compile="now" is not held back by what "never" decided
+    before = _row(Block)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x))
+    assert _delta(before, Block) == {"calls": 3, "hits": 3, "fallbacks": 0, "compiles": 1, "cache_loads": 0}
 
 
 def test_training_flags_and_autocast_are_part_of_the_call(shared_cache):
