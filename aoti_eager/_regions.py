@@ -49,6 +49,8 @@ class _Decided:
     kernel: Any = None
     outputs: Outputs | None = None
     reason: str | None = None
+    # False: this call's own (eager raised on its values): the next call with the key decides again.
+    lasting: bool = True
 
 
 log = logging.getLogger("aoti_eager")
@@ -193,7 +195,9 @@ def _decide(instance: _Instance, args: tuple[Any, ...], kwargs: dict[str, Any]) 
         where = (str(cache.directory), call.key, instance.compile)
         decided = _decided.get(where)
         if decided is None:
-            decided = _decided[where] = _miss(instance, cache, call)
+            decided = _miss(instance, cache, call)
+            if decided.lasting:
+                _decided[where] = decided
     return decided, call
 
 
@@ -243,7 +247,7 @@ def _compile(instance: _Instance, cache: EntryStore, call: RegionCall) -> _Decid
     if not isinstance(outcome, Published):
         if outcome.compiler_error is not None:
             _mechanism.compiler_failures.add(outcome.compiler_error)
-        return _Decided(reason=outcome.reason)
+        return _Decided(reason=outcome.reason, lasting=not outcome.eager_raised)
     stats.compiles += 1
     stats.compile_seconds = round(stats.compile_seconds + outcome.seconds, 3)
     log.info("aoti_eager: compiled %s for (%s) in %.1f s", call.name, call.short(), outcome.seconds)

@@ -80,6 +80,17 @@ class Scoring(Block):
         return y, y.sum().item()
 
 
+class Lookup(torch.nn.Module):
+    """Eager raises for an index out of range: the call's values, not its signature."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(10, 4)
+
+    def forward(self, ids):
+        return self.table(ids) * 2
+
+
 @dataclasses.dataclass
 class Pair:
     out: torch.Tensor
@@ -267,6 +278,20 @@ def test_a_kernel_that_fails_to_run_falls_back_with_one_line(shared_cache, monke
     assert _row(Block)["fallback_reason"] == "compiled kernel failed to run: RuntimeError: a C++ error"
     assert [r.getMessage() for r in caplog.records if "failed to run" in r.getMessage()] == [
         f"aoti_eager: region::{Block.__module__}.Block runs eagerly: compiled kernel failed to run: RuntimeError: a C++ error"]
+
+
+def test_eager_error_reaches_the_caller_and_the_next_call_compiles(tmp_path):
+    torch.manual_seed(0)
+    lookups = torch.nn.ModuleList(Lookup() for _ in range(2))
+    reference = copy.deepcopy(lookups)
+    aoti_eager.fuse(lookups, cache_dir=tmp_path)
+    before = _row(Lookup)
+    with torch.no_grad():
+        with pytest.raises(IndexError):
+            lookups[0](torch.tensor([[11]]))
+        ids = torch.tensor([[1]])
+        torch.testing.assert_close(lookups[1](ids), reference[1](ids))
+    assert _delta(before, Lookup) == {"calls": 2, "hits": 1, "fallbacks": 1, "compiles": 1, "cache_loads": 0}
 
 
 def test_grad_enabled_calls_run_eagerly(shared_cache):
