@@ -149,7 +149,10 @@ def _call(instance: _Instance, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
         # Loaded from the cache: the result's structure is learnt from one eager call in this process.
         result = instance.original(*args, **kwargs)
         try:
-            decided.outputs = Outputs.of(result)
+            outputs = Outputs.of(result)
+            if len(outputs.orders) != decided.kernel.num_outputs:
+                raise NotARegion(f"its result has {len(outputs.orders)} tensors, its kernel {decided.kernel.num_outputs}")
+            decided.outputs = outputs
         except NotARegion as e:
             decided.kernel, decided.reason = None, str(e)
         return result
