@@ -13,7 +13,8 @@ from __future__ import annotations
 import collections
 import logging
 import threading
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -56,6 +57,8 @@ class _Decided:
 log = logging.getLogger("aoti_eager")
 
 _stats: dict[str, RegionStats] = {}
+# Each region's fused modules alive: stats() has rows for those regions.
+_live: dict[str, weakref.WeakSet] = collections.defaultdict(weakref.WeakSet)
 # (cache directory of the environment, key, compile mode) -> what its calls run.
 _decided: dict[tuple[str, str, str], _Decided] = {}
 _caches: dict[tuple[Path, str], EntryStore] = {}
@@ -103,18 +106,27 @@ def _fingerprint(tensors: Iterable[torch.Tensor]) -> list[tuple[Any, ...]]:
 
 @dataclass
 class _Instance:
-    """A fused instance: its original forward and its prepared state."""
+    """A fused instance: its original forward and its prepared state. It
+    holds its module weakly: the module holds it (its ``forward``), and a
+    model let go of is freed at once, its regions' rows gone from stats()."""
 
-    module: torch.nn.Module
+    module_ref: weakref.ReferenceType
     name: str
     root: Path
     compile: str
     prepared: _Prepared | None = None
     refused: str | None = None  # why no call of it is compiled
-    original: Any = field(init=False)
+    # A forward set on the instance before fuse() (refused), called instead of its class's.
+    replaced: Any = None
 
-    def __post_init__(self) -> None:
-        self.original = self.module.__dict__.get("forward") or type(self.module).forward.__get__(self.module)
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.module_ref()
+
+    def original(self, *args: Any, **kwargs: Any) -> Any:
+        if self.replaced is not None:
+            return self.replaced(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if bypassed() or torch.compiler.is_exporting():
@@ -312,11 +324,13 @@ def fuse(model: torch.nn.Module, modules: Iterable[Any] | None, compile: str, ro
     for module in chosen(model, modules):
         if _fused(module) is not None:
             continue
-        instance = _Instance(module, region_name(module), root, compile)
+        instance = _Instance(weakref.ref(module), region_name(module), root, compile, replaced=module.__dict__.get("forward"))
         instance.refused = _refusal(module)
         if instance.refused is not None:
             _log_eager_once(instance.name, instance.refused)
         module.forward = instance.forward
+        _live[instance.name].add(module)
+        _stats_of(instance.name)
         names.append(instance.name)
     return names
 
@@ -337,10 +351,11 @@ def _refusal(module: torch.nn.Module) -> str | None:
 def unfuse(model: torch.nn.Module) -> None:
     """Restores the original forward of every fused instance in ``model``."""
     for module in model.modules():
-        if _fused(module) is not None:
+        if (instance := _fused(module)) is not None:
             del module.__dict__["forward"]
+            _live[instance.name].discard(module)
 
 
 def stats() -> dict[str, dict[str, Any]]:
-    """Each region's :class:`RegionStats` as a dict."""
-    return {name: dict(vars(s)) for name, s in _stats.items()}
+    """The :class:`RegionStats` of each region with fused modules alive, as a dict."""
+    return {name: dict(vars(s)) for name, s in _stats.items() if _live[name]}

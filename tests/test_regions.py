@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import json
 import logging
 import subprocess
@@ -110,6 +111,14 @@ class TupleBlock(Block):
     def forward(self, x, scale: float = 1.0, mask=None):
         y = super().forward(x) * scale
         return y, {"doubled": 2 * y, "steps": 3}
+
+
+@pytest.fixture(autouse=True)
+def _models_let_go():
+    """A test's models are freed when it ends (transformers' hold cycles):
+    the stats() of later tests have no rows of their regions."""
+    yield
+    gc.collect()
 
 
 def _row(region: type) -> dict:
@@ -294,6 +303,20 @@ def test_eager_error_reaches_the_caller_and_the_next_call_compiles(tmp_path):
     assert _delta(before, Lookup) == {"calls": 2, "hits": 1, "fallbacks": 1, "compiles": 1, "cache_loads": 0}
 
 
+def test_an_instance_with_forward_hooks_runs_eagerly(shared_cache):
+    model, x = _model(), torch.randn(4, 16)
+    seen = []
+    model.blocks[1].register_forward_hook(lambda module, args, result: seen.append(result.shape))
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    before = _row(Block)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x))
+    assert seen == [torch.Size([4, 16])] * 2  # once for each model, not twice in the fused one
+    assert _delta(before, Block)["hits"] == 2 and _delta(before, Block)["fallbacks"] == 1
+    assert "forward hooks" in _row(Block)["fallback_reason"]
+
+
 def test_grad_enabled_calls_run_eagerly(shared_cache):
     model, x = _model(), torch.randn(4, 16)
     reference = copy.deepcopy(model)
@@ -342,6 +365,23 @@ def test_unfuse_restores_the_original_forward(shared_cache):
     with torch.no_grad():
         model(torch.randn(4, 16))
     assert _delta(before, Block)["calls"] == 0
+
+
+class Unused(Block):
+    pass
+
+
+def test_stats_rows_are_those_of_fused_modules_alive(shared_cache):
+    torch.manual_seed(0)
+    blocks = aoti_eager.fuse(torch.nn.ModuleList(Unused() for _ in range(2)), cache_dir=shared_cache)
+    name = f"region::{Unused.__module__}.Unused"
+    assert aoti_eager.stats()[name]["calls"] == 0
+    del blocks  # freed at once: the fused modules do not hold themselves
+    assert name not in aoti_eager.stats()
+    blocks = aoti_eager.fuse(torch.nn.ModuleList(Unused() for _ in range(2)), cache_dir=shared_cache)
+    assert name in aoti_eager.stats()
+    aoti_eager.unfuse(blocks)
+    assert name not in aoti_eager.stats()
 
 
 def test_fuse_names_the_modules_or_classes(shared_cache):
