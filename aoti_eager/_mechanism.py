@@ -10,13 +10,14 @@ the cache disks found full, and the eager fallbacks already logged.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import logging
 import os
 import re
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -86,6 +87,20 @@ def log_eager_once(name: str, device: str, reason: str) -> None:
     if (name, device, reason) not in _logged:
         _logged.add((name, device, reason))
         log.warning("aoti_eager: %s on %s runs eagerly: %s", name, device, reason)
+
+
+@contextlib.contextmanager
+def own_work() -> Iterator[None]:
+    """Within the block, this thread's calls of overridden ops run the
+    original kernels, uncounted, as inside a miss: a compile started from
+    Python (a region's) neither recurses into the overrides nor waits on
+    :data:`compile_lock`, which it holds, for an op's compile."""
+    extension = _extension.load()
+    extension.enter_own_work()
+    try:
+        yield
+    finally:
+        extension.leave_own_work()
 
 
 def open_cache(root: Path, device: torch.device, url: str | None, wait: float) -> EntryStore:

@@ -257,7 +257,8 @@ def _compile(instance: _Instance, cache: EntryStore, call: RegionCall) -> _Decid
         return _mechanism.load_library(cache, call.device, library, output_counts, len(call.inputs()), call.short(),
                                        known_good=False)
 
-    outcome, outputs = compile_region(instance.module, call, cache, load)
+    with _mechanism.own_work():
+        outcome, outputs = compile_region(instance.module, call, cache, load)
     stats = _stats_of(instance.name)
     if not isinstance(outcome, Published):
         if outcome.compiler_error is not None:

@@ -317,6 +317,20 @@ def test_an_instance_with_forward_hooks_runs_eagerly(shared_cache):
     assert "forward hooks" in _row(Block)["fallback_reason"]
 
 
+def test_a_region_compiles_beside_enabled_ops(tmp_path):
+    model, x = _model(seed=5), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    before = _row(Block)
+    with aoti_eager.enabled(ops=["aten::gelu"], devices=["cpu"], cache_dir=tmp_path), torch.no_grad():
+        aoti_eager.fuse(model, cache_dir=tmp_path)
+        actual = model(x)  # the compile's own eager runs and checks use the original gelu, not its override
+        gelu = aoti_eager.stats()["aten::gelu"]
+    with torch.no_grad():
+        torch.testing.assert_close(actual, reference(x))
+    assert (gelu["calls"], gelu["compiles"]) == (0, 0)
+    assert _delta(before, Block) == {"calls": 3, "hits": 3, "fallbacks": 0, "compiles": 1, "cache_loads": 0}
+
+
 def test_grad_enabled_calls_run_eagerly(shared_cache):
     model, x = _model(), torch.randn(4, 16)
     reference = copy.deepcopy(model)
