@@ -140,8 +140,8 @@ def _model(block=Block, seed: int = 0) -> Model:
 def test_repeated_blocks_share_one_compile(tmp_path):
     model, x = _model(), torch.randn(4, 16)
     reference = copy.deepcopy(model)
-    before = _row(Block)
     assert aoti_eager.fuse(model, cache_dir=tmp_path) is model
+    before = _row(Block)  # a region's row is there while fused modules are
     # The blocks, not the Linears inside them nor the head (one of its kind).
     assert [m for m in model.modules() if "forward" in m.__dict__] == list(model.blocks)
     with torch.no_grad():
@@ -210,8 +210,8 @@ def test_a_region_that_does_not_export_runs_eagerly_with_its_reason(tmp_path, ca
     torch.manual_seed(0)
     model = torch.nn.Sequential(Gate(), Gate())
     reference = copy.deepcopy(model)
-    before = _row(Gate)
     aoti_eager.fuse(model, cache_dir=tmp_path)
+    before = _row(Gate)
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="aoti_eager"):
         for x in (torch.randn(4, 16), torch.randn(4, 16).abs(), -torch.randn(4, 16).abs()):
             torch.testing.assert_close(model(x), reference(x))
@@ -320,9 +320,9 @@ def test_an_instance_with_forward_hooks_runs_eagerly(shared_cache):
 def test_a_region_compiles_beside_enabled_ops(tmp_path):
     model, x = _model(seed=5), torch.randn(4, 16)
     reference = copy.deepcopy(model)
-    before = _row(Block)
     with aoti_eager.enabled(ops=["aten::gelu"], devices=["cpu"], cache_dir=tmp_path), torch.no_grad():
         aoti_eager.fuse(model, cache_dir=tmp_path)
+        before = _row(Block)
         actual = model(x)  # the compile's own eager runs and checks use the original gelu, not its override
         gelu = aoti_eager.stats()["aten::gelu"]
     with torch.no_grad():
@@ -370,7 +370,7 @@ def test_output_pytrees(shared_cache, block):
 
 
 def test_unfuse_restores_the_original_forward(shared_cache):
-    model = _model()
+    model, other = _model(), aoti_eager.fuse(_model(), cache_dir=shared_cache)  # other keeps the row in stats()
     aoti_eager.fuse(model, cache_dir=shared_cache)
     assert all(block.forward.__func__ is not Block.forward for block in model.blocks)
     assert aoti_eager.unfuse(model) is model
@@ -452,8 +452,8 @@ def test_gpt2_blocks(shared_cache):
     model = transformers.GPT2LMHeadModel(config).eval()
     reference = copy.deepcopy(model)
     block = type(model.transformer.h[0])
-    before = _row(block)
     aoti_eager.fuse(model, cache_dir=shared_cache)
+    before = _row(block)
     # The blocks; not the final norm nor the embeddings' dropout, whose kind repeats only inside the blocks.
     assert [name for name, m in model.named_modules() if "forward" in m.__dict__] == ["transformer.h.0", "transformer.h.1"]
     ids = torch.randint(0, 100, (2, 12))
