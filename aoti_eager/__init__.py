@@ -31,7 +31,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from aoti_eager import _background, _extension, _ops, _prewarm, _runtime, settings
+from aoti_eager import _background, _extension, _ops, _prewarm, _regions, _runtime, settings
 from aoti_eager._ops import OpSpec
 from aoti_eager.cache import default_root
 from aoti_eager.kernels import signature as _signature
@@ -40,7 +40,7 @@ from aoti_eager._prewarm import prewarm
 from aoti_eager._reach import ReachedOps, ops_reached
 from aoti_eager.version import __version__
 
-__all__ = ["ReachedOps", "cache_dir", "disable", "enable", "enabled", "ops_reached", "prewarm", "stats"]
+__all__ = ["ReachedOps", "cache_dir", "disable", "enable", "enabled", "fuse", "ops_reached", "prewarm", "stats", "unfuse"]
 
 log = logging.getLogger("aoti_eager")
 
@@ -242,6 +242,76 @@ def enabled(ops: Iterable[OpSpec] | OpSpec, **kwargs: Any) -> Iterator[None]:
                 _runtime.uninstall(override.op, override.device)
 
 
+def fuse(
+    model: torch.nn.Module,
+    modules: Iterable[Any] | None = None,
+    *,
+    compile: str = "now",
+    cache_dir: str | os.PathLike | None = None,
+) -> torch.nn.Module:
+    """Compiles each chosen submodule's forward whole: one library per region
+    signature, shared by every instance, with the parameters and buffers as
+    its inputs (changed weights need no compile).
+
+    A call of a region with inputs this process has not seen looks for its
+    kernel in the cache, else compiles it (``torch.export``, AOTInductor),
+    checks it against the original forward and keeps it. Calls no kernel
+    serves run the original forward, with one log line per region and
+    reason: a forward that does not export (data-dependent control flow,
+    inputs other than tensors, numbers, strings and None), grad enabled with
+    parameters or inputs that require it (regions run without autograd), or
+    a kernel that disagrees with eager.
+
+    Args:
+        model (torch.nn.Module): the model, whose submodules become regions.
+        modules (Iterable | None): the submodule instances or classes to
+            fuse. Default (None): the submodule classes that repeat, two or
+            more instances whose parameters and buffers have the same names,
+            shapes, dtypes and devices; never a module inside another region.
+        compile (str): ``"now"``: a miss compiles before the call returns;
+            ``"never"``: a miss runs the original forward (kernels already
+            in the cache are used). Default: ``"now"``.
+        cache_dir (str | PathLike | None): where kernels are kept. Default:
+            :func:`cache_dir`.
+
+    Returns:
+        torch.nn.Module: ``model``, its regions' forwards replaced.
+
+    Raises:
+        ValueError: ``compile`` is not one it takes.
+
+    Examples::
+
+        >>> model = aoti_eager.fuse(model)           # its repeated blocks
+        >>> with torch.no_grad():
+        ...     y = model(x)                         # one compile per block signature
+        >>> aoti_eager.stats()["region::transformers.models.gpt2.modeling_gpt2.GPT2Block"]["hits"]
+        12
+        >>> aoti_eager.unfuse(model)                 # the original forwards are back
+    """
+    if compile not in ("now", "never"):
+        raise ValueError(f'aoti_eager: fuse(compile=...) is "now" or "never", not {compile!r}')
+    settings.check_all()
+    root = Path(cache_dir).expanduser() if cache_dir is not None else _root if _root is not None else default_root()
+    _regions.fuse(model, modules, compile, root)
+    return model
+
+
+def unfuse(model: torch.nn.Module) -> torch.nn.Module:
+    """Restores the original forward of every region :func:`fuse` made in ``model``.
+
+    Returns:
+        torch.nn.Module: ``model``.
+
+    Examples::
+
+        >>> aoti_eager.unfuse(aoti_eager.fuse(model)) is model
+        True
+    """
+    _regions.unfuse(model)
+    return model
+
+
 def stats() -> dict[str, dict[str, Any]]:
     """What the calls of each enabled op overload did in this process, summed
     over devices.
@@ -255,6 +325,9 @@ def stats() -> dict[str, dict[str, Any]]:
         reason, or None); ``compile_seconds``; ``queued`` (compiles started in
         the background) and ``compiling`` (background compiles still running:
         the calls waiting for them run the original kernel meanwhile).
+        Each region of :func:`fuse` has its row too (``"region::<module>.<class>"``):
+        ``calls``, ``hits``, ``compiles``, ``cache_loads``, ``fallbacks``,
+        ``fallback_reason`` and ``compile_seconds``.
 
     Examples::
 
@@ -285,6 +358,7 @@ def stats() -> dict[str, dict[str, Any]]:
         row["compiling"] += override.compiles_running()
         row["compile_seconds"] = round(row["compile_seconds"] + override.stats.compile_seconds, 3)
         row["fallback_reason"] = override.stats.last_fallback_reason or row["fallback_reason"]
+    result.update(_regions.stats())
     return result
 
 

@@ -10,13 +10,14 @@ the cache disks found full, and the eager fallbacks already logged.
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import logging
 import os
 import re
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -88,6 +89,20 @@ def log_eager_once(name: str, device: str, reason: str) -> None:
         log.warning("aoti_eager: %s on %s runs eagerly: %s", name, device, reason)
 
 
+@contextlib.contextmanager
+def own_work() -> Iterator[None]:
+    """Within the block, this thread's calls of overridden ops run the
+    original kernels, uncounted, as inside a miss: a compile started from
+    Python (a region's) neither recurses into the overrides nor waits on
+    :data:`compile_lock`, which it holds, for an op's compile."""
+    extension = _extension.load()
+    extension.enter_own_work()
+    try:
+        yield
+    finally:
+        extension.leave_own_work()
+
+
 def open_cache(root: Path, device: torch.device, url: str | None, wait: float) -> EntryStore:
     """The cache at ``root`` of kernels for ``device`` (keyed by its capability,
     not its index), with the fleet cache at ``url`` behind it (None:
@@ -117,15 +132,25 @@ def loader(cache: EntryStore, signature: CallSignature, known_good: bool) -> Loa
     counts: the C++ constructor checks them)."""
 
     def load(library: Path, output_counts: list[int]) -> Any:
-        device = signature.device
-        check_loads(cache.directory.name, library, str(device), output_counts, known_good)
-        kernel = _extension.load().CompiledKernel(str(library), str(device), output_counts, signature.runtime_arguments)
         inputs = len(flat_tensor_inputs(signature))
-        if kernel.num_inputs != inputs:
-            raise DamagedEntry(f"its library takes {kernel.num_inputs} inputs, a call ({signature.short()}) gives {inputs}")
-        return kernel
+        return load_library(cache, signature.device, library, output_counts, inputs, signature.short(), known_good,
+                            signature.runtime_arguments)
 
     return load
+
+
+def load_library(
+    cache: EntryStore, device: torch.device, library: Path, output_counts: list[int], inputs: int, call: str,
+    known_good: bool, runtime_arguments: list[Any] | tuple[Any, ...] = (),
+) -> Any:
+    """A library of ``cache`` loaded as a kernel on ``device`` (probed first
+    where none of its environment has loaded yet), checked to take the
+    ``inputs`` tensors that the call ``call`` gives it."""
+    check_loads(cache.directory.name, library, str(device), output_counts, known_good)
+    kernel = _extension.load().CompiledKernel(str(library), str(device), output_counts, runtime_arguments)
+    if kernel.num_inputs != inputs:
+        raise DamagedEntry(f"its library takes {kernel.num_inputs} inputs, a call ({call}) gives {inputs}")
+    return kernel
 
 
 def load_entry(cache: EntryStore, signature: CallSignature, entry: Entry) -> Any:

@@ -134,6 +134,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           });
 
   m.def("set_miss_handler", &set_miss_handler);
+  // Python's own work on this thread (a region's compile, its eager reference
+  // and its check): the original kernels run, as inside a miss.
+  m.def("enter_own_work", [] { ++ReentryGuard::depth(); });
+  m.def("leave_own_work", [] { --ReentryGuard::depth(); });
   m.def("is_wrapped_number", [](const at::Tensor& t) {
     return t.unsafeGetTensorImpl()->is_wrapped_number();
   });

@@ -202,7 +202,7 @@ def traced_call(op: torch._ops.OpOverload, args: list[Any]) -> Any:
     return [t for r in results for t in r] if op._schema.returns else None
 
 
-def _dense_order(t: Any) -> tuple[int, ...] | None:
+def dense_order(t: Any) -> tuple[int, ...] | None:
     """The dims of ``t`` outermost first in memory, if it is dense (a
     permutation of a contiguous tensor); None for anything else."""
     if not isinstance(t, torch.Tensor) or t.dim() < 2 or not is_non_overlapping_and_dense_or_false(t):
@@ -211,7 +211,7 @@ def _dense_order(t: Any) -> tuple[int, ...] | None:
     return tuple(perm)
 
 
-def _in_order(t: Any, order: tuple[int, ...] | None) -> Any:
+def in_order(t: Any, order: tuple[int, ...] | None) -> Any:
     """``t`` laid out densely with its dims in ``order``, outermost first.
     Inductor drops the copy where ``t`` already is (a copy between equal
     layouts is one of its no-ops), and keeps it where dropping it would hand
@@ -234,7 +234,7 @@ class _OpCall(torch.nn.Module):
     decompositions give an output, which are not always eager's (``cat`` of
     one non-empty tensor is its ``clone``, in the input's layout, where eager
     returns a contiguous tensor); where they are eager's, the copy into
-    eager's layout costs nothing (see :func:`_in_order`)."""
+    eager's layout costs nothing (see :func:`in_order`)."""
 
     def __init__(self, signature: CallSignature, eager_result: Any = None):
         super().__init__()
@@ -242,7 +242,7 @@ class _OpCall(torch.nn.Module):
         self.signature = signature
         # Returns that hand back a mutated argument (in-place, out=).
         self.aliased = [i is not None for i in return_alias_indices(signature.op)]
-        self.orders = [_dense_order(t) for t in self._outputs(eager_result)] if eager_result is not None else None
+        self.orders = [dense_order(t) for t in self._outputs(eager_result)] if eager_result is not None else None
 
     def _arguments(self, tensors: list[torch.Tensor]) -> list[Any]:
         it = iter(tensors)
@@ -262,7 +262,7 @@ class _OpCall(torch.nn.Module):
 
     def forward(self, *tensors: torch.Tensor):
         outputs = self._outputs(traced_call(self.op, self._arguments(list(tensors))))
-        return tuple(_in_order(t, order) for t, order in zip(outputs, self.orders or itertools.repeat(None)))
+        return tuple(in_order(t, order) for t, order in zip(outputs, self.orders or itertools.repeat(None)))
 
     def _outputs(self, result: Any) -> list[Any]:
         """The returns of ``result`` the kernel gives back, flat."""
@@ -366,13 +366,93 @@ def compile_call(
     module = _OpCall(signature, eager_result)
     # Fresh copies: tracing an in-place op must not touch the caller's tensors.
     example = tuple(flat_tensor_inputs(signature, clone_args(signature.args)))
+    dynamic = _dynamic_options(signature, dynamic_shapes)
+    artifact, exported = _export_and_compile(
+        module, example, signature.device.type, {**options, **dynamic}, workdir, shared_dir, vec_isas, dynamic_shapes,
+        whole_graph=False,
+    )
+    artifact.output_counts = module.output_counts(eager_result)
+    if dynamic_shapes is not None:
+        inputs = {node.name: node for node in exported.graph.nodes if node.op == "placeholder"}
+        artifact.input_shapes = [tuple(inputs[name].meta["val"].shape) for name in exported.graph_signature.user_inputs]
+        artifact.input_strides = [tuple(inputs[name].meta["val"].stride()) for name in exported.graph_signature.user_inputs]
+        artifact.range_constraints = dict(exported.range_constraints)
+    return artifact
+
+
+def compile_module(
+    module: torch.nn.Module,
+    example: tuple[torch.Tensor, ...],
+    device_type: str,
+    options: dict[str, Any],
+    shared_dir: Path | None = None,
+    vec_isas: dict[str, list[str]] | None = None,
+) -> Artifact:
+    """Compiles ``module``, whose forward takes the tensors ``example`` and
+    returns a tuple of tensors, as :func:`compile_call` compiles an op's call.
+    Its library returns one tensor per output (output counts all -1). A
+    module that mutates its inputs is refused: nothing would write the
+    mutation back. Raises CompileError with the stage and cause on failure."""
+    artifact, exported = _export_and_compile(
+        module, example, device_type, options, None, shared_dir, vec_isas, None, whole_graph=True,
+        check_exported=_refuse_mutations,
+    )
+    outputs = exported.graph_signature.user_outputs
+    artifact.output_counts = [-1] * len(outputs)
+    return artifact
+
+
+def _refuse_mutations(exported: torch.export.ExportedProgram) -> None:
+    """Raises CompileError where the program writes into one of its inputs
+    (or a view of one): the exported graph keeps in-place ops as they are."""
+    for node in exported.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.is_mutable:
+            continue
+        for argument, value in zip(schema.arguments, node.args):
+            written = _input_of(value) if argument.alias_info is not None and argument.alias_info.is_write else None
+            if written is not None:
+                index = exported.graph_signature.user_inputs.index(written)
+                raise CompileError(
+                    f"torch.export failed: the forward writes into its input {index} (inputs: its parameters and "
+                    f"buffers, then the call's tensors) with {node.target}, which a compiled module does not keep",
+                    any_values=True,
+                )
+
+
+def _input_of(value: Any) -> str | None:
+    """The placeholder that ``value`` (a graph node) is, or is a view of; None for another value."""
+    while isinstance(value, torch.fx.Node) and value.op == "call_function":
+        schema = getattr(value.target, "_schema", None)
+        returns = schema.returns if schema is not None else []
+        if not (returns and returns[0].alias_info is not None and value.args):
+            return None  # new memory, not a view
+        value = value.args[0]
+    return value.name if isinstance(value, torch.fx.Node) and value.op == "placeholder" else None
+
+
+def _export_and_compile(
+    module: torch.nn.Module,
+    example: tuple[Any, ...],
+    device_type: str,
+    inductor_options: dict[str, Any],
+    workdir: tempfile.TemporaryDirectory | None,
+    shared_dir: Path | None,
+    vec_isas: dict[str, list[str]] | None,
+    dynamic_shapes: tuple[Any, ...] | None,
+    whole_graph: bool,
+    check_exported: Any = None,
+) -> tuple[Artifact, Any]:
+    """``torch.export`` of ``module`` at ``example``, then AOTInductor: the
+    artifact (its output counts left to the caller) and the exported program.
+    ``whole_graph``: Inductor builds its pattern tables for whole graphs (see
+    :func:`_without_whole_graph_patterns`), which a module's graph has use for.
+    ``check_exported`` may refuse the exported program (raises CompileError)."""
     if workdir is None:
         workdir = scratch.compile_directory()
     library = Path(workdir.name) / LIBRARY_FILE
     seconds: dict[str, float] = {}
     stage = "torch.export"
-    dynamic = _dynamic_options(signature, dynamic_shapes)
-    inductor_options = {**options, **dynamic}
     from torch._inductor import config as inductor_config
 
     try:
@@ -385,12 +465,15 @@ def compile_call(
             start = time.perf_counter()
             exported = torch.export.export(module, example, dynamic_shapes=dynamic_shapes, strict=False)
             seconds["export"] = time.perf_counter() - start
+            if check_exported is not None:
+                check_exported(exported)
             stage = "AOTInductor"
             start = time.perf_counter()
             generated_before = _generated_kernels()
-            grain = parallel_above_grain() if dynamic else contextlib.nullcontext()
-            with split_wrapper_builds(shared_dir, seconds, linker()), grain, \
-                    _without_whole_graph_patterns(signature.device.type):
+            # Dynamic threads: a dynamic-shape kernel (see _dynamic_options).
+            grain = parallel_above_grain() if inductor_options.get("cpp.dynamic_threads") else contextlib.nullcontext()
+            patterns = contextlib.nullcontext() if whole_graph else _without_whole_graph_patterns(device_type)
+            with split_wrapper_builds(shared_dir, seconds, linker()), grain, patterns:
                 torch._inductor.aot_compile(
                     exported.module(), example,
                     options={**inductor_options, "aot_inductor.output_path": str(library)},
@@ -403,6 +486,9 @@ def compile_call(
             for path in library.parent.glob("*.json"):
                 if not path.name.endswith("_metadata.json") and path != library.with_suffix(".json"):
                     shutil.copyfile(path, library.with_suffix(".json"))
+    except CompileError:
+        workdir.cleanup()
+        raise
     except Exception as e:  # noqa: BLE001 - any failure means "run eagerly"
         workdir.cleanup()
         said = compiler_error(e)
@@ -417,13 +503,7 @@ def compile_call(
             f"AOTInductor leaves {', '.join(left)} to its proxy executor (it has no C shim): the kernel would only "
             "call the eager op, at a cost", any_values=True,
         )
-    artifact = Artifact(library, module.output_counts(eager_result), seconds, workdir, generated_kernels=generated)
-    if dynamic_shapes is not None:
-        inputs = {node.name: node for node in exported.graph.nodes if node.op == "placeholder"}
-        artifact.input_shapes = [tuple(inputs[name].meta["val"].shape) for name in exported.graph_signature.user_inputs]
-        artifact.input_strides = [tuple(inputs[name].meta["val"].stride()) for name in exported.graph_signature.user_inputs]
-        artifact.range_constraints = dict(exported.range_constraints)
-    return artifact
+    return Artifact(library, [], seconds, workdir, generated_kernels=generated), exported
 
 
 def _generated_kernels() -> int | None:

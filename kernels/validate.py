@@ -17,7 +17,10 @@ class Mismatch(Exception):
     """The compiled kernel's result differs from eager's."""
 
 
-def _compare(what: str, actual: Any, expected: Any) -> None:
+def compare(what: str, actual: Any, expected: Any) -> None:
+    """Raises Mismatch where ``actual`` differs from eager's ``expected`` (a
+    tensor, or a list or tuple of them): dtype, shape, strides, values within
+    the tolerance of their dtype."""
     if isinstance(expected, torch.Tensor):
         if not isinstance(actual, torch.Tensor):
             raise Mismatch(f"{what}: expected a tensor, got {type(actual).__name__}")
@@ -35,7 +38,18 @@ def _compare(what: str, actual: Any, expected: Any) -> None:
         if not isinstance(actual, (list, tuple)) or len(actual) != len(expected):
             raise Mismatch(f"{what}: expected {len(expected)} values")
         for i, (a, e) in enumerate(zip(actual, expected)):
-            _compare(f"{what}[{i}]", a, e)
+            compare(f"{what}[{i}]", a, e)
+
+
+def check_fresh_memory(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
+    """Raises Mismatch where an output shares memory with an input or another
+    output: eager returns new memory (other than through an aliasing return),
+    a kernel that hands back an input, or one buffer twice, does not."""
+    seen = {t.untyped_storage()._cdata for t in inputs}
+    for t in outputs:
+        if t.numel() > 0 and t.untyped_storage()._cdata in seen:
+            raise Mismatch("an output shares memory with an input or another output")
+        seen.add(t.untyped_storage()._cdata)
 
 
 def check_matches_eager(
@@ -49,13 +63,7 @@ def check_matches_eager(
     args = clone_args(signature.args)
     inputs = flat_tensor_inputs(signature, args)
     fresh = kernel.run(inputs)
-    # Eager returns new memory (other than through an aliasing return); a
-    # kernel that hands back an input, or one buffer twice, does not.
-    seen = {t.untyped_storage()._cdata for t in inputs}
-    for t in fresh:
-        if t.numel() > 0 and t.untyped_storage()._cdata in seen:
-            raise Mismatch("an output shares memory with an input or another output")
-        seen.add(t.untyped_storage()._cdata)
+    check_fresh_memory(inputs, fresh)
     outputs = iter(fresh)
     results = expected if isinstance(expected, tuple) else (expected,)
     if not op._schema.returns:
@@ -67,6 +75,6 @@ def check_matches_eager(
             got = next(outputs)
         else:
             got = [next(outputs) for _ in range(count)]
-        _compare(f"return {i}", got, want)
+        compare(f"return {i}", got, want)
     for i in mutated_arguments(op):
-        _compare(f"argument {op._schema.arguments[i].name}", args[i], reference_args[i])
+        compare(f"argument {op._schema.arguments[i].name}", args[i], reference_args[i])

@@ -1,0 +1,362 @@
+"""Fused regions: a model's repeated blocks, each call one compiled library.
+
+:func:`fuse` replaces the ``forward`` of each chosen instance with
+:meth:`_Instance.forward` (an instance attribute; :func:`unfuse` deletes it).
+A call describes itself (kernels/region.py), finds what its key runs in this
+process, else in the cache, else compiles it (as ``compile`` says), and runs
+the library on the instance's state and the call's tensors. Calls no kernel
+serves run the original forward, with one log line per region and reason.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from aoti_eager import _mechanism
+from aoti_eager.cache import DamagedEntry, UntrustedEntry
+from aoti_eager.cache.entry_store import EntryStore
+from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad
+from aoti_eager.kernels.pipeline import Published
+from aoti_eager.kernels.region import (
+    NotARegion, Outputs, RegionCall, bypassed, code_digest, compile_region, region_name, state_of, state_structure,
+)
+
+@dataclass
+class RegionStats:
+    """What the calls of one region's instances did in this process."""
+
+    calls: int = 0
+    hits: int = 0
+    # Calls that ran the original forward, and the last reason why.
+    fallbacks: int = 0
+    fallback_reason: str | None = None
+    compiles: int = 0
+    compile_seconds: float = 0.0
+    cache_loads: int = 0
+
+
+@dataclass
+class _Decided:
+    """What the calls of one key run: ``kernel`` with the result's ``outputs``, else eagerly for ``reason``."""
+
+    kernel: Any = None
+    outputs: Outputs | None = None
+    reason: str | None = None
+    # False: this call's own (eager raised on its values): the next call with the key decides again.
+    lasting: bool = True
+
+
+log = logging.getLogger("aoti_eager")
+
+_stats: dict[str, RegionStats] = {}
+# Each region's fused modules alive: stats() has rows for those regions.
+_live: dict[str, weakref.WeakSet] = collections.defaultdict(weakref.WeakSet)
+# (cache directory of the environment, key, compile mode) -> what its calls run.
+_decided: dict[tuple[str, str, str], _Decided] = {}
+_caches: dict[tuple[Path, str], EntryStore] = {}
+_lock = threading.RLock()
+
+
+@dataclass
+class _Prepared:
+    """An instance's state as its kernel takes it, prepared once: valid while
+    ``fingerprint`` matches its tensors and no parameter or buffer was
+    assigned anew (:data:`_assignments`)."""
+
+    names: tuple[str, ...]
+    tensors: tuple[torch.Tensor, ...]
+    fingerprint: list[tuple[Any, ...]]
+    training: list[bool]  # of its submodules, which .train() and .eval() set
+    structure: str
+    assignments: int
+
+
+# Parameters and buffers assigned to any module (counted by global hooks).
+_assignments = 0
+
+
+def _assigned(*_: Any) -> None:
+    global _assignments
+    _assignments += 1
+
+
+_hooked = False
+
+
+def _hook_assignments() -> None:
+    global _hooked
+    if not _hooked:
+        torch.nn.modules.module.register_module_parameter_registration_hook(_assigned)
+        torch.nn.modules.module.register_module_buffer_registration_hook(_assigned)
+        _hooked = True
+
+
+def _fingerprint(tensors: Iterable[torch.Tensor]) -> list[tuple[Any, ...]]:
+    # Moving a module (.to()) keeps its Parameter objects and replaces their data.
+    return [(t.data_ptr(), t.dtype, t.device, t.shape, t.stride()) for t in tensors]
+
+
+@dataclass
+class _Instance:
+    """A fused instance: its original forward and its prepared state. It
+    holds its module weakly: the module holds it (its ``forward``), and a
+    model let go of is freed at once, its regions' rows gone from stats()."""
+
+    module_ref: weakref.ReferenceType
+    name: str
+    root: Path
+    compile: str
+    prepared: _Prepared | None = None
+    refused: str | None = None  # why no call of it is compiled
+    # A forward set on the instance before fuse() (refused), called instead of its class's.
+    replaced: Any = None
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.module_ref()
+
+    def original(self, *args: Any, **kwargs: Any) -> Any:
+        if self.replaced is not None:
+            return self.replaced(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if bypassed() or torch.compiler.is_exporting():
+            return self.original(*args, **kwargs)
+        return _call(self, args, kwargs)
+
+    def state(self) -> _Prepared:
+        """The prepared state, prepared again where it changed. Raises NotARegion."""
+        p = self.prepared
+        training = [m.training for m in self.module.modules()]
+        if p is None or p.assignments != _assignments or p.fingerprint != _fingerprint(p.tensors) or p.training != training:
+            names, tensors = state_of(self.module)
+            p = self.prepared = _Prepared(names, tensors, _fingerprint(tensors), training,
+                                          state_structure(self.module, names, tensors), _assignments)
+        return p
+
+
+def _stats_of(name: str) -> RegionStats:
+    return _stats.setdefault(name, RegionStats())
+
+
+def _call(instance: _Instance, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    stats = _stats_of(instance.name)
+    stats.calls += 1
+    try:
+        decided, call = _decide(instance, args, kwargs)
+    except NotARegion as e:
+        return _eagerly(instance, stats, str(e), args, kwargs)
+    if decided.kernel is None:
+        return _eagerly(instance, stats, decided.reason or "decided eager", args, kwargs)
+    if decided.outputs is None:
+        # Loaded from the cache: the result's structure is learnt from one eager call in this process.
+        result = instance.original(*args, **kwargs)
+        try:
+            outputs = Outputs.of(result)
+            if len(outputs.orders) != decided.kernel.num_outputs:
+                raise NotARegion(f"its result has {len(outputs.orders)} tensors, its kernel {decided.kernel.num_outputs}")
+            decided.outputs = outputs
+        except NotARegion as e:
+            decided.kernel, decided.reason = None, str(e)
+        return result
+    try:
+        tensors = decided.kernel.run(call.inputs())
+    except Exception as e:  # noqa: BLE001 - one line, not the runtime's C++ error
+        said = (str(e).strip().splitlines() or [""])[0][:200]
+        decided.kernel, decided.reason = None, f"compiled kernel failed to run: {type(e).__name__}: {said}"
+        return _eagerly(instance, stats, decided.reason, args, kwargs)
+    stats.hits += 1
+    return decided.outputs.rebuild(tensors)
+
+
+def _eagerly(instance: _Instance, stats: RegionStats, reason: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    stats.fallbacks += 1
+    stats.fallback_reason = reason
+    _log_eager_once(instance.name, reason)
+    return instance.original(*args, **kwargs)
+
+
+# (region, reason) already logged: one line per process, not per call.
+_logged: set[tuple[str, str]] = set()
+
+
+def _log_eager_once(name: str, reason: str) -> None:
+    if (name, reason) not in _logged:
+        _logged.add((name, reason))
+        log.warning("aoti_eager: %s runs eagerly: %s", name, reason)
+
+
+def _decide(instance: _Instance, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Decided, RegionCall]:
+    """What this call runs; raises NotARegion where no kernel may serve it."""
+    if instance.refused is not None:
+        raise NotARegion(instance.refused)
+    state = instance.state()
+    call = RegionCall.of(instance.name, state.names, state.tensors, state.structure, args, kwargs)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in call.inputs()):
+        raise NotARegion("grad is enabled and its parameters or inputs require grad (regions run without autograd)")
+    if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
+        raise NotARegion("autocast is on (regions are compiled without it)")
+    cache = _cache(instance.root, call.device)
+    with _lock:
+        where = (str(cache.directory), call.key, instance.compile)
+        decided = _decided.get(where)
+        if decided is None:
+            decided = _miss(instance, cache, call)
+            if decided.lasting:
+                _decided[where] = decided
+    return decided, call
+
+
+def _cache(root: Path, device: torch.device) -> EntryStore:
+    if (root, str(device)) not in _caches:
+        _caches[(root, str(device))] = _mechanism.open_cache(root, device, None, wait=0.0)
+    return _caches[(root, str(device))]
+
+
+def _miss(instance: _Instance, cache: EntryStore, call: RegionCall) -> _Decided:
+    try:
+        found = _from_cache(instance, cache, call)
+        if found is not None or instance.compile == "never":
+            return found or _Decided(reason="compile='never' and no kernel in the cache")
+        if (why := _mechanism.cannot_compile(cache)) is not None:
+            return _Decided(reason=why)
+        with cache.lock_signature(call.name, call.key), _mechanism.compile_lock:
+            return _from_cache(instance, cache, call) or _compile(instance, cache, call)
+    except (UntrustedEntry, UnsafeToLoad, OSError) as e:
+        return _Decided(reason=f"{type(e).__name__}: {e}")
+
+
+def _from_cache(instance: _Instance, cache: EntryStore, call: RegionCall, compiled: bool = False) -> _Decided | None:
+    """What the cache holds for ``call``, its kernel loaded; None where it holds nothing
+    usable. ``compiled``: the entry was just published here (not counted as a load)."""
+    try:
+        with cache.hold(call.name, call.key) as entry:
+            if entry is None:
+                return None
+            if entry.library is None:
+                return _Decided(reason=entry.reason or "decided eager")
+            kernel = _mechanism.load_library(cache, call.device, entry.library, entry.output_counts, len(call.inputs()),
+                                             call.short(), known_good=True)
+    except DamagedEntry:
+        return None
+    _stats_of(instance.name).cache_loads += not compiled
+    return _Decided(kernel=kernel)
+
+
+def _compile(instance: _Instance, cache: EntryStore, call: RegionCall) -> _Decided:
+    def load(library: Path, output_counts: list[int]) -> Any:
+        return _mechanism.load_library(cache, call.device, library, output_counts, len(call.inputs()), call.short(),
+                                       known_good=False)
+
+    with _mechanism.own_work():
+        outcome, outputs = compile_region(instance.module, call, cache, load)
+    stats = _stats_of(instance.name)
+    if not isinstance(outcome, Published):
+        if outcome.compiler_error is not None:
+            _mechanism.compiler_failures.add(outcome.compiler_error)
+        return _Decided(reason=outcome.reason, lasting=not outcome.eager_raised)
+    stats.compiles += 1
+    stats.compile_seconds = round(stats.compile_seconds + outcome.seconds, 3)
+    log.info("aoti_eager: compiled %s for (%s) in %.1f s", call.name, call.short(), outcome.seconds)
+    decided = _from_cache(instance, cache, call, compiled=True)
+    if decided is None or decided.kernel is None:
+        return decided or _Decided(reason="its published kernel is not in the cache")
+    decided.outputs = outputs
+    return decided
+
+
+def _fused(module: torch.nn.Module) -> _Instance | None:
+    forward = module.__dict__.get("forward")
+    owner = getattr(forward, "__self__", None)
+    return owner if isinstance(owner, _Instance) else None
+
+
+def _structure(module: torch.nn.Module) -> tuple[Any, ...]:
+    """What instances of one region share: class, parameters' and buffers' names and metadata."""
+    named = [*module.named_parameters(), *module.named_buffers()]
+    return (type(module), tuple((n, tuple(t.shape), t.dtype, t.device) for n, t in named))
+
+
+def _has_forward(module: torch.nn.Module) -> bool:
+    return type(module).forward is not torch.nn.Module.forward
+
+
+def chosen(model: torch.nn.Module, modules: Iterable[Any] | None) -> list[torch.nn.Module]:
+    """The instances ``fuse`` makes regions of: those of ``modules`` (module
+    instances or classes), else those of the classes that repeat (two or more
+    instances of one structure outside each other); never one inside another
+    chosen one."""
+    if modules is not None:
+        wanted = list(modules)
+        picks = lambda m: any(m is w or (isinstance(w, type) and isinstance(m, w)) for w in wanted)  # noqa: E731
+    else:
+        counts: dict[tuple[Any, ...], int] = {}
+        for m in model.modules():
+            if m is not model and _has_forward(m):
+                counts[_structure(m)] = counts.get(_structure(m), 0) + 1
+        picks = lambda m: m is not model and _has_forward(m) and counts.get(_structure(m), 0) >= 2  # noqa: E731
+    result: list[torch.nn.Module] = []
+    inside: set[int] = set()
+    for m in model.modules():  # outer modules first
+        if id(m) in inside or not picks(m):
+            continue
+        result.append(m)
+        inside.update(id(sub) for sub in m.modules())
+    if modules is None:
+        # A class that repeats only inside the regions (a final norm like the blocks' own) is no region of its own.
+        left = collections.Counter(_structure(m) for m in result)
+        result = [m for m in result if left[_structure(m)] >= 2]
+    return result
+
+
+def fuse(model: torch.nn.Module, modules: Iterable[Any] | None, compile: str, root: Path) -> list[str]:
+    """Makes regions of the instances :func:`chosen` picks; the regions' names."""
+    _hook_assignments()
+    names = []
+    for module in chosen(model, modules):
+        if _fused(module) is not None:
+            continue
+        instance = _Instance(weakref.ref(module), region_name(module), root, compile, replaced=module.__dict__.get("forward"))
+        instance.refused = _refusal(module)
+        if instance.refused is not None:
+            _log_eager_once(instance.name, instance.refused)
+        module.forward = instance.forward
+        _live[instance.name].add(module)
+        _stats_of(instance.name)
+        names.append(instance.name)
+    return names
+
+
+def _refusal(module: torch.nn.Module) -> str | None:
+    """Why no call of ``module`` is compiled, or None."""
+    if "forward" in module.__dict__:
+        return "its forward is replaced on the instance, which its class's code does not describe"
+    if module._forward_hooks or module._forward_pre_hooks:
+        return "it has forward hooks, which would run inside and around its kernel"
+    try:
+        code_digest(module)
+    except NotARegion as e:
+        return str(e)
+    return None
+
+
+def unfuse(model: torch.nn.Module) -> None:
+    """Restores the original forward of every fused instance in ``model``."""
+    for module in model.modules():
+        if (instance := _fused(module)) is not None:
+            del module.__dict__["forward"]
+            _live[instance.name].discard(module)
+
+
+def stats() -> dict[str, dict[str, Any]]:
+    """The :class:`RegionStats` of each region with fused modules alive, as a dict."""
+    return {name: dict(vars(s)) for name, s in _stats.items() if _live[name]}

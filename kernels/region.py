@@ -1,0 +1,331 @@
+"""A region: one module's forward compiled whole, shared by every instance.
+
+A region's kernel takes the module's parameters and buffers as inputs, then
+the tensors of the call: twelve blocks of one class, with different weights,
+use one library, and changed weights need no compile. Its cache key holds
+what shapes the kernel besides the weights' values: the class and its code
+(its own and its submodules' classes' source), the names, sizes, strides,
+dtypes and devices of its parameters and buffers, its submodules' training
+flags, and the call (the pytree structure of its arguments, its tensors as
+an op's signature describes them, other values by value). The environment
+(torch, compiler, ISA or GPU) is the store's, as for ops.
+
+The compile exports :class:`RegionModule`, whose forward calls the instance
+with ``torch.func.functional_call``, with ``torch.export`` (non-strict) and
+AOTInductor (:func:`~aoti_eager.kernels.compile.compile_module`), runs the
+library against eager's forward on the same inputs, and publishes the
+result under the op name ``region::<module>.<class>``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+import torch.utils._pytree as pytree
+
+from aoti_eager.cache.entry_store import Entry, EntryStore
+from aoti_eager.kernels import quiet
+from aoti_eager.kernels.compile import CompileError, dense_order, in_order, compile_module, compile_options, sidecar_files
+from aoti_eager.kernels.pipeline import Loader, NotCompiled, Outcome, Published
+from aoti_eager.kernels.signature import Arg, ConstantArg, NoneArg, NumberArg, TensorArg, Unsupported, clone_args
+from aoti_eager.kernels.toolchain import usable_vec_isas
+from aoti_eager.kernels.validate import Mismatch, check_fresh_memory, compare
+
+log = logging.getLogger("aoti_eager")
+
+REGION_PREFIX = "region::"
+
+# Python values a call or a result may hold besides tensors, kept by value.
+_VALUES = (bool, int, float, str, type(None))
+
+
+class NotARegion(Exception):
+    """A module, or one call of it, that no region kernel serves; the message says why."""
+
+
+def region_name(module: torch.nn.Module) -> str:
+    """The op name of the region of ``module``'s class, as the cache lists it."""
+    cls = type(module)
+    return f"{REGION_PREFIX}{cls.__module__}.{cls.__qualname__}".replace("<locals>.", "")
+
+
+_sources: dict[type, str] = {}
+
+
+def _class_source(cls: type) -> str:
+    """The source of ``cls`` and of the forward it calls (which a base class may define)."""
+    if cls not in _sources:
+        try:
+            _sources[cls] = inspect.getsource(cls) + inspect.getsource(cls.forward)
+        except (OSError, TypeError) as e:
+            raise NotARegion(f"the source of {cls.__qualname__} cannot be read ({e}), so its code cannot be keyed") from None
+    return _sources[cls]
+
+
+def code_digest(module: torch.nn.Module) -> str:
+    """A digest of the code of ``module``'s class and its submodules' classes.
+    Raises NotARegion where a source cannot be read."""
+    classes = sorted({type(m) for m in module.modules()}, key=lambda c: f"{c.__module__}.{c.__qualname__}")
+    digest = hashlib.sha256()
+    for cls in classes:
+        digest.update(f"{cls.__module__}.{cls.__qualname__}\n{_class_source(cls)}".encode())
+    return digest.hexdigest()
+
+
+def state_of(module: torch.nn.Module) -> tuple[tuple[str, ...], tuple[torch.Tensor, ...]]:
+    """The names and tensors of ``module``'s parameters, then its buffers."""
+    named = [*module.named_parameters(), *module.named_buffers()]
+    return tuple(n for n, _ in named), tuple(t for _, t in named)
+
+
+def state_structure(module: torch.nn.Module, names: tuple[str, ...], tensors: tuple[torch.Tensor, ...]) -> str:
+    """A digest of what a region kernel of ``module`` depends on besides the
+    call: its class and code, its parameters' and buffers' names and metadata
+    (never their values) and its submodules' training flags. Raises NotARegion."""
+    described = [[name, _tensor(t, t.device).to_json()] for name, t in zip(names, tensors)]
+    training = [m.training for m in module.modules()]
+    return _digest([region_name(module), code_digest(module), described, training])
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _tensor(t: torch.Tensor, device: torch.device) -> TensorArg:
+    try:
+        return TensorArg.of(t, device)
+    except Unsupported as e:
+        raise NotARegion(f"unsupported input: {e}") from None
+
+
+def _leaf(value: Any, device: torch.device) -> Arg:
+    if isinstance(value, torch.Tensor):
+        return _tensor(value, device)
+    if value is None:
+        return NoneArg()
+    if isinstance(value, (bool, str)):
+        return ConstantArg(value)
+    if isinstance(value, (int, float)):
+        return NumberArg(value)
+    raise NotARegion(f"unsupported input: a value of type {type(value).__name__} (tensors, numbers, strings and None are)")
+
+
+@dataclass(frozen=True)
+class RegionCall:
+    """One call of a region's instance: its state (parameters, buffers), the
+    call's arguments flattened, and the cache key of their kernel."""
+
+    name: str
+    device: torch.device
+    names: tuple[str, ...]
+    tensors: tuple[torch.Tensor, ...]
+    structure: str  # state_structure() of the instance
+    leaves: tuple[Any, ...]
+    spec: pytree.TreeSpec
+    described: tuple[tuple[str, Arg], ...]  # (path, description) of each leaf
+
+    @classmethod
+    def of(cls, name: str, names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], structure: str,
+           args: tuple[Any, ...], kwargs: dict[str, Any]) -> "RegionCall":
+        """The call; raises NotARegion for inputs no kernel takes."""
+        with_paths, spec = pytree.tree_flatten_with_path((args, kwargs))
+        leaves = tuple(v for _, v in with_paths)
+        device = _device(tensors, leaves)
+        described = tuple((_path_name(path), _leaf(v, device)) for path, v in with_paths)
+        return cls(name, device, names, tensors, structure, leaves, spec, described)
+
+    @property
+    def key(self) -> str:
+        """The digest naming the call's cache entry."""
+        # The default dtype: a forward's new tensors (torch.ones(n)) take it.
+        default_dtype = str(torch.get_default_dtype())
+        return _digest([self.structure, default_dtype, str(self.spec), [d.to_json() for _, d in self.described]])
+
+    def to_json(self) -> list[dict[str, Any]]:
+        """The call's inputs as a cache entry lists them."""
+        return [{"name": path, **d.to_json()} for path, d in self.described]
+
+    def inputs(self) -> list[torch.Tensor]:
+        """The kernel's inputs: the state's tensors, then the call's."""
+        return [*self.tensors, *(v for v in self.leaves if isinstance(v, torch.Tensor))]
+
+    def arguments(self, inputs: Iterator[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call's (args, kwargs) with its tensors taken from ``inputs``."""
+        leaves = [next(inputs) if isinstance(v, torch.Tensor) else v for v in self.leaves]
+        return pytree.tree_unflatten(leaves, self.spec)
+
+    def short(self) -> str:
+        return ", ".join(f"{path}={d.short()}" for path, d in self.described)
+
+
+def _path_name(path: tuple[Any, ...]) -> str:
+    """``args[0]``, ``kwargs['mask']``: where a leaf of (args, kwargs) is."""
+    return ("args" if path[0].idx == 0 else "kwargs") + pytree.keystr(path[1:])
+
+
+def _device(tensors: tuple[torch.Tensor, ...], leaves: tuple[Any, ...]) -> torch.device:
+    for t in (*tensors, *leaves):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    raise NotARegion("no tensor in its state or its call")
+
+
+# Where a tensor of the kernel goes in a result.
+_TENSOR = object()
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """The structure of a region's result: its tensors come from the kernel
+    (in the order the result flattens), its other values are kept."""
+
+    spec: pytree.TreeSpec
+    leaves: tuple[Any, ...]  # _TENSOR where a tensor goes
+    orders: tuple[Any, ...]  # each tensor's dims in memory (see compile.dense_order)
+
+    @classmethod
+    def of(cls, result: Any) -> "Outputs":
+        """The structure of eager's ``result``; raises NotARegion for a value a kernel cannot return."""
+        leaves, spec = pytree.tree_flatten(result)
+        for value in leaves:
+            if not isinstance(value, (torch.Tensor, *_VALUES)):
+                raise NotARegion(
+                    f"its result holds a {type(value).__name__}: register the type with torch.utils._pytree "
+                    "(register_dataclass, register_pytree_node) for its tensors to be returned"
+                )
+        tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
+        return cls(spec, tuple(_TENSOR if isinstance(v, torch.Tensor) else v for v in leaves), tuple(map(dense_order, tensors)))
+
+    def tensors(self, result: Any) -> list[torch.Tensor]:
+        return [v for v in pytree.tree_leaves(result) if isinstance(v, torch.Tensor)]
+
+    def rebuild(self, tensors: list[torch.Tensor]) -> Any:
+        """The result, with the kernel's ``tensors``."""
+        it = iter(tensors)
+        return pytree.tree_unflatten([next(it) if v is _TENSOR else v for v in self.leaves], self.spec)
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def original_forward() -> Iterator[None]:
+    """Within the block, fused instances run their original forward (see :func:`bypassed`)."""
+    before = getattr(_local, "bypass", False)
+    _local.bypass = True
+    try:
+        yield
+    finally:
+        _local.bypass = before
+
+
+def bypassed() -> bool:
+    """Whether a fused instance called now runs its original forward: while
+    its region is traced or run as eager's reference."""
+    return getattr(_local, "bypass", False)
+
+
+class RegionModule(torch.nn.Module):
+    """``forward(*state, *tensors)`` calls the instance with ``state`` as its
+    parameters and buffers and the call's other values fixed; it returns the
+    result's tensors, flat, in eager's layout.
+
+    The instance is not a submodule: its parameters are inputs of the
+    exported program, never constants compiled into the library."""
+
+    def __init__(self, instance: torch.nn.Module, call: RegionCall, outputs: Outputs | None = None):
+        super().__init__()
+        object.__setattr__(self, "_instance", instance)
+        self.call = call
+        self.outputs = outputs
+
+    def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n = len(self.call.names)
+        args, kwargs = self.call.arguments(iter(flat[n:]))
+        with original_forward():
+            result = torch.func.functional_call(self._instance, dict(zip(self.call.names, flat[:n])), tuple(args), kwargs)
+        if self.outputs is None:
+            return result
+        for value in pytree.tree_leaves(result):
+            if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                # A number the kernel does not return: eager's value would be kept for every call.
+                raise NotARegion("its result holds a number computed from its tensors' data")
+        return tuple(in_order(t, order) for t, order in zip(self.outputs.tensors(result), self.outputs.orders))
+
+
+def compile_region(
+    instance: torch.nn.Module, call: RegionCall, store: EntryStore, load: Loader
+) -> tuple[Outcome, Outputs | None]:
+    """Compiles, validates and publishes the kernel of ``call`` (under the
+    caller's lock), with the structure of its result. What it all prints is
+    logged at DEBUG level, not shown."""
+    output: list[str] = []
+    try:
+        with quiet.captured(output), torch.no_grad():
+            return _compile_region(instance, call, store, load)
+    finally:
+        if output:
+            log.debug("aoti_eager: what compiling %s for (%s) printed:\n%s", call.name, call.short(), "\n".join(output))
+
+
+def _compile_region(instance: torch.nn.Module, call: RegionCall, store: EntryStore, load: Loader) -> tuple[Outcome, Outputs | None]:
+    # Eager's reference on copies: a forward that writes into its state or inputs leaves the caller's alone.
+    reference = clone_args(call.inputs())
+    try:
+        expected = RegionModule(instance, call)(*reference)
+    except Exception as e:  # noqa: BLE001 - the original forward raises it again for the caller
+        return NotCompiled(f"eager raised {type(e).__name__}", eager_raised=True), None
+    try:
+        outputs = Outputs.of(expected)
+    except NotARegion as e:
+        return _publish_eager(store, call, str(e)), None
+    start = time.perf_counter()
+    try:
+        artifact = compile_module(RegionModule(instance, call, outputs), tuple(clone_args(call.inputs())),
+                                  call.device.type, compile_options(call.device.type),
+                                  shared_dir=store.shared_directory(), vec_isas=usable_vec_isas())
+    except CompileError as e:
+        log.debug("aoti_eager: compiling %s failed", call.name, exc_info=e.__cause__)
+        if not e.lasting:
+            return NotCompiled(f"{e} (not recorded in the cache: a later process tries again)", compiler_error=e.compiler_error), outputs
+        return _publish_eager(store, call, str(e)), outputs
+    try:
+        try:
+            kernel = load(artifact.library, artifact.output_counts)
+            check_region(kernel, call, outputs.tensors(expected))
+        except Exception as e:  # noqa: BLE001
+            said = (str(e).strip().splitlines() or [""])[0][:300]
+            failed = f"compiled kernel disagrees with eager: {said}" if isinstance(e, Mismatch) else f"compiled kernel failed to run: {type(e).__name__}: {said}"
+            return _publish_eager(store, call, failed), outputs
+        seconds = time.perf_counter() - start
+        entry = Entry(op=call.name, signature=call.to_json(), compile_seconds=round(seconds, 3),
+                      output_counts=artifact.output_counts, library=artifact.library)
+        store.publish(call.key, entry, sidecar_files(artifact))
+    finally:
+        artifact.workdir.cleanup()
+    return Published(seconds, artifact.seconds, call.key), outputs
+
+
+def check_region(kernel: Any, call: RegionCall, expected: list[torch.Tensor]) -> None:
+    """Runs ``kernel`` on fresh copies of the call's inputs and compares its
+    tensors with eager's ``expected`` (raises Mismatch)."""
+    inputs = clone_args(call.inputs())
+    fresh = kernel.run(inputs)
+    check_fresh_memory(inputs, fresh)
+    compare("the region's result", list(fresh), list(expected))
+
+
+def _publish_eager(store: EntryStore, call: RegionCall, reason: str) -> NotCompiled:
+    """Records that calls like ``call`` run eagerly, and why."""
+    store.publish(call.key, Entry(op=call.name, signature=call.to_json(), reason=reason))
+    return NotCompiled(reason, recorded=True)
+

@@ -1,0 +1,481 @@
+"""Fused regions (aoti_eager.fuse): one library per block signature, shared by
+every instance, checked against eager; calls no kernel serves run eagerly."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+
+import aoti_eager
+from aoti_eager import _regions
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Block(torch.nn.Module):
+    """A 2-layer MLP with a residual and a norm."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(width, 2 * width)
+        self.fc2 = torch.nn.Linear(2 * width, width)
+        self.norm = torch.nn.LayerNorm(width)
+
+    def forward(self, x):
+        return self.norm(x + self.fc2(torch.nn.functional.gelu(self.fc1(x))))
+
+
+class Model(torch.nn.Module):
+    def __init__(self, block=Block, blocks: int = 3):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(block() for _ in range(blocks))
+        self.head = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+            x = x[0] if isinstance(x, tuple) else x
+        return self.head(x)
+
+
+class Gate(torch.nn.Module):
+    """Data-dependent control flow, which torch.export does not trace."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(16))
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return x * self.scale
+        return x - self.scale
+
+
+class Counting(Block):
+    """Writes into its own buffer, which a compiled region cannot write back."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x):
+        self.calls.add_(1)
+        return super().forward(x)
+
+
+class Scoring(Block):
+    """Returns a Python number read from the data, which a kernel does not return."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y, y.sum().item()
+
+
+class Lookup(torch.nn.Module):
+    """Eager raises for an index out of range: the call's values, not its signature."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(10, 4)
+
+    def forward(self, ids):
+        return self.table(ids) * 2
+
+
+@dataclasses.dataclass
+class Pair:
+    out: torch.Tensor
+    total: torch.Tensor
+
+
+pytree.register_dataclass(Pair)
+
+
+class PairBlock(Block):
+    def forward(self, x):
+        y = super().forward(x)
+        return Pair(y, y.sum(dim=-1))
+
+
+class TupleBlock(Block):
+    def forward(self, x, scale: float = 1.0, mask=None):
+        y = super().forward(x) * scale
+        return y, {"doubled": 2 * y, "steps": 3}
+
+
+@pytest.fixture(autouse=True)
+def _models_let_go():
+    """A test's models are freed when it ends (transformers' hold cycles):
+    the stats() of later tests have no rows of their regions."""
+    yield
+    gc.collect()
+
+
+def _row(region: type) -> dict:
+    return aoti_eager.stats().get(f"region::{region.__module__}.{region.__qualname__}", {
+        "calls": 0, "hits": 0, "fallbacks": 0, "fallback_reason": None, "compiles": 0, "compile_seconds": 0.0, "cache_loads": 0,
+    })
+
+
+def _delta(before: dict, region: type) -> dict:
+    after = _row(region)
+    return {k: after[k] - before[k] for k in ("calls", "hits", "fallbacks", "compiles", "cache_loads")}
+
+
+def _model(block=Block, seed: int = 0) -> Model:
+    torch.manual_seed(seed)
+    return Model(block).eval()
+
+
+def test_repeated_blocks_share_one_compile(tmp_path):
+    model, x = _model(), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    assert aoti_eager.fuse(model, cache_dir=tmp_path) is model
+    before = _row(Block)  # a region's row is there while fused modules are
+    # The blocks, not the Linears inside them nor the head (one of its kind).
+    assert [m for m in model.modules() if "forward" in m.__dict__] == list(model.blocks)
+    with torch.no_grad():
+        expected, actual = reference(x), model(x)
+    torch.testing.assert_close(actual, expected)
+    assert _delta(before, Block) == {"calls": 3, "hits": 3, "fallbacks": 0, "compiles": 1, "cache_loads": 0}
+    assert [key for op, key in _cache_entries(tmp_path)] and {op for op, _ in _cache_entries(tmp_path)} == {
+        f"region::{Block.__module__}.Block"}
+
+
+def _cache_entries(root: Path) -> list[tuple[str, str]]:
+    from aoti_eager.cache import KernelCache
+    from aoti_eager.kernels.compile import compile_options
+    from aoti_eager.kernels.toolchain import environment_name
+
+    return list(KernelCache(root, environment_name(torch.device("cpu"), compile_options("cpu"))).entries())
+
+
+def test_changed_weights_need_no_compile(shared_cache):
+    model, x = _model(), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    with torch.no_grad():
+        model(x)
+        before = _row(Block)
+        for m in (model, reference):
+            m.blocks[1].fc1.weight.mul_(1.5)  # in place
+            m.blocks[2].fc2.bias = torch.nn.Parameter(torch.randn(16, generator=torch.Generator().manual_seed(1)))
+            m.blocks[0].norm.weight.data = torch.full((16,), 0.5)  # as .to() does
+        expected, actual = reference(x), model(x)
+    torch.testing.assert_close(actual, expected)
+    assert _delta(before, Block) == {"calls": 3, "hits": 3, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
+
+
+CHILD = """
+import copy, json, sys, importlib
+import torch, aoti_eager
+sys.path[:0] = [sys.argv[2], sys.argv[3]]
+tests = importlib.import_module(sys.argv[4])
+model, x = tests._model(), torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
+reference = copy.deepcopy(model)
+aoti_eager.fuse(model, cache_dir=sys.argv[1])
+with torch.no_grad():
+    results = [model(x), model(x)]
+    expected = reference(x)
+for r in results:
+    torch.testing.assert_close(r, expected)
+print(json.dumps(tests._row(tests.Block)))
+"""
+
+
+def test_a_new_process_loads_the_region_from_the_cache(tmp_path):
+    model, x = _model(), torch.randn(4, 16)
+    aoti_eager.fuse(model, cache_dir=tmp_path)
+    with torch.no_grad():
+        model(x)
+    child = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), str(ROOT), str(ROOT / "tests"), Block.__module__],
+                           capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-2000:]
+    row = json.loads(child.stdout.strip().splitlines()[-1])
+    # Loaded once; the first call learns the structure of the result eagerly, every later one is a hit.
+    assert (row["compiles"], row["cache_loads"], row["calls"], row["hits"]) == (0, 1, 6, 5)
+
+
+def test_a_region_that_does_not_export_runs_eagerly_with_its_reason(tmp_path, caplog):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Gate(), Gate())
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=tmp_path)
+    before = _row(Gate)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="aoti_eager"):
+        for x in (torch.randn(4, 16), torch.randn(4, 16).abs(), -torch.randn(4, 16).abs()):
+            torch.testing.assert_close(model(x), reference(x))
+    delta = _delta(before, Gate)
+    assert (delta["compiles"], delta["hits"], delta["fallbacks"]) == (0, 0, 6)
+    assert _row(Gate)["fallback_reason"].startswith("torch.export failed")
+    lines = [r.getMessage() for r in caplog.records if "Gate" in r.getMessage()]
+    assert len(lines) == 1 and "runs eagerly: torch.export failed" in lines[0]
+
+
+def test_a_region_that_mutates_its_state_runs_eagerly(tmp_path):
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(Counting(), Counting()).eval()
+    reference = copy.deepcopy(blocks)
+    aoti_eager.fuse(blocks, cache_dir=tmp_path)
+    before = _row(Counting)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(blocks(x), reference(x))
+    assert [int(b.calls) for b in blocks] == [2, 2]
+    assert _delta(before, Counting)["fallbacks"] == 4 and "writes into its input 6" in _row(Counting)["fallback_reason"]
+
+
+def test_a_kernel_that_disagrees_with_eager_is_not_used(tmp_path, monkeypatch):
+    from aoti_eager.kernels import region
+    from aoti_eager.kernels.validate import Mismatch
+
+    def disagree(what, actual, expected):
+        raise Mismatch(f"{what}: made to differ")
+
+    monkeypatch.setattr(region, "compare", disagree)
+    model, x = _model(seed=3), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=tmp_path)
+    before = _row(Block)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x))
+    assert _delta(before, Block)["hits"] == 0
+    assert _row(Block)["fallback_reason"] == "compiled kernel disagrees with eager: the region's result: made to differ"
+
+
+def test_a_number_read_from_the_data_keeps_eager(tmp_path):
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(Scoring() for _ in range(2)).eval()
+    aoti_eager.fuse(blocks, cache_dir=tmp_path)
+    before = _row(Scoring)
+    with torch.no_grad():
+        for x in (torch.randn(4, 16), torch.randn(4, 16)):
+            y, total = blocks[0](x)
+            assert total == y.sum().item()
+    assert _delta(before, Scoring)["hits"] == 0
+    assert "computed from its tensors' data" in _row(Scoring)["fallback_reason"]
+
+
+def test_a_kernel_that_fails_to_run_falls_back_with_one_line(shared_cache, monkeypatch, caplog):
+    class Failing:
+        def run(self, inputs):
+            raise RuntimeError("a C++ error\nwith a frame dump")
+
+    model, x = _model(), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    with torch.no_grad():
+        model(x)  # decided: the kernel
+        for where, decided in list(_regions._decided.items()):
+            if decided.kernel is not None:
+                monkeypatch.setitem(_regions._decided, where, _regions._Decided(Failing(), decided.outputs))
+        before = _row(Block)
+        with caplog.at_level(logging.WARNING, logger="aoti_eager"):
+            torch.testing.assert_close(model(x), reference(x))
+    assert _delta(before, Block)["fallbacks"] == 3
+    assert _row(Block)["fallback_reason"] == "compiled kernel failed to run: RuntimeError: a C++ error"
+    assert [r.getMessage() for r in caplog.records if "failed to run" in r.getMessage()] == [
+        f"aoti_eager: region::{Block.__module__}.Block runs eagerly: compiled kernel failed to run: RuntimeError: a C++ error"]
+
+
+def test_eager_error_reaches_the_caller_and_the_next_call_compiles(tmp_path):
+    torch.manual_seed(0)
+    lookups = torch.nn.ModuleList(Lookup() for _ in range(2))
+    reference = copy.deepcopy(lookups)
+    aoti_eager.fuse(lookups, cache_dir=tmp_path)
+    before = _row(Lookup)
+    with torch.no_grad():
+        with pytest.raises(IndexError):
+            lookups[0](torch.tensor([[11]]))
+        ids = torch.tensor([[1]])
+        torch.testing.assert_close(lookups[1](ids), reference[1](ids))
+    assert _delta(before, Lookup) == {"calls": 2, "hits": 1, "fallbacks": 1, "compiles": 1, "cache_loads": 0}
+
+
+def test_an_instance_with_forward_hooks_runs_eagerly(shared_cache):
+    model, x = _model(), torch.randn(4, 16)
+    seen = []
+    model.blocks[1].register_forward_hook(lambda module, args, result: seen.append(result.shape))
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    before = _row(Block)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x))
+    assert seen == [torch.Size([4, 16])] * 2  # once for each model, not twice in the fused one
+    assert _delta(before, Block)["hits"] == 2 and _delta(before, Block)["fallbacks"] == 1
+    assert "forward hooks" in _row(Block)["fallback_reason"]
+
+
+def test_a_region_compiles_beside_enabled_ops(tmp_path):
+    model, x = _model(seed=5), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    with aoti_eager.enabled(ops=["aten::gelu"], devices=["cpu"], cache_dir=tmp_path), torch.no_grad():
+        aoti_eager.fuse(model, cache_dir=tmp_path)
+        before = _row(Block)
+        actual = model(x)  # the compile's own eager runs and checks use the original gelu, not its override
+        gelu = aoti_eager.stats()["aten::gelu"]
+    with torch.no_grad():
+        torch.testing.assert_close(actual, reference(x))
+    assert (gelu["calls"], gelu["compiles"]) == (0, 0)
+    assert _delta(before, Block) == {"calls": 3, "hits": 3, "fallbacks": 0, "compiles": 1, "cache_loads": 0}
+
+
+def test_grad_enabled_calls_run_eagerly(shared_cache):
+    model, x = _model(), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    before = _row(Block)
+    actual = model(x)
+    expected = reference(x)
+    torch.testing.assert_close(actual, expected)
+    actual.sum().backward()
+    expected.sum().backward()
+    torch.testing.assert_close(model.blocks[0].fc1.weight.grad, reference.blocks[0].fc1.weight.grad)
+    assert _delta(before, Block) == {"calls": 3, "hits": 0, "fallbacks": 3, "compiles": 0, "cache_loads": 0}
+    assert "grad is enabled" in _row(Block)["fallback_reason"]
+
+
+@pytest.mark.parametrize("block", [PairBlock, TupleBlock])
+def test_output_pytrees(shared_cache, block):
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList(block() for _ in range(2)).eval()
+    reference = copy.deepcopy(blocks)
+    aoti_eager.fuse(blocks, cache_dir=shared_cache)
+    before = _row(block)
+    x = torch.randn(4, 16)
+    kwargs = {"scale": 0.5, "mask": None} if block is TupleBlock else {}
+    with torch.no_grad():
+        for fused, eager in zip(blocks, reference):
+            actual, expected = fused(x, **kwargs), eager(x, **kwargs)
+            assert type(actual) is type(expected)
+            assert pytree.tree_structure(actual) == pytree.tree_structure(expected)
+            for a, e in zip(pytree.tree_leaves(actual), pytree.tree_leaves(expected)):
+                if isinstance(e, torch.Tensor):
+                    torch.testing.assert_close(a, e)
+                    assert a.stride() == e.stride()
+                else:
+                    assert a == e
+    assert _delta(before, block)["hits"] == 2
+
+
+def test_unfuse_restores_the_original_forward(shared_cache):
+    model, other = _model(), aoti_eager.fuse(_model(), cache_dir=shared_cache)  # other keeps the row in stats()
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    assert all(block.forward.__func__ is not Block.forward for block in model.blocks)
+    assert aoti_eager.unfuse(model) is model
+    assert all("forward" not in block.__dict__ and block.forward.__func__ is Block.forward for block in model.blocks)
+    before = _row(Block)
+    with torch.no_grad():
+        model(torch.randn(4, 16))
+    assert _delta(before, Block)["calls"] == 0
+
+
+class Unused(Block):
+    pass
+
+
+def test_stats_rows_are_those_of_fused_modules_alive(shared_cache):
+    torch.manual_seed(0)
+    blocks = aoti_eager.fuse(torch.nn.ModuleList(Unused() for _ in range(2)), cache_dir=shared_cache)
+    name = f"region::{Unused.__module__}.Unused"
+    assert aoti_eager.stats()[name]["calls"] == 0
+    del blocks  # freed at once: the fused modules do not hold themselves
+    assert name not in aoti_eager.stats()
+    blocks = aoti_eager.fuse(torch.nn.ModuleList(Unused() for _ in range(2)), cache_dir=shared_cache)
+    assert name in aoti_eager.stats()
+    aoti_eager.unfuse(blocks)
+    assert name not in aoti_eager.stats()
+
+
+def test_fuse_names_the_modules_or_classes(shared_cache):
+    model = _model()
+    aoti_eager.fuse(model, [model.blocks[0], torch.nn.Linear], cache_dir=shared_cache)
+    fused = [name for name, m in model.named_modules() if "forward" in m.__dict__]
+    # blocks.0, and the Linears outside it.
+    assert fused == ["blocks.0", "blocks.1.fc1", "blocks.1.fc2", "blocks.2.fc1", "blocks.2.fc2", "head"]
+    aoti_eager.unfuse(model)
+    with pytest.raises(ValueError, match="compile"):
+        aoti_eager.fuse(model, compile="background")
+
+
+def test_compile_never_runs_eagerly_on_a_miss(tmp_path):
+    model, x = _model(), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, compile="never", cache_dir=tmp_path)
+    before = _row(Block)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x))
+    assert _delta(before, Block) == {"calls": 3, "hits": 0, "fallbacks": 3, "compiles": 0, "cache_loads": 0}
+    assert "compile='never'" in _row(Block)["fallback_reason"]
+    assert _cache_entries(tmp_path) == []
+    aoti_eager.unfuse(model)
+    aoti_eager.fuse(model, cache_dir=tmp_path)  # compile="now" is not held back by what "never" decided
+    before = _row(Block)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x))
+    assert _delta(before, Block) == {"calls": 3, "hits": 3, "fallbacks": 0, "compiles": 1, "cache_loads": 0}
+
+
+def test_training_flags_and_autocast_are_part_of_the_call(shared_cache):
+    model, x = _model(), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    instance = _regions._fused(model.blocks[0])
+    in_eval = instance.state().structure
+    model.train()
+    assert instance.state().structure != in_eval
+    model.eval()
+    assert instance.state().structure == in_eval
+    before = _row(Block)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        actual, expected = model(x), reference(x)
+    assert actual.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(actual, expected)
+    assert _delta(before, Block)["fallbacks"] == 3 and "autocast" in _row(Block)["fallback_reason"]
+
+
+def test_gpt2_blocks(shared_cache):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    reference = copy.deepcopy(model)
+    block = type(model.transformer.h[0])
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    before = _row(block)
+    # The blocks; not the final norm nor the embeddings' dropout, whose kind repeats only inside the blocks.
+    assert [name for name, m in model.named_modules() if "forward" in m.__dict__] == ["transformer.h.0", "transformer.h.1"]
+    ids = torch.randint(0, 100, (2, 12))
+    with torch.no_grad():
+        actual = model(ids, use_cache=False).logits
+        expected = reference(ids, use_cache=False).logits
+    torch.testing.assert_close(actual, expected)
+    delta = _delta(before, block)
+    assert (delta["compiles"], delta["hits"]) == (1, 2), _row(block)["fallback_reason"]
+
+
+def test_gpt2_generate_with_its_kv_cache_runs_the_blocks_eagerly(shared_cache):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64, bos_token_id=0,
+                                     eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    ids = torch.randint(1, 100, (1, 5))
+    with torch.no_grad():
+        tokens = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        expected = reference.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert tokens.tolist() == expected.tolist()
+    assert "unsupported input: a value of type DynamicCache" in _row(type(model.transformer.h[0]))["fallback_reason"]
