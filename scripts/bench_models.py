@@ -57,7 +57,8 @@ class Workload:
     fresh: Callable[[], Callable[[], Any]]  # a step of a copy of the initial state (for training)
 
 
-def build(name: str, device: str) -> Workload:
+def model_and_inputs(name: str, device: str) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The workload's model (random weights, on ``device`` in its dtype) and the keyword arguments of its forward."""
     layers, width, heads, batch, tokens = SIZES[name][device]
     dtype = torch.bfloat16 if device == "cuda" and name != "train" else torch.float32
     torch.manual_seed(0)
@@ -74,7 +75,11 @@ def build(name: str, device: str) -> Workload:
         config = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=heads)
         model = transformers.GPT2LMHeadModel(config)
         inputs = {"input_ids": torch.randint(0, config.vocab_size, (batch, tokens), device=device)}
-    model = model.to(device=device, dtype=dtype)
+    return model.to(device=device, dtype=dtype), inputs
+
+
+def build(name: str, device: str) -> Workload:
+    model, inputs = model_and_inputs(name, device)
     if name != "train":
         model.eval()
 
