@@ -121,11 +121,12 @@ def _keyed(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tuple[An
     kernel's tensors are taken from: ``args`` and ``kwargs`` themselves where
     they hold only tensors, numbers, strings and None, else the leaves of
     their pytree, keyed with its spec."""
-    key = _native().key(args, kwargs)
+    native = _RegionState or _native()
+    key = native.key(args, kwargs)
     if key is not None:
         return key, args, kwargs
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    key = _native().key(tuple(leaves), _NO_KWARGS)
+    key = native.key(tuple(leaves), _NO_KWARGS)
     return (None if key is None else (spec, key)), tuple(leaves), _NO_KWARGS
 
 
@@ -139,6 +140,7 @@ class _Instance:
     name: str
     root: Path
     compile: str
+    stats: RegionStats  # its region's
     prepared: _Prepared | None = None
     refused: str | None = None  # why no call of it is compiled
     # A forward set on the instance before fuse() (refused), called instead of its class's.
@@ -177,14 +179,11 @@ class _Instance:
 
 
 def _stats_of(name: str) -> RegionStats:
-    stats = _stats.get(name)
-    if stats is None:
-        stats = _stats[name] = RegionStats()
-    return stats
+    return _stats.setdefault(name, RegionStats())
 
 
 def _call(instance: _Instance, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    stats = _stats_of(instance.name)
+    stats = instance.stats
     stats.calls += 1
     key, leaves, named = _keyed(args, kwargs)
     decided = _memoized(instance, key)
@@ -382,13 +381,13 @@ def fuse(model: torch.nn.Module, modules: Iterable[Any] | None, compile: str, ro
     for module in chosen(model, modules):
         if _fused(module) is not None:
             continue
-        instance = _Instance(weakref.ref(module), region_name(module), root, compile, replaced=module.__dict__.get("forward"))
+        name = region_name(module)
+        instance = _Instance(weakref.ref(module), name, root, compile, _stats_of(name), replaced=module.__dict__.get("forward"))
         instance.refused = _refusal(module)
         if instance.refused is not None:
             _log_eager_once(instance.name, instance.refused)
         module.forward = instance.forward
         _live[instance.name].add(module)
-        _stats_of(instance.name)
         names.append(instance.name)
     return names
 

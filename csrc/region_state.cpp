@@ -127,23 +127,27 @@ int training(py::handle module) {
   return result;
 }
 
-// The state's words and data pointers; nullopt where a tensor is one the key does not take.
-std::optional<std::string> fingerprint(const std::vector<at::Tensor>& tensors) {
-  std::string key;
+// Writes the state's words and data pointers into `key`; false where a
+// tensor is one the key does not take.
+bool fingerprint(const std::vector<at::Tensor>& tensors, std::string& key) {
+  key.clear();
   for (const at::Tensor& t : tensors) {
     if (!append_tensor(key, t)) {
-      return std::nullopt;
+      return false;
     }
     append(key, reinterpret_cast<intptr_t>(t.const_data_ptr()));
   }
-  return key;
+  return true;
 }
 
 } // namespace
 
 RegionState::RegionState(std::vector<at::Tensor> tensors, std::vector<py::object> modules, py::handle root)
     : tensors_(std::move(tensors)), modules_(std::move(modules)) {
-  fingerprint_ = fingerprint(tensors_);
+  std::string key;
+  if (fingerprint(tensors_, key)) {
+    fingerprint_ = std::move(key);
+  }
   training_.push_back(training(root));
   for (const py::object& m : modules_) {
     training_.push_back(training(m));
@@ -159,7 +163,9 @@ bool RegionState::unchanged(py::handle root) const {
       return false;
     }
   }
-  return fingerprint(tensors_) == fingerprint_;
+  // Written into the thread's buffer: no allocation per call.
+  static thread_local std::string now;
+  return fingerprint(tensors_, now) && now == *fingerprint_;
 }
 
 std::optional<std::string> RegionState::key(py::handle args, py::handle kwargs) {

@@ -87,9 +87,11 @@ def measure(case: str, model: torch.nn.Module, block: torch.nn.Module, args: tup
     aoti_eager.fuse(model, cache_dir=cache_dir)
     with torch.no_grad():
         block(*args, **kwargs)  # compiles
-        decided, call = _regions._decide(_regions._fused(block), args, kwargs)
+        instance = _regions._fused(block)
+        decided, leaves, _ = _regions._decide(instance, args, kwargs, None)
         assert decided.kernel is not None, decided.reason
-        kernel, inputs = decided.kernel, call.inputs()
+        kernel = decided.kernel
+        inputs = [*instance.state().tensors, *(v for v in leaves if isinstance(v, torch.Tensor))]
         torch.testing.assert_close(block(*args, **kwargs), eager(*args, **kwargs))
         before = aoti_eager.stats()[_regions.region_name(block)]["hits"]
         us = rounds({
