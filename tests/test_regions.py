@@ -649,3 +649,28 @@ def test_a_new_shape_is_decided_anew_and_the_old_one_still_hits(shared_cache):
         for x in (large, small, large):
             torch.testing.assert_close(model(x), reference(x))
     assert _delta(before, Block)["compiles"] <= 1 and _delta(before, Block)["hits"] == 9
+
+
+class Scaled(Block):
+    """A result that tells apart what a key of its values must: True from 1, -0.0 from 0.0, one string from another."""
+
+    def forward(self, x, scale=1.0, mode="mul"):
+        y = super().forward(x)
+        if isinstance(scale, bool):
+            return y + 100
+        return y * scale if mode == "mul" else y / scale
+
+
+def test_the_hit_path_keys_values_by_type_and_value(shared_cache):
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([Scaled(), Scaled()]).eval()
+    reference = copy.deepcopy(blocks)
+    aoti_eager.fuse(blocks, cache_dir=shared_cache)
+    x = torch.randn(4, 16)
+    calls = [((x, 1), {}), ((x, True), {}), ((x, 0.0, "div"), {}), ((x, -0.0, "div"), {}), ((x,), {"mode": "div", "scale": 2.0}),
+             ((x,), {"scale": 2.0, "mode": "div"}), ((x, 2.0), {"mode": "mul"})]
+    with torch.no_grad():
+        for _ in range(3):  # decided, then hits
+            for args, kwargs in calls:
+                torch.testing.assert_close(blocks[0](*args, **kwargs), reference[0](*args, **kwargs))
+    assert _row(Scaled)["fallbacks"] == 0, _row(Scaled)["fallback_reason"]
