@@ -674,3 +674,29 @@ def test_the_hit_path_keys_values_by_type_and_value(shared_cache):
             for args, kwargs in calls:
                 torch.testing.assert_close(blocks[0](*args, **kwargs), reference[0](*args, **kwargs))
     assert _row(Scaled)["fallbacks"] == 0, _row(Scaled)["fallback_reason"]
+
+
+class Nested(Block):
+    """Takes its tensors in a container: the call's key is that of its pytree."""
+
+    def forward(self, xs, weights=None):
+        return super().forward(xs[0] + xs[1] * (1 if weights is None else weights["b"]))
+
+
+def test_nested_arguments_are_keyed_by_their_pytree(shared_cache, monkeypatch):
+    from aoti_eager.kernels import region
+
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([Nested(), Nested()]).eval()
+    reference = copy.deepcopy(blocks)
+    aoti_eager.fuse(blocks, cache_dir=shared_cache)
+    x, y, w = torch.randn(4, 16), torch.randn(4, 16), torch.randn(16)
+    calls = [((x, y),), ([x, y],), ([y, x],), ((x, y), {"b": w}), ((x, y), {"b": 2.0})]
+    described = []
+    with torch.no_grad():
+        for round in range(3):
+            if round == 2:
+                monkeypatch.setattr(region.RegionCall, "of", lambda *a, **k: described.append(a))
+            for args in calls:
+                torch.testing.assert_close(blocks[0](*args), reference[0](*args))
+    assert described == [] and _row(Nested)["fallbacks"] == 0, _row(Nested)["fallback_reason"]
