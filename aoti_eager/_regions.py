@@ -14,13 +14,14 @@ import collections
 import logging
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
 import torch
+import torch.utils._pytree as pytree
 
-from aoti_eager import _mechanism
+from aoti_eager import _extension, _mechanism
 from aoti_eager.cache import DamagedEntry, UntrustedEntry
 from aoti_eager.cache.entry_store import EntryStore
 from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad
@@ -68,18 +69,19 @@ _lock = threading.RLock()
 @dataclass
 class _Prepared:
     """An instance's state as its kernel takes it, prepared once: valid while
-    ``fingerprint`` matches its tensors and no parameter or buffer was
-    assigned anew (:data:`_assignments`)."""
+    no parameter, buffer or submodule was assigned anew (:data:`_assignments`)
+    and ``native`` finds its tensors and training flags unchanged."""
 
     names: tuple[str, ...]
     tensors: tuple[torch.Tensor, ...]
-    fingerprint: list[tuple[Any, ...]]
-    training: list[bool]  # of its submodules, which .train() and .eval() set
+    native: Any  # _C.RegionState: the check, and the kernel run on these tensors then a call's
     structure: str
     assignments: int
+    # The calls decided with this state: their key (_keyed) -> where their decision is in _decided.
+    memo: dict[Any, tuple[str, str, str]] = field(default_factory=dict)
 
 
-# Parameters and buffers assigned to any module (counted by global hooks).
+# Parameters, buffers and submodules assigned to any module (counted by global hooks).
 _assignments = 0
 
 
@@ -96,12 +98,36 @@ def _hook_assignments() -> None:
     if not _hooked:
         torch.nn.modules.module.register_module_parameter_registration_hook(_assigned)
         torch.nn.modules.module.register_module_buffer_registration_hook(_assigned)
+        torch.nn.modules.module.register_module_module_registration_hook(_assigned)
         _hooked = True
 
 
-def _fingerprint(tensors: Iterable[torch.Tensor]) -> list[tuple[Any, ...]]:
-    # Moving a module (.to()) keeps its Parameter objects and replaces their data.
-    return [(t.data_ptr(), t.dtype, t.device, t.shape, t.stride()) for t in tensors]
+_RegionState: Any = None
+
+
+def _native() -> Any:
+    """The C++ side of the hit path (csrc/region_state.h)."""
+    global _RegionState
+    if _RegionState is None:
+        _RegionState = _extension.load().RegionState
+    return _RegionState
+
+
+_NO_KWARGS: dict[str, Any] = {}
+
+
+def _keyed(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    """The memo key of a call (None where it has none) and the arguments its
+    kernel's tensors are taken from: ``args`` and ``kwargs`` themselves where
+    they hold only tensors, numbers, strings and None, else the leaves of
+    their pytree, keyed with its spec."""
+    native = _RegionState or _native()
+    key = native.key(args, kwargs)
+    if key is not None:
+        return key, args, kwargs
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    key = native.key(tuple(leaves), _NO_KWARGS)
+    return (None if key is None else (spec, key)), tuple(leaves), _NO_KWARGS
 
 
 @dataclass
@@ -114,6 +140,7 @@ class _Instance:
     name: str
     root: Path
     compile: str
+    stats: RegionStats  # its region's
     prepared: _Prepared | None = None
     refused: str | None = None  # why no call of it is compiled
     # A forward set on the instance before fuse() (refused), called instead of its class's.
@@ -133,14 +160,21 @@ class _Instance:
             return self.original(*args, **kwargs)
         return _call(self, args, kwargs)
 
+    def valid(self) -> _Prepared | None:
+        """The prepared state where nothing it depends on changed, else None."""
+        p = self.prepared
+        if p is None or p.assignments != _assignments or not p.native.unchanged(self.module):
+            return None
+        return p
+
     def state(self) -> _Prepared:
         """The prepared state, prepared again where it changed. Raises NotARegion."""
-        p = self.prepared
-        training = [m.training for m in self.module.modules()]
-        if p is None or p.assignments != _assignments or p.fingerprint != _fingerprint(p.tensors) or p.training != training:
-            names, tensors = state_of(self.module)
-            p = self.prepared = _Prepared(names, tensors, _fingerprint(tensors), training,
-                                          state_structure(self.module, names, tensors), _assignments)
+        p = self.valid()
+        if p is None:
+            module = self.module
+            names, tensors = state_of(module)
+            native = _native()(list(tensors), list(module.modules())[1:], module)
+            p = self.prepared = _Prepared(names, tensors, native, state_structure(module, names, tensors), _assignments)
         return p
 
 
@@ -149,33 +183,49 @@ def _stats_of(name: str) -> RegionStats:
 
 
 def _call(instance: _Instance, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    stats = _stats_of(instance.name)
+    stats = instance.stats
     stats.calls += 1
-    try:
-        decided, call = _decide(instance, args, kwargs)
-    except NotARegion as e:
-        return _eagerly(instance, stats, str(e), args, kwargs)
+    key, leaves, named = _keyed(args, kwargs)
+    decided = _memoized(instance, key)
+    if decided is None:
+        try:
+            decided, leaves, named = _decide(instance, args, kwargs, key)
+        except NotARegion as e:
+            return _eagerly(instance, stats, str(e), args, kwargs)
     if decided.kernel is None:
         return _eagerly(instance, stats, decided.reason or "decided eager", args, kwargs)
     if decided.outputs is None:
-        # Loaded from the cache: the result's structure is learnt from one eager call in this process.
-        result = instance.original(*args, **kwargs)
-        try:
-            outputs = Outputs.of(result)
-            if len(outputs.orders) != decided.kernel.num_outputs:
-                raise NotARegion(f"its result has {len(outputs.orders)} tensors, its kernel {decided.kernel.num_outputs}")
-            decided.outputs = outputs
-        except NotARegion as e:
-            decided.kernel, decided.reason = None, str(e)
-        return result
+        return _learn_outputs(instance, decided, args, kwargs)
     try:
-        tensors = decided.kernel.run(call.inputs())
+        tensors = instance.prepared.native.run(decided.kernel, leaves, named)
     except Exception as e:  # noqa: BLE001 - one line, not the runtime's C++ error
         said = (str(e).strip().splitlines() or [""])[0][:200]
         decided.kernel, decided.reason = None, f"compiled kernel failed to run: {type(e).__name__}: {said}"
         return _eagerly(instance, stats, decided.reason, args, kwargs)
     stats.hits += 1
     return decided.outputs.rebuild(tensors)
+
+
+def _memoized(instance: _Instance, key: Any) -> _Decided | None:
+    """The decision of a call with ``key`` that this instance's state
+    decided before, while nothing it depends on changed; else None."""
+    p = instance.valid() if key is not None else None
+    where = None if p is None else p.memo.get(key)
+    return None if where is None else _decided.get(where)
+
+
+def _learn_outputs(instance: _Instance, decided: _Decided, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The result of a kernel loaded from the cache, whose structure is learnt
+    from one eager call in this process."""
+    result = instance.original(*args, **kwargs)
+    try:
+        outputs = Outputs.of(result)
+        if len(outputs.orders) != decided.kernel.num_outputs:
+            raise NotARegion(f"its result has {len(outputs.orders)} tensors, its kernel {decided.kernel.num_outputs}")
+        decided.outputs = outputs
+    except NotARegion as e:
+        decided.kernel, decided.reason = None, str(e)
+    return result
 
 
 def _eagerly(instance: _Instance, stats: RegionStats, reason: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -195,8 +245,12 @@ def _log_eager_once(name: str, reason: str) -> None:
         log.warning("aoti_eager: %s runs eagerly: %s", name, reason)
 
 
-def _decide(instance: _Instance, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Decided, RegionCall]:
-    """What this call runs; raises NotARegion where no kernel may serve it."""
+def _decide(
+    instance: _Instance, args: tuple[Any, ...], kwargs: dict[str, Any], key: Any
+) -> tuple[_Decided, tuple[Any, ...], dict[str, Any]]:
+    """What this call runs, and the arguments its kernel's tensors are taken
+    from; raises NotARegion where no kernel may serve it. A lasting decision
+    is kept in the state's memo under ``key``."""
     if instance.refused is not None:
         raise NotARegion(instance.refused)
     state = instance.state()
@@ -213,7 +267,9 @@ def _decide(instance: _Instance, args: tuple[Any, ...], kwargs: dict[str, Any]) 
             decided = _miss(instance, cache, call)
             if decided.lasting:
                 _decided[where] = decided
-    return decided, call
+        if decided.lasting and key is not None:
+            state.memo[key] = where
+    return decided, call.leaves, _NO_KWARGS
 
 
 def _cache(root: Path, device: torch.device) -> EntryStore:
@@ -325,13 +381,13 @@ def fuse(model: torch.nn.Module, modules: Iterable[Any] | None, compile: str, ro
     for module in chosen(model, modules):
         if _fused(module) is not None:
             continue
-        instance = _Instance(weakref.ref(module), region_name(module), root, compile, replaced=module.__dict__.get("forward"))
+        name = region_name(module)
+        instance = _Instance(weakref.ref(module), name, root, compile, _stats_of(name), replaced=module.__dict__.get("forward"))
         instance.refused = _refusal(module)
         if instance.refused is not None:
             _log_eager_once(instance.name, instance.refused)
         module.forward = instance.forward
         _live[instance.name].add(module)
-        _stats_of(instance.name)
         names.append(instance.name)
     return names
 

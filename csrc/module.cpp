@@ -5,6 +5,7 @@
 #include "compiled_kernel.h"
 #include "cpu_output_pool.h"
 #include "op_override.h"
+#include "region_state.h"
 
 #include <c10/core/DispatchKey.h>
 #include <torch/csrc/Exceptions.h>
@@ -84,6 +85,37 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("output_counts", &CompiledKernel::output_counts)
       .def_property_readonly("num_inputs", &CompiledKernel::num_inputs)
       .def_property_readonly("num_outputs", &CompiledKernel::num_outputs);
+
+  // aoti_eager/_regions.py's hit path: see csrc/region_state.h.
+  py::class_<RegionState, std::shared_ptr<RegionState>>(m, "RegionState")
+      .def(
+          py::init([](std::vector<at::Tensor> tensors, std::vector<py::object> modules, py::handle root) {
+            return std::make_shared<RegionState>(std::move(tensors), std::move(modules), root);
+          }),
+          py::arg("tensors"),
+          py::arg("modules"),
+          py::arg("root"))
+      .def("unchanged", &RegionState::unchanged, py::arg("root"))
+      .def_static(
+          "key",
+          [](const py::tuple& args, const py::dict& kwargs) -> py::object {
+            std::optional<std::string> key = RegionState::key(args, kwargs);
+            return key.has_value() ? py::object(py::bytes(*key)) : py::object(py::none());
+          },
+          py::arg("args"),
+          py::arg("kwargs"))
+      .def(
+          "run",
+          [](const RegionState& state, const py::object& kernel, const py::tuple& args, const py::dict& kwargs) {
+            if (py::isinstance<CompiledKernel>(kernel)) {
+              return py::cast(state.run(kernel.cast<const CompiledKernel&>(), args, kwargs));
+            }
+            // Any other kernel object: its run() on the flat inputs.
+            return kernel.attr("run")(state.inputs(args, kwargs));
+          },
+          py::arg("kernel"),
+          py::arg("args"),
+          py::arg("kwargs"));
 
   py::class_<Installed>(m, "Override")
       .def(

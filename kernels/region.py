@@ -20,6 +20,7 @@ result under the op name ``region::<module>.<class>``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import inspect
 import json
@@ -208,19 +209,38 @@ class Outputs:
     def tensors(self, result: Any) -> list[torch.Tensor]:
         return [v for v in pytree.tree_leaves(result) if isinstance(v, torch.Tensor)]
 
+    @functools.cached_property
+    def _plain(self) -> type | None:
+        """``torch.Tensor`` for a result that is one tensor, ``tuple`` for a
+        tuple of tensors: rebuilt without the pytree."""
+        if self.leaves == (_TENSOR,) and self.spec.is_leaf():
+            return torch.Tensor
+        if self.spec.type is tuple and all(v is _TENSOR for v in self.leaves) and all(c.is_leaf() for c in self.spec.children()):
+            return tuple
+        return None
+
     def rebuild(self, tensors: list[torch.Tensor]) -> Any:
         """The result, with the kernel's ``tensors``."""
+        plain = self._plain
+        if plain is torch.Tensor:
+            return tensors[0]
+        if plain is tuple:
+            return tuple(tensors)
         it = iter(tensors)
         return pytree.tree_unflatten([next(it) if v is _TENSOR else v for v in self.leaves], self.spec)
 
 
-_local = threading.local()
+class _Local(threading.local):
+    bypass = False  # a class default: no AttributeError raised and caught on each call
+
+
+_local = _Local()
 
 
 @contextlib.contextmanager
 def original_forward() -> Iterator[None]:
     """Within the block, fused instances run their original forward (see :func:`bypassed`)."""
-    before = getattr(_local, "bypass", False)
+    before = _local.bypass
     _local.bypass = True
     try:
         yield
@@ -231,7 +251,7 @@ def original_forward() -> Iterator[None]:
 def bypassed() -> bool:
     """Whether a fused instance called now runs its original forward: while
     its region is traced or run as eager's reference."""
-    return getattr(_local, "bypass", False)
+    return _local.bypass
 
 
 class RegionModule(torch.nn.Module):

@@ -479,3 +479,224 @@ def test_gpt2_generate_with_its_kv_cache_runs_the_blocks_eagerly(shared_cache):
         expected = reference.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert tokens.tolist() == expected.tolist()
     assert "unsupported input: a value of type DynamicCache" in _row(type(model.transformer.h[0]))["fallback_reason"]
+
+
+# The hit path: a call keyed like one decided before, with the instance's state unchanged, runs the kernel at once.
+
+
+def test_a_repeated_call_is_neither_described_nor_flattened(shared_cache, monkeypatch):
+    from aoti_eager.kernels import region
+
+    model, x = _model(), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    with torch.no_grad():
+        model(x), model(x)  # decided; states prepared after the compile's own modules registered
+        before = _row(Block)
+        counted = {"described": 0, "pytree": 0}
+
+        def counting(name, original):
+            def wrapper(*args, **kwargs):
+                counted[name] += 1
+                return original(*args, **kwargs)
+            return wrapper
+
+        monkeypatch.setattr(region.RegionCall, "of", counting("described", region.RegionCall.of))
+        for name in ("tree_flatten", "tree_unflatten", "tree_flatten_with_path"):
+            monkeypatch.setattr(pytree, name, counting("pytree", getattr(pytree, name)))
+        actual = [model(x) for _ in range(3)]
+    with torch.no_grad():
+        expected = reference(x)
+    for a in actual:
+        torch.testing.assert_close(a, expected)
+    assert counted == {"described": 0, "pytree": 0}
+    assert _delta(before, Block) == {"calls": 9, "hits": 9, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
+
+
+def _warm(model, x, calls: int = 2):
+    with torch.no_grad():
+        for _ in range(calls):
+            model(x)
+
+
+class Casting(Block):
+    """Takes its weights' dtype: one input, whatever dtype the state has."""
+
+    def forward(self, x):
+        return super().forward(x.to(self.fc1.weight.dtype))
+
+
+def test_to_dtype_prepares_the_state_again(shared_cache):
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(Casting(), Casting()).eval()
+    reference = copy.deepcopy(blocks)
+    aoti_eager.fuse(blocks, cache_dir=shared_cache)
+    x = torch.randn(4, 16)
+    _warm(blocks, x)
+    for m in (blocks, reference):
+        m.to(torch.float64)
+    before = _row(Casting)
+    with torch.no_grad():
+        actual, expected = blocks(x), reference(x)
+    assert actual.dtype == torch.float64
+    torch.testing.assert_close(actual, expected)
+    assert _delta(before, Casting)["hits"] == 2
+
+
+def test_data_assigned_with_other_strides_prepares_the_state_again(shared_cache):
+    model, x = _model(), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    _warm(model, x)
+    weight = model.blocks[1].fc1.weight
+    weight.data = weight.data.t().contiguous().t()  # the same values, column-major
+    assert weight.stride() == (1, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x))
+
+
+def test_load_state_dict_uses_the_new_values_without_a_compile(shared_cache):
+    model, x = _model(), torch.randn(4, 16)
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    _warm(model, x)
+    before = _row(Block)
+    for seed, assign in ((7, False), (8, True)):  # copied into the parameters; new parameter objects
+        other = _model(seed=seed)
+        model.load_state_dict(other.state_dict(), assign=assign)
+        with torch.no_grad():
+            torch.testing.assert_close(model(x), other(x))
+    assert _delta(before, Block) == {"calls": 6, "hits": 6, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
+
+
+class Training(Block):
+    """A result that depends on its own and a submodule's training flags."""
+
+    def forward(self, x):
+        return super().forward(x) * (1 + self.training + 2 * self.fc1.training)
+
+
+@pytest.mark.parametrize("flip", ["model", "submodule"])
+def test_train_and_eval_are_seen_by_the_hit_path(shared_cache, flip):
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(Training(), Training()).eval()
+    reference = copy.deepcopy(blocks)
+    aoti_eager.fuse(blocks, cache_dir=shared_cache)
+    x = torch.randn(4, 16)
+    _warm(blocks, x)
+    for mode in (True, False, True):
+        for m in (blocks, reference):
+            (m if flip == "model" else m[0].fc1).train(mode)
+        with torch.no_grad():
+            torch.testing.assert_close(blocks(x), reference(x))
+
+
+class Ones(Block):
+    """Adds a tensor of the default dtype."""
+
+    def forward(self, x):
+        return super().forward(x) + torch.ones(16)
+
+
+def test_the_default_dtype_is_seen_by_the_hit_path(shared_cache):
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([Ones(), Ones()]).eval()
+    reference = copy.deepcopy(blocks)
+    aoti_eager.fuse(blocks, cache_dir=shared_cache)
+    x = torch.randn(4, 16)
+    _warm(blocks[0], x)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with torch.no_grad():
+            actual, expected = blocks[0](x), reference[0](x)
+    finally:
+        torch.set_default_dtype(default)
+    assert actual.dtype == expected.dtype == torch.float64
+    torch.testing.assert_close(actual, expected)
+
+
+def test_grad_mode_and_requires_grad_are_seen_by_the_hit_path(shared_cache):
+    model, x = _model(), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    _warm(model, x)
+    before = _row(Block)
+    actual = model(x)  # grad enabled, parameters that require it: eager, with autograd
+    assert actual.requires_grad
+    actual.sum().backward()
+    reference(x).sum().backward()
+    torch.testing.assert_close(model.blocks[0].fc1.weight.grad, reference.blocks[0].fc1.weight.grad)
+    assert _delta(before, Block)["fallbacks"] == 3
+    model.requires_grad_(False)
+    _warm(model, x)
+    before = _row(Block)
+    torch.testing.assert_close(model(x), reference(x))  # grad enabled, nothing requires it: the kernel
+    model.blocks[2].requires_grad_(True)
+    actual = model(x)
+    assert actual.requires_grad
+    torch.testing.assert_close(actual, reference(x))
+    assert _delta(before, Block) == {"calls": 6, "hits": 5, "fallbacks": 1, "compiles": 0, "cache_loads": 0}
+
+
+def test_a_new_shape_is_decided_anew_and_the_old_one_still_hits(shared_cache):
+    model = _model()
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    small, large = torch.randn(4, 16), torch.randn(8, 16)
+    _warm(model, small)
+    before = _row(Block)
+    with torch.no_grad():
+        for x in (large, small, large):
+            torch.testing.assert_close(model(x), reference(x))
+    assert _delta(before, Block)["compiles"] <= 1 and _delta(before, Block)["hits"] == 9
+
+
+class Scaled(Block):
+    """A result that tells apart what a key of its values must: True from 1, -0.0 from 0.0, one string from another."""
+
+    def forward(self, x, scale=1.0, mode="mul"):
+        y = super().forward(x)
+        if isinstance(scale, bool):
+            return y + 100
+        return y * scale if mode == "mul" else y / scale
+
+
+def test_the_hit_path_keys_values_by_type_and_value(shared_cache):
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([Scaled(), Scaled()]).eval()
+    reference = copy.deepcopy(blocks)
+    aoti_eager.fuse(blocks, cache_dir=shared_cache)
+    x = torch.randn(4, 16)
+    calls = [((x, 1), {}), ((x, True), {}), ((x, 0.0, "div"), {}), ((x, -0.0, "div"), {}), ((x,), {"mode": "div", "scale": 2.0}),
+             ((x,), {"scale": 2.0, "mode": "div"}), ((x, 2.0), {"mode": "mul"})]
+    with torch.no_grad():
+        for _ in range(3):  # decided, then hits
+            for args, kwargs in calls:
+                torch.testing.assert_close(blocks[0](*args, **kwargs), reference[0](*args, **kwargs))
+    assert _row(Scaled)["fallbacks"] == 0, _row(Scaled)["fallback_reason"]
+
+
+class Nested(Block):
+    """Takes its tensors in a container: the call's key is that of its pytree."""
+
+    def forward(self, xs, weights=None):
+        return super().forward(xs[0] + xs[1] * (1 if weights is None else weights["b"]))
+
+
+def test_nested_arguments_are_keyed_by_their_pytree(shared_cache, monkeypatch):
+    from aoti_eager.kernels import region
+
+    torch.manual_seed(0)
+    blocks = torch.nn.ModuleList([Nested(), Nested()]).eval()
+    reference = copy.deepcopy(blocks)
+    aoti_eager.fuse(blocks, cache_dir=shared_cache)
+    x, y, w = torch.randn(4, 16), torch.randn(4, 16), torch.randn(16)
+    calls = [((x, y),), ([x, y],), ([y, x],), ((x, y), {"b": w}), ((x, y), {"b": 2.0})]
+    described = []
+    with torch.no_grad():
+        for round in range(3):
+            if round == 2:
+                monkeypatch.setattr(region.RegionCall, "of", lambda *a, **k: described.append(a))
+            for args in calls:
+                torch.testing.assert_close(blocks[0](*args), reference[0](*args))
+    assert described == [] and _row(Nested)["fallbacks"] == 0, _row(Nested)["fallback_reason"]

@@ -1,0 +1,230 @@
+#include "region_state.h"
+
+#include "op_override.h"
+
+#include <ATen/autocast_mode.h>
+#include <c10/core/DefaultDtype.h>
+#include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/python_variable.h>
+
+#include <cstring>
+
+namespace py = pybind11;
+
+namespace aoti_eager {
+namespace {
+
+// The first word of each argument in a key.
+enum Tag : int64_t { kNone = 1, kFalse, kTrue, kInt, kFloat, kString, kTensor, kNames };
+
+void append(std::string& key, int64_t word) {
+  key.append(reinterpret_cast<const char*>(&word), sizeof(word));
+}
+
+// A tensor's words: what a region's kernel is compiled for (as
+// kernels/signature.py's TensorArg describes it) and requires_grad. False
+// for a tensor that the slow path must look at (a layout, a lazy view, a
+// subclass, a device other than CPU and CUDA).
+bool append_tensor(std::string& key, const at::Tensor& t) {
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (!t.defined() || t.layout() != at::kStrided || t.is_conj() || t.is_neg() || impl->is_python_dispatch() ||
+      impl->is_wrapped_number() || impl->has_symbolic_sizes_strides() || !t.has_storage()) {
+    return false;
+  }
+  const c10::Device device = impl->device();
+  if (!device.is_cpu() && !device.is_cuda()) {
+    return false;
+  }
+  const auto sizes = impl->sizes();
+  const bool aligned = reinterpret_cast<uintptr_t>(t.const_data_ptr()) % 16 == 0;
+  append(key, kTensor | static_cast<int64_t>(t.scalar_type()) << 8 |
+      static_cast<int64_t>(static_cast<uint8_t>(device.type())) << 16 |
+      static_cast<int64_t>(static_cast<uint8_t>(device.index())) << 24 |
+      static_cast<int64_t>(sizes.size()) << 32 | static_cast<int64_t>(aligned) << 48 |
+      static_cast<int64_t>(t.requires_grad()) << 49);
+  for (int64_t size : sizes) {
+    append(key, size);
+  }
+  for (int64_t stride : impl->strides()) {
+    append(key, stride);
+  }
+  return true;
+}
+
+bool append_string(std::string& key, PyObject* s) {
+  Py_ssize_t size = 0;
+  const char* data = PyUnicode_AsUTF8AndSize(s, &size);
+  if (data == nullptr) {
+    PyErr_Clear(); // a string with lone surrogates: the slow path describes it
+    return false;
+  }
+  append(key, kString);
+  append(key, size);
+  key.append(data, size);
+  return true;
+}
+
+// One argument's words; false for a value the key does not take.
+bool append_value(std::string& key, PyObject* v) {
+  if (v == Py_None) {
+    append(key, kNone);
+  } else if (PyBool_Check(v)) {
+    append(key, v == Py_True ? kTrue : kFalse);
+  } else if (PyLong_CheckExact(v)) {
+    int overflow = 0;
+    const long long value = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (overflow != 0 || (value == -1 && PyErr_Occurred())) {
+      PyErr_Clear();
+      return false;
+    }
+    append(key, kInt);
+    append(key, value);
+  } else if (PyFloat_CheckExact(v)) {
+    const double value = PyFloat_AS_DOUBLE(v);
+    int64_t bits = 0;
+    std::memcpy(&bits, &value, sizeof(bits)); // -0.0 and 0.0 apart, as the slow path's repr()
+    append(key, kFloat);
+    append(key, bits);
+  } else if (PyUnicode_CheckExact(v)) {
+    return append_string(key, v);
+  } else if (THPVariable_CheckExact(v)) {
+    return append_tensor(key, THPVariable_Unpack(v));
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// Calls `fn` with each argument of a call: `args`' items, then `kwargs`' values.
+template <typename F>
+void for_each_argument(py::handle args, py::handle kwargs, F&& fn) {
+  PyObject* tuple = args.ptr();
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tuple); ++i) {
+    fn(PyTuple_GET_ITEM(tuple, i));
+  }
+  PyObject* name = nullptr;
+  PyObject* value = nullptr;
+  Py_ssize_t position = 0;
+  while (PyDict_Next(kwargs.ptr(), &position, &name, &value)) {
+    fn(value);
+  }
+}
+
+PyObject* training_name() {
+  static PyObject* name = PyUnicode_InternFromString("training");
+  return name;
+}
+
+// A module's training flag: 1 or 0, else -1 (not a bool: the slow path reads it).
+int training(py::handle module) {
+  PyObject* flag = PyObject_GetAttr(module.ptr(), training_name());
+  if (flag == nullptr) {
+    PyErr_Clear();
+    return -1;
+  }
+  const int result = flag == Py_True ? 1 : flag == Py_False ? 0 : -1;
+  Py_DECREF(flag);
+  return result;
+}
+
+// Writes the state's words and data pointers into `key`; false where a
+// tensor is one the key does not take.
+bool fingerprint(const std::vector<at::Tensor>& tensors, std::string& key) {
+  key.clear();
+  for (const at::Tensor& t : tensors) {
+    if (!append_tensor(key, t)) {
+      return false;
+    }
+    append(key, reinterpret_cast<intptr_t>(t.const_data_ptr()));
+  }
+  return true;
+}
+
+} // namespace
+
+RegionState::RegionState(std::vector<at::Tensor> tensors, std::vector<py::object> modules, py::handle root)
+    : tensors_(std::move(tensors)), modules_(std::move(modules)) {
+  std::string key;
+  if (fingerprint(tensors_, key)) {
+    fingerprint_ = std::move(key);
+  }
+  training_.push_back(training(root));
+  for (const py::object& m : modules_) {
+    training_.push_back(training(m));
+  }
+}
+
+bool RegionState::unchanged(py::handle root) const {
+  if (!fingerprint_.has_value() || training_[0] < 0 || training(root) != training_[0]) {
+    return false;
+  }
+  for (size_t i = 0; i < modules_.size(); ++i) {
+    if (training_[i + 1] < 0 || training(modules_[i]) != training_[i + 1]) {
+      return false;
+    }
+  }
+  // Written into the thread's buffer: no allocation per call.
+  static thread_local std::string now;
+  return fingerprint(tensors_, now) && now == *fingerprint_;
+}
+
+std::optional<std::string> RegionState::key(py::handle args, py::handle kwargs) {
+  std::string key;
+  key.reserve(256);
+  const at::DeviceType autocast_devices[] = {at::kCPU, at::kCUDA};
+  int64_t header = static_cast<int64_t>(c10::GradMode::is_enabled()) |
+      static_cast<int64_t>(c10::typeMetaToScalarType(c10::get_default_dtype())) << 8;
+  for (size_t i = 0; i < 2; ++i) {
+    header |= static_cast<int64_t>(at::autocast::is_autocast_enabled(autocast_devices[i])) << (1 + i);
+  }
+  append(key, header);
+  append(key, PyTuple_GET_SIZE(args.ptr()));
+  bool taken = true;
+  PyObject* tuple = args.ptr();
+  for (Py_ssize_t i = 0; taken && i < PyTuple_GET_SIZE(tuple); ++i) {
+    taken = append_value(key, PyTuple_GET_ITEM(tuple, i));
+  }
+  append(key, kNames);
+  PyObject* name = nullptr;
+  PyObject* value = nullptr;
+  Py_ssize_t position = 0;
+  while (taken && PyDict_Next(kwargs.ptr(), &position, &name, &value)) {
+    taken = PyUnicode_CheckExact(name) && append_string(key, name) && append_value(key, value);
+  }
+  if (!taken) {
+    return std::nullopt;
+  }
+  return key;
+}
+
+std::vector<at::Tensor> RegionState::inputs(py::handle args, py::handle kwargs) const {
+  std::vector<at::Tensor> result(tensors_);
+  for_each_argument(args, kwargs, [&](PyObject* v) {
+    if (THPVariable_Check(v)) {
+      result.push_back(THPVariable_Unpack(v));
+    }
+  });
+  return result;
+}
+
+std::vector<at::Tensor> RegionState::run(const CompiledKernel& kernel, py::handle args, py::handle kwargs) const {
+  c10::SmallVector<const at::Tensor*, 32> inputs;
+  for (const at::Tensor& t : tensors_) {
+    inputs.push_back(&t);
+  }
+  // The call's tensors, which `args` and `kwargs` keep alive.
+  for_each_argument(args, kwargs, [&](PyObject* v) {
+    if (THPVariable_Check(v)) {
+      inputs.push_back(&THPVariable_Unpack(v));
+    }
+  });
+  CompiledKernel::Outputs outputs;
+  {
+    py::gil_scoped_release no_gil;
+    ReentryGuard guard;
+    kernel.run(inputs, outputs);
+  }
+  return std::vector<at::Tensor>(outputs.begin(), outputs.end());
+}
+
+} // namespace aoti_eager

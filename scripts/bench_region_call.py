@@ -1,0 +1,135 @@
+"""Host cost of a fused region's hit path over its kernel.
+
+For a small MLP block with LayerNorms (10 parameters) and, where
+transformers is installed, a tiny GPT-2 block called as GPT2Model calls it,
+in one process, each timed in alternating rounds (median per call):
+
+- kernel: the region's kernel alone, ``kernel.run(inputs)`` on its flat inputs;
+- forward: the fused instance's ``forward(*args, **kwargs)`` (a hit);
+- call: the fused instance called as a module (``block(*args, **kwargs)``);
+- eager: the original forward of an unfused copy.
+
+Sizes are tiny so that host cost shows; "over kernel" is forward - kernel.
+The table gives each one's fastest round (on a shared machine, load only adds
+to a call's cost), and the median rounds' difference beside it.
+
+    OMP_NUM_THREADS=1 python scripts/bench_region_call.py [--calls N] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import tempfile
+from typing import Any, Callable
+
+import torch
+
+import aoti_eager
+from aoti_eager import _regions
+from timing import machine, per_call_seconds
+
+
+class MLPBlock(torch.nn.Module):
+    """Pre-norm MLP with a residual and an output norm: 10 parameters."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.norm1 = torch.nn.LayerNorm(width)
+        self.fc1 = torch.nn.Linear(width, 2 * width)
+        self.fc2 = torch.nn.Linear(2 * width, width)
+        self.proj = torch.nn.Linear(width, width)
+        self.norm2 = torch.nn.LayerNorm(width)
+
+    def forward(self, x):
+        h = x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm1(x))))
+        return self.norm2(h + self.proj(h))
+
+
+def mlp_case() -> tuple[torch.nn.Module, torch.nn.Module, tuple[Any, ...], dict[str, Any]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(MLPBlock(), MLPBlock()).eval()
+    return model, model[0], (torch.randn(4, 16),), {}
+
+
+def gpt2_case() -> tuple[torch.nn.Module, torch.nn.Module, tuple[Any, ...], dict[str, Any]] | None:
+    try:
+        import transformers
+    except ImportError:
+        return None
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64,
+                                     bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2Model(config).eval()
+    seen: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+    # The block's arguments as the model gives them (taken on a copy: hooks on a fused instance refuse it).
+    probe = copy.deepcopy(model)
+    handle = probe.h[0].register_forward_pre_hook(lambda m, args, kwargs: seen.append((args, kwargs)), with_kwargs=True)
+    with torch.no_grad():
+        probe(torch.randint(0, 100, (1, 8)), use_cache=False)
+    handle.remove()
+    args, kwargs = seen[0]
+    return model, model.h[0], args, kwargs
+
+
+def rounds(fns: dict[str, Callable[[], object]], calls: int, repeats: int) -> dict[str, list[float]]:
+    """us per call of each of ``fns`` in each of alternating rounds."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            times[name].append(per_call_seconds(fn, calls) * 1e6)
+    return times
+
+
+def measure(case: str, model: torch.nn.Module, block: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+            cache_dir: str, calls: int, repeats: int) -> dict[str, Any]:
+    eager = copy.deepcopy(block)
+    aoti_eager.fuse(model, cache_dir=cache_dir)
+    with torch.no_grad():
+        block(*args, **kwargs)  # compiles
+        instance = _regions._fused(block)
+        decided, leaves, _ = _regions._decide(instance, args, kwargs, None)
+        assert decided.kernel is not None, decided.reason
+        kernel = decided.kernel
+        inputs = [*instance.state().tensors, *(v for v in leaves if isinstance(v, torch.Tensor))]
+        torch.testing.assert_close(block(*args, **kwargs), eager(*args, **kwargs))
+        before = aoti_eager.stats()[_regions.region_name(block)]["hits"]
+        us = rounds({
+            "kernel": lambda: kernel.run(inputs),
+            "forward": lambda: block.forward(*args, **kwargs),
+            "call": lambda: block(*args, **kwargs),
+            "eager": lambda: eager(*args, **kwargs),
+        }, calls, repeats)
+        hits = aoti_eager.stats()[_regions.region_name(block)]["hits"] - before
+    assert hits == 2 * calls * repeats, "a timed call of the fused instance was no hit"
+    aoti_eager.unfuse(model)
+    return dict(case=case, **{f"{k}_us": min(v) for k, v in us.items()}, over_kernel_us=min(us["forward"]) - min(us["kernel"]),
+                median_over_kernel_us=statistics.median(us["forward"]) - statistics.median(us["kernel"]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=1000)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--cache-dir", default=None, help="default: a new empty cache")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    cases = [("MLP block, 4x16, 10 params", mlp_case())]
+    if (gpt2 := gpt2_case()) is not None:
+        cases.append(("GPT-2 block, 1x8x32", gpt2))
+    with tempfile.TemporaryDirectory(prefix="aoti_eager-bench-") as scratch:
+        rows = [measure(name, *case, args.cache_dir or scratch, args.calls, args.rounds) for name, case in cases]
+    if args.json:
+        print(json.dumps(rows))
+        return
+    print(f"{machine('cpu')}, {torch.get_num_threads()} thread(s)")
+    print(f"{'case':<28}{'kernel us':>10}{'forward us':>12}{'call us':>9}{'eager us':>10}{'over kernel us':>16}{'(medians)':>11}")
+    for r in rows:
+        print(f"{r['case']:<28}{r['kernel_us']:>10.2f}{r['forward_us']:>12.2f}{r['call_us']:>9.2f}{r['eager_us']:>10.2f}"
+              f"{r['over_kernel_us']:>16.2f}{r['median_over_kernel_us']:>11.2f}")
+
+
+if __name__ == "__main__":
+    main()
