@@ -190,9 +190,13 @@ _logged: set[tuple[str, str]] = set()
 
 
 def _log_eager_once(name: str, reason: str) -> None:
-    if (name, reason) not in _logged:
-        _logged.add((name, reason))
-        log.warning("aoti_eager: %s runs eagerly: %s", name, reason)
+    _log_once(name, f" runs eagerly: {reason}")
+
+
+def _log_once(name: str, said: str) -> None:
+    if (name, said) not in _logged:
+        _logged.add((name, said))
+        log.warning("aoti_eager: %s%s", name, said)
 
 
 def _decide(instance: _Instance, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[_Decided, RegionCall]:
@@ -249,7 +253,20 @@ def _from_cache(instance: _Instance, cache: EntryStore, call: RegionCall, compil
     except DamagedEntry:
         return None
     _stats_of(instance.name).cache_loads += not compiled
-    return _Decided(kernel=kernel)
+    return _Decided(kernel=kernel, outputs=_kept_outputs(instance.name, entry.result_structure, kernel.num_outputs))
+
+
+def _kept_outputs(name: str, kept: dict[str, Any] | None, tensors: int) -> Outputs | None:
+    """The structure of the result that the entry keeps; None where it keeps
+    none this process can rebuild: the first call then learns it from eager."""
+    if kept is None:
+        return None
+    try:
+        return Outputs.from_json(kept, tensors)
+    except NotARegion as e:
+        _log_once(name, f": the structure of its result in the cache cannot be used here ({e}); its first call "
+                        "in this process runs its forward to learn it")
+        return None
 
 
 def _compile(instance: _Instance, cache: EntryStore, call: RegionCall) -> _Decided:

@@ -205,6 +205,33 @@ class Outputs:
         tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
         return cls(spec, tuple(_TENSOR if isinstance(v, torch.Tensor) else v for v in leaves), tuple(map(dense_order, tensors)))
 
+    def to_json(self) -> dict[str, Any] | None:
+        """The structure as a cache entry keeps it; None where the result holds
+        a type that pytree cannot name (registered without ``serialized_type_name``)."""
+        try:
+            spec = pytree.treespec_dumps(self.spec)
+        except Exception as e:  # noqa: BLE001 - pytree raises NotImplementedError, json TypeError
+            log.debug("aoti_eager: the structure of a region's result is not kept in the cache: %s", e)
+            return None
+        orders = iter(self.orders)
+        leaves = [{"tensor": _order_json(next(orders))} if v is _TENSOR else {"value": v} for v in self.leaves]
+        return {"spec": spec, "leaves": leaves}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], tensors: int) -> "Outputs":
+        """The structure :meth:`to_json` kept, for a kernel of ``tensors``
+        outputs. Raises NotARegion where this process cannot rebuild it (a
+        type not registered with pytree here) or it does not fit the kernel."""
+        try:
+            spec = pytree.treespec_loads(data["spec"])
+            leaves = tuple(_TENSOR if "tensor" in leaf else leaf["value"] for leaf in data["leaves"])
+            orders = tuple(_order_of(leaf["tensor"]) for leaf in data["leaves"] if "tensor" in leaf)
+        except Exception as e:  # noqa: BLE001 - pytree raises NotImplementedError for a type unknown here
+            raise NotARegion(f"{type(e).__name__}: {e}") from None
+        if spec.num_leaves != len(leaves) or len(orders) != tensors or not all(v is _TENSOR or isinstance(v, _VALUES) for v in leaves):
+            raise NotARegion(f"it does not fit a kernel of {tensors} outputs")
+        return cls(spec, leaves, orders)
+
     def tensors(self, result: Any) -> list[torch.Tensor]:
         return [v for v in pytree.tree_leaves(result) if isinstance(v, torch.Tensor)]
 
@@ -212,6 +239,16 @@ class Outputs:
         """The result, with the kernel's ``tensors``."""
         it = iter(tensors)
         return pytree.tree_unflatten([next(it) if v is _TENSOR else v for v in self.leaves], self.spec)
+
+
+def _order_json(order: tuple[int, ...] | None) -> list[int] | None:
+    return None if order is None else list(order)
+
+
+def _order_of(data: Any) -> tuple[int, ...] | None:
+    if data is not None and not (isinstance(data, list) and all(type(d) is int for d in data)):
+        raise ValueError(f"a tensor's dims order {data!r}")
+    return None if data is None else tuple(data)
 
 
 _local = threading.local()
@@ -308,7 +345,8 @@ def _compile_region(instance: torch.nn.Module, call: RegionCall, store: EntrySto
             return _publish_eager(store, call, failed), outputs
         seconds = time.perf_counter() - start
         entry = Entry(op=call.name, signature=call.to_json(), compile_seconds=round(seconds, 3),
-                      output_counts=artifact.output_counts, library=artifact.library)
+                      output_counts=artifact.output_counts, library=artifact.library,
+                      result_structure=outputs.to_json())
         store.publish(call.key, entry, sidecar_files(artifact))
     finally:
         artifact.workdir.cleanup()

@@ -113,6 +113,40 @@ class TupleBlock(Block):
         return y, {"doubled": 2 * y, "steps": 3}
 
 
+@dataclasses.dataclass
+class Named:
+    out: torch.Tensor
+    total: torch.Tensor
+
+
+# Named by pytree, so that the structure of a result holding one is kept in the cache.
+pytree.register_dataclass(Named, serialized_type_name=f"{__name__}.Named")
+
+
+class NamedBlock(Block):
+    def forward(self, x):
+        y = super().forward(x)
+        return Named(y, y.sum(dim=-1))
+
+
+@dataclasses.dataclass
+class Lazy:
+    out: torch.Tensor
+
+
+def _register_lazy() -> None:
+    if Lazy not in pytree.SUPPORTED_NODES:
+        pytree.register_dataclass(Lazy, serialized_type_name=f"{__name__}.Lazy")
+
+
+class LazyBlock(Block):
+    """Returns a type registered with pytree by its first call, as a model may import it late."""
+
+    def forward(self, x):
+        _register_lazy()
+        return Lazy(super().forward(x))
+
+
 @pytest.fixture(autouse=True)
 def _models_let_go():
     """A test's models are freed when it ends (transformers' hold cycles):
@@ -179,31 +213,73 @@ def test_changed_weights_need_no_compile(shared_cache):
 CHILD = """
 import copy, json, sys, importlib
 import torch, aoti_eager
+import torch.utils._pytree as pytree
 sys.path[:0] = [sys.argv[2], sys.argv[3]]
 tests = importlib.import_module(sys.argv[4])
-model, x = tests._model(), torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
+block = getattr(tests, sys.argv[5])
+torch.manual_seed(0)
+model, x = tests.Model(block).eval(), torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
 reference = copy.deepcopy(model)
 aoti_eager.fuse(model, cache_dir=sys.argv[1])
+original, eager_calls = block.forward, []
+def counted(*args, **kwargs):
+    eager_calls.append(1)
+    return original(*args, **kwargs)
+block.forward = counted  # fused instances run their class's forward where they run eagerly
 with torch.no_grad():
-    results = [model(x), model(x)]
-    expected = reference(x)
-for r in results:
-    torch.testing.assert_close(r, expected)
-print(json.dumps(tests._row(tests.Block)))
+    results = [model.blocks[0](x), model.blocks[1](x)]
+    block.forward = original
+    expected = reference.blocks[0](x), reference.blocks[1](x)
+for r, e in zip(results, expected):
+    assert type(r) is type(e) and pytree.tree_structure(r) == pytree.tree_structure(e)
+    torch.testing.assert_close(pytree.tree_leaves(r), pytree.tree_leaves(e))
+print(json.dumps({**tests._row(block), "eager_calls": len(eager_calls)}))
 """
 
 
-def test_a_new_process_loads_the_region_from_the_cache(tmp_path):
-    model, x = _model(), torch.randn(4, 16)
-    aoti_eager.fuse(model, cache_dir=tmp_path)
-    with torch.no_grad():
-        model(x)
-    child = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), str(ROOT), str(ROOT / "tests"), Block.__module__],
+def _child(cache: Path, block: type) -> dict:
+    """The stats row of ``block``'s region in a new process that calls two fused blocks, with
+    ``eager_calls``: the calls of the original forward."""
+    child = subprocess.run([sys.executable, "-c", CHILD, str(cache), str(ROOT), str(ROOT / "tests"), block.__module__, block.__name__],
                            capture_output=True, text=True, timeout=600)
     assert child.returncode == 0, child.stderr[-2000:]
-    row = json.loads(child.stdout.strip().splitlines()[-1])
-    # Loaded once; the first call learns the structure of the result eagerly, every later one is a hit.
-    assert (row["compiles"], row["cache_loads"], row["calls"], row["hits"]) == (0, 1, 6, 5)
+    return {**json.loads(child.stdout.strip().splitlines()[-1]), "stderr": child.stderr}
+
+
+def test_a_kept_structure_is_used_only_where_it_fits_the_kernel():
+    from aoti_eager.kernels.region import NotARegion, Outputs
+
+    t = torch.randn(2, 3).t()
+    outputs = Outputs.of(Named(t, {"a": t, "n": 2.5, "s": "x", "none": None}))
+    kept = json.loads(json.dumps(outputs.to_json()))  # as the entry holds it
+    assert Outputs.from_json(kept, 2) == outputs
+    with pytest.raises(NotARegion, match="does not fit a kernel of 3 outputs"):
+        Outputs.from_json(kept, 3)
+    assert Outputs.of(Pair(t, t)).to_json() is None  # a type registered without a name pytree can write
+
+
+@pytest.mark.parametrize("block", [Block, TupleBlock, NamedBlock])
+def test_a_new_process_loads_the_region_from_the_cache(tmp_path, block):
+    torch.manual_seed(0)
+    model, x = Model(block).eval(), torch.randn(4, 16)
+    aoti_eager.fuse(model, cache_dir=tmp_path)
+    with torch.no_grad():
+        model.blocks[0](x)
+    row = _child(tmp_path, block)
+    # Loaded once, the result's structure read from the entry: every call a hit, the original forward never run.
+    assert (row["compiles"], row["cache_loads"], row["calls"], row["hits"], row["eager_calls"]) == (0, 1, 2, 2, 0)
+
+
+def test_a_result_type_not_registered_in_the_new_process_is_learnt_from_eager(tmp_path):
+    torch.manual_seed(0)
+    model, x = Model(LazyBlock).eval(), torch.randn(4, 16)
+    aoti_eager.fuse(model, cache_dir=tmp_path)
+    with torch.no_grad():
+        model.blocks[0](x)
+    row = _child(tmp_path, LazyBlock)  # Lazy is registered by the first forward that returns one
+    assert (row["compiles"], row["cache_loads"], row["calls"], row["hits"], row["eager_calls"]) == (0, 1, 2, 1, 1)
+    assert "the structure of its result in the cache cannot be used here" in row["stderr"]
+    assert f"Deserializing {Lazy.__module__}.Lazy in pytree is not registered" in row["stderr"]
 
 
 def test_a_region_that_does_not_export_runs_eagerly_with_its_reason(tmp_path, caplog):
