@@ -27,7 +27,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils._pytree as pytree
@@ -338,7 +338,7 @@ def _compile_region(instance: torch.nn.Module, call: RegionCall, store: EntrySto
     try:
         try:
             kernel = load(artifact.library, artifact.output_counts)
-            check_region(kernel, call, outputs.tensors(expected))
+            check_region(kernel, call, outputs.tensors(expected), lambda: _float64_result(instance, call, outputs))
         except Exception as e:  # noqa: BLE001
             said = (str(e).strip().splitlines() or [""])[0][:300]
             failed = f"compiled kernel disagrees with eager: {said}" if isinstance(e, Mismatch) else f"compiled kernel failed to run: {type(e).__name__}: {said}"
@@ -353,13 +353,27 @@ def _compile_region(instance: torch.nn.Module, call: RegionCall, store: EntrySto
     return Published(seconds, artifact.seconds, call.key), outputs
 
 
-def check_region(kernel: Any, call: RegionCall, expected: list[torch.Tensor]) -> None:
+def check_region(kernel: Any, call: RegionCall, expected: list[torch.Tensor],
+                 reference: Callable[[], list[torch.Tensor] | None] | None = None) -> None:
     """Runs ``kernel`` on fresh copies of the call's inputs and compares its
-    tensors with eager's ``expected`` (raises Mismatch)."""
+    tensors with eager's ``expected`` (raises Mismatch); in low precision,
+    against ``reference`` too where they differ (see :func:`compare`)."""
     inputs = clone_args(call.inputs())
     fresh = kernel.run(inputs)
     check_fresh_memory(inputs, fresh)
-    compare("the region's result", list(fresh), list(expected))
+    compare("the region's result", list(fresh), list(expected), reference)
+
+
+def _float64_result(instance: torch.nn.Module, call: RegionCall, outputs: Outputs) -> list[torch.Tensor] | None:
+    """The result's tensors of the original forward run in float64 on upcast
+    copies of the state and the call's floating tensors; None where it does
+    not run so (a forward that casts to a dtype of its own)."""
+    upcast = [t.detach().to(torch.float64, copy=True) if t.is_floating_point() else t.clone() for t in call.inputs()]
+    try:
+        return outputs.tensors(RegionModule(instance, call)(*upcast))
+    except Exception as e:  # noqa: BLE001 - the kernel is then judged by its dtype's tolerance alone
+        log.debug("aoti_eager: %s does not run in float64: %s", call.name, e)
+        return None
 
 
 def _publish_eager(store: EntryStore, call: RegionCall, reason: str) -> NotCompiled:

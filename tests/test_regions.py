@@ -316,7 +316,7 @@ def test_a_kernel_that_disagrees_with_eager_is_not_used(tmp_path, monkeypatch):
     from aoti_eager.kernels import region
     from aoti_eager.kernels.validate import Mismatch
 
-    def disagree(what, actual, expected):
+    def disagree(what, actual, expected, reference=None):
         raise Mismatch(f"{what}: made to differ")
 
     monkeypatch.setattr(region, "compare", disagree)
@@ -328,6 +328,79 @@ def test_a_kernel_that_disagrees_with_eager_is_not_used(tmp_path, monkeypatch):
         torch.testing.assert_close(model(x), reference(x))
     assert _delta(before, Block)["hits"] == 0
     assert _row(Block)["fallback_reason"] == "compiled kernel disagrees with eager: the region's result: made to differ"
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.up, self.down, self.norm = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width), torch.nn.LayerNorm(width)
+
+    def forward(self, x):
+        return self.norm(x + self.down(torch.nn.functional.gelu(self.up(x))))
+
+
+class Deep(torch.nn.Module):
+    """Layers of Linear, GELU and LayerNorm: compiled whole in bf16, it rounds at
+    other points than eager, by more than bf16's tolerance for one op."""
+
+    def __init__(self, width: int = 64, layers: int = 4):
+        super().__init__()
+        self.layers = torch.nn.Sequential(*(Layer(width) for _ in range(layers)))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def _bf16_deep_blocks():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(Deep(), Deep()).eval().to(torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)
+
+
+def _rmse(a, b):
+    return (a.double() - b.double()).square().mean().sqrt().item()
+
+
+def test_a_bf16_block_compiled_whole_is_judged_against_float64(tmp_path):
+    blocks, x = _bf16_deep_blocks()
+    reference, float64 = copy.deepcopy(blocks), copy.deepcopy(blocks).double()
+    aoti_eager.fuse(blocks, cache_dir=tmp_path)
+    before = _row(Deep)
+    with torch.no_grad():
+        actual, expected, exact = blocks(x), reference(x), float64(x.double())
+    assert _delta(before, Deep) == {"calls": 2, "hits": 2, "fallbacks": 0, "compiles": 1, "cache_loads": 0}, _row(Deep)["fallback_reason"]
+    assert (actual.dtype, actual.shape, actual.stride()) == (expected.dtype, expected.shape, expected.stride())
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(actual, expected)  # what one op's tolerance would refuse
+    # As near the float64 result as eager, within same()'s multiple for bf16.
+    assert _rmse(actual, exact) <= 3 * _rmse(expected, exact) + 1e-4
+
+
+def test_a_bf16_kernel_further_from_float64_than_eager_is_refused(tmp_path, monkeypatch):
+    from aoti_eager import _mechanism
+
+    class Skewed:
+        """The kernel, its first output 3% too large."""
+
+        def __init__(self, kernel):
+            self.kernel, self.num_outputs = kernel, kernel.num_outputs
+
+        def run(self, inputs):
+            outputs = self.kernel.run(inputs)
+            return [outputs[0].mul_(1.03), *outputs[1:]]
+
+    load = _mechanism.load_library
+    monkeypatch.setattr(_mechanism, "load_library", lambda *args, known_good, **kwargs: (
+        load(*args, known_good=known_good, **kwargs) if known_good else Skewed(load(*args, known_good=known_good, **kwargs))))
+    blocks, x = _bf16_deep_blocks()
+    reference = copy.deepcopy(blocks)
+    aoti_eager.fuse(blocks, cache_dir=tmp_path)
+    before = _row(Deep)
+    with torch.no_grad():
+        torch.testing.assert_close(blocks(x), reference(x), rtol=0, atol=0)
+    assert _delta(before, Deep)["hits"] == 0
+    reason = _row(Deep)["fallback_reason"]
+    assert reason.startswith("compiled kernel disagrees with eager: the region's result[0]: Tensor-likes are not close!")
+    assert "against a float64 run of the forward: RMSE (res-fp64)" in reason
 
 
 def test_a_number_read_from_the_data_keeps_eager(tmp_path):
