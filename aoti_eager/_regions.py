@@ -20,7 +20,7 @@ from typing import Any, Iterable
 
 import torch
 
-from aoti_eager import _mechanism
+from aoti_eager import _mechanism, settings
 from aoti_eager.cache import DamagedEntry, UntrustedEntry
 from aoti_eager.cache.entry_store import EntryStore
 from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad
@@ -246,6 +246,8 @@ def _from_cache(instance: _Instance, cache: EntryStore, call: RegionCall, compil
         with cache.hold(call.name, call.key) as entry:
             if entry is None:
                 return None
+            if entry.library is None and entry.timing is not None and not settings.keep_faster.get():
+                return None  # a verdict on speed, which the timing's switch turned off: compile
             if entry.library is None:
                 return _Decided(reason=entry.reason or "decided eager")
             kernel = _mechanism.load_library(cache, call.device, entry.library, entry.output_counts, len(call.inputs()),

@@ -32,10 +32,12 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.utils._pytree as pytree
 
+from aoti_eager import settings
 from aoti_eager.cache.entry_store import Entry, EntryStore
 from aoti_eager.kernels import quiet
 from aoti_eager.kernels.compile import CompileError, dense_order, in_order, compile_module, compile_options, sidecar_files
-from aoti_eager.kernels.pipeline import Loader, NotCompiled, Outcome, Published
+from aoti_eager.kernels.pipeline import Loader, NotCompiled, Outcome, Published, current, speed_verdict, timed
+from aoti_eager.kernels.speed import Timing, measured
 from aoti_eager.kernels.signature import Arg, ConstantArg, NoneArg, NumberArg, TensorArg, Unsupported, clone_args
 from aoti_eager.kernels.toolchain import usable_vec_isas
 from aoti_eager.kernels.validate import Mismatch, check_fresh_memory, compare
@@ -325,6 +327,9 @@ def _compile_region(instance: torch.nn.Module, call: RegionCall, store: EntrySto
         outputs = Outputs.of(expected)
     except NotARegion as e:
         return _publish_eager(store, call, str(e)), None
+    if not settings.keep_faster.get():
+        # A verdict on speed, which the caller passed over, makes way for the kernel.
+        store.remove(call.name, call.key)
     start = time.perf_counter()
     try:
         artifact = compile_module(RegionModule(instance, call, outputs), tuple(clone_args(call.inputs())),
@@ -344,13 +349,27 @@ def _compile_region(instance: torch.nn.Module, call: RegionCall, store: EntrySto
             failed = f"compiled kernel disagrees with eager: {said}" if isinstance(e, Mismatch) else f"compiled kernel failed to run: {type(e).__name__}: {said}"
             return _publish_eager(store, call, failed), outputs
         seconds = time.perf_counter() - start
+        timing = timed(call.name, call.short(), lambda: _measured(kernel, instance, call))
         entry = Entry(op=call.name, signature=call.to_json(), compile_seconds=round(seconds, 3),
-                      output_counts=artifact.output_counts, library=artifact.library,
-                      result_structure=outputs.to_json())
-        store.publish(call.key, entry, sidecar_files(artifact))
+                      timing=timing.to_json() if timing is not None else None, reason=speed_verdict(timing, artifact))
+        if entry.reason is None:
+            entry.output_counts, entry.library, entry.result_structure = artifact.output_counts, artifact.library, outputs.to_json()
+        store.publish(call.key, entry, sidecar_files(artifact) if entry.library else None)
     finally:
         artifact.workdir.cleanup()
     return Published(seconds, artifact.seconds, call.key), outputs
+
+
+def _measured(kernel: Any, instance: torch.nn.Module, call: RegionCall) -> Timing:
+    """The region's kernel timed against the instance's original forward, both on copies of the call's tensors."""
+    inputs = [*call.tensors, *clone_args(call.inputs()[len(call.tensors):])]
+    args, kwargs = call.arguments(iter(inputs[len(call.tensors):]))
+
+    def eager() -> Any:
+        with original_forward():
+            return instance(*args, **kwargs)
+
+    return measured(kernel, inputs, eager, current().region_timer)
 
 
 def check_region(kernel: Any, call: RegionCall, expected: list[torch.Tensor],

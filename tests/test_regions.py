@@ -186,12 +186,16 @@ def test_repeated_blocks_share_one_compile(tmp_path):
         f"region::{Block.__module__}.Block"}
 
 
-def _cache_entries(root: Path) -> list[tuple[str, str]]:
+def _cpu_cache(root: Path):
     from aoti_eager.cache import KernelCache
     from aoti_eager.kernels.compile import compile_options
     from aoti_eager.kernels.toolchain import environment_name
 
-    return list(KernelCache(root, environment_name(torch.device("cpu"), compile_options("cpu"))).entries())
+    return KernelCache(root, environment_name(torch.device("cpu"), compile_options("cpu")))
+
+
+def _cache_entries(root: Path) -> list[tuple[str, str]]:
+    return list(_cpu_cache(root).entries())
 
 
 def test_changed_weights_need_no_compile(shared_cache):
@@ -401,6 +405,66 @@ def test_a_bf16_kernel_further_from_float64_than_eager_is_refused(tmp_path, monk
     reason = _row(Deep)["fallback_reason"]
     assert reason.startswith("compiled kernel disagrees with eager: the region's result[0]: Tensor-likes are not close!")
     assert "against a float64 run of the forward: RMSE (res-fp64)" in reason
+
+
+def _region_entries(root: Path, region: type) -> list:
+    cache = _cpu_cache(root)
+    return [cache.lookup(op, key) for op, key in cache.entries() if op.endswith(f".{region.__qualname__}")]
+
+
+def test_a_region_timed_slower_than_eager_stays_eager(tmp_path, monkeypatch, swap_compiler):
+    from aoti_eager.kernels.speed import Timing
+
+    timed = []
+
+    def slower(kernel, inputs, eager):
+        # What it is given: the kernel and the original forward on the same values, each giving eager's result.
+        timed.append(1)
+        torch.testing.assert_close(kernel.run(inputs)[0], eager())
+        return Timing(2e-3, 1e-3)
+
+    monkeypatch.setenv("AOTI_EAGER_KEEP_FASTER", "1")
+    swap_compiler(region_timer=slower)
+    delta, reason = _fused_against_eager(tmp_path, seed=7)
+    assert delta == {"calls": 3, "hits": 0, "fallbacks": 3, "compiles": 1, "cache_loads": 0}
+    assert timed == [1, 1]  # timed twice before eager wins, as ops are
+    assert reason == "eager is faster: kernel 2.00x eager's time (measured at compile)"
+    [entry] = _region_entries(tmp_path, Block)
+    assert (entry.library, entry.timing) == (None, {"kernel_us": 2000.0, "eager_us": 1000.0, "ratio": 2.0})
+    # With the switch off, the verdict on speed is passed over: compiled again, and used.
+    monkeypatch.setenv("AOTI_EAGER_KEEP_FASTER", "0")
+    monkeypatch.setattr(_regions, "_decided", {})
+    assert _fused_against_eager(tmp_path, seed=7)[0] == {"calls": 3, "hits": 3, "fallbacks": 0, "compiles": 1, "cache_loads": 0}
+
+
+def _fused_against_eager(cache: Path, seed: int) -> tuple[dict, str | None]:
+    """Fuses a model's blocks and calls it once, its result checked against eager's; what its region's calls
+    did, and the last reason they ran eagerly."""
+    model, x = _model(seed=seed), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=cache)
+    before = _row(Block)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x))
+    return _delta(before, Block), _row(Block)["fallback_reason"]
+
+
+def test_a_region_timed_faster_than_eager_keeps_its_kernel(tmp_path, monkeypatch, swap_compiler):
+    from aoti_eager.kernels.speed import Timing
+
+    monkeypatch.setenv("AOTI_EAGER_KEEP_FASTER", "1")
+    swap_compiler(region_timer=lambda kernel, inputs, eager: Timing(1e-3, 2e-3))
+    assert _fused_against_eager(tmp_path, seed=8)[0] == {"calls": 3, "hits": 3, "fallbacks": 0, "compiles": 1, "cache_loads": 0}
+    [entry] = _region_entries(tmp_path, Block)
+    assert entry.library is not None and entry.timing == {"kernel_us": 1000.0, "eager_us": 2000.0, "ratio": 0.5}
+
+
+def test_a_region_is_timed_against_its_original_forward(tmp_path, monkeypatch):
+    monkeypatch.setenv("AOTI_EAGER_KEEP_FASTER", "1")
+    _fused_against_eager(tmp_path, seed=9)  # the kernel or eager, whichever was faster here
+    [entry] = _region_entries(tmp_path, Block)
+    assert entry.timing["kernel_us"] > 0 and entry.timing["eager_us"] > 0
+    assert (entry.library is None) == (entry.timing["ratio"] > 1.05)
 
 
 def test_a_number_read_from_the_data_keeps_eager(tmp_path):
