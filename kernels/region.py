@@ -302,14 +302,15 @@ class RegionModule(torch.nn.Module):
 
 
 def compile_region(
-    instance: torch.nn.Module, call: RegionCall, store: EntryStore, load: Loader
+    instance: torch.nn.Module, call: RegionCall, store: EntryStore, load: Loader, in_background: bool = False
 ) -> tuple[Outcome, Outputs | None]:
     """Compiles, validates and publishes the kernel of ``call`` (under the
     caller's lock), with the structure of its result. What it all prints is
-    logged at DEBUG level, not shown."""
+    logged at DEBUG level, not shown; ``in_background``: what this thread
+    prints, while the process's other threads print as usual."""
     output: list[str] = []
     try:
-        with quiet.captured(output), torch.no_grad():
+        with quiet.captured(output, this_thread_only=in_background), torch.no_grad():
             return _compile_region(instance, call, store, load)
     finally:
         if output:

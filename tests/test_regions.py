@@ -10,6 +10,7 @@ import json
 import logging
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -158,6 +159,7 @@ def _models_let_go():
 def _row(region: type) -> dict:
     return aoti_eager.stats().get(f"region::{region.__module__}.{region.__qualname__}", {
         "calls": 0, "hits": 0, "fallbacks": 0, "fallback_reason": None, "compiles": 0, "compile_seconds": 0.0, "cache_loads": 0,
+        "queued": 0, "compiling": 0,
     })
 
 
@@ -619,7 +621,7 @@ def test_fuse_names_the_modules_or_classes(shared_cache):
     assert fused == ["blocks.0", "blocks.1.fc1", "blocks.1.fc2", "blocks.2.fc1", "blocks.2.fc2", "head"]
     aoti_eager.unfuse(model)
     with pytest.raises(ValueError, match="compile"):
-        aoti_eager.fuse(model, compile="background")
+        aoti_eager.fuse(model, compile="later")
 
 
 def test_compile_never_runs_eagerly_on_a_miss(tmp_path):
@@ -638,6 +640,33 @@ def test_compile_never_runs_eagerly_on_a_miss(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(model(x), reference(x))
     assert _delta(before, Block) == {"calls": 3, "hits": 3, "fallbacks": 0, "compiles": 1, "cache_loads": 0}
+
+
+def test_compile_background_runs_eagerly_until_the_kernel_is_published(tmp_path, monkeypatch):
+    compiled_on, go = [], threading.Event()
+
+    def held(*args, **kwargs):
+        compiled_on.append(threading.current_thread())
+        assert go.wait(timeout=600)  # until the calls below have returned: none of them waits for it
+        return compile_region(*args, **kwargs)
+
+    compile_region = _regions.compile_region
+    monkeypatch.setattr(_regions, "compile_region", held)
+    model, x = _model(seed=10), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, compile="background", cache_dir=tmp_path)
+    before = _row(Block)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(model(x), reference(x))
+        assert (_row(Block)["queued"], _row(Block)["compiling"], _row(Block)["fallback_reason"]) == (
+            before["queued"] + 1, 1, "its kernel is compiling in the background")
+        go.set()
+        assert aoti_eager.wait(timeout=600)
+        assert _row(Block)["compiling"] == 0
+        torch.testing.assert_close(model(x), reference(x))
+    assert len(compiled_on) == 1 and compiled_on[0] is not threading.current_thread()
+    assert _delta(before, Block) == {"calls": 9, "hits": 3, "fallbacks": 6, "compiles": 1, "cache_loads": 0}
 
 
 def test_training_flags_and_autocast_are_part_of_the_call(shared_cache):
