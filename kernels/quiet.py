@@ -143,8 +143,10 @@ def captured(log: list[str], this_thread_only: bool = False) -> Iterator[None]:
                 log.append(output)
 
 
-class _ByThread(io.TextIOBase):
-    """A stream that writes what one thread writes into ``into``, and what the others write into ``others``."""
+class _ByThread:
+    """A stream that writes what one thread writes into ``into``, and what
+    the others write into ``others``, which is what they see of it
+    (``fileno``, ``isatty``, ``encoding``)."""
 
     def __init__(self, others: Any, into: io.StringIO, thread: int):
         self.others, self.into, self.thread = others, into, thread
@@ -155,7 +157,7 @@ class _ByThread(io.TextIOBase):
     def flush(self) -> None:
         self.others.flush()
 
-    def __getattr__(self, name: str) -> Any:  # fileno, encoding, isatty: the stream's
+    def __getattr__(self, name: str) -> Any:
         return getattr(self.others, name)
 
 

@@ -56,10 +56,12 @@ def test_a_background_compile_takes_its_own_threads_output_only(capsys, caplog):
         thread.start()
         assert inside.wait(timeout=60)
         print("the user's own line")  # meanwhile, in the user's thread
+        encoding = sys.stdout.encoding  # what the user's thread sees of its stream is its stream's
         logging.getLogger("torch.distributed").warning("the user's torch record")
         done.set()
         thread.join()
     assert capsys.readouterr().out == "the user's own line\n"
+    assert encoding == sys.stdout.encoding is not None
     assert [r.getMessage() for r in caplog.records] == ["the user's torch record"]
     assert log == ["def forward(self, arg0_1):\nUserWarning: a warning raised inside the compile\n"
                    "WARNING torch.fx.experimental.symbolic_shapes: Unable to find user code"]
