@@ -194,7 +194,8 @@ def _this_thread_into(text: io.StringIO) -> Iterator[None]:
 
     warnings.showwarning = showwarning
     records = _ThreadRecords(text, thread)
-    loggers = [logging.root, *(logging.getLogger(name) for name in list(logging.root.manager.loggerDict) if name.startswith("torch"))]
+    names = [name for name in list(logging.root.manager.loggerDict) if name.startswith("torch")]
+    loggers = [logging.root, *map(logging.getLogger, names)]
     handlers = {h for logger in loggers for h in logger.handlers} | ({logging.lastResort} if logging.lastResort else set())
     for handler in handlers:
         handler.addFilter(records)

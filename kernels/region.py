@@ -230,7 +230,8 @@ class Outputs:
             orders = tuple(_order_of(leaf["tensor"]) for leaf in data["leaves"] if "tensor" in leaf)
         except Exception as e:  # noqa: BLE001 - pytree raises NotImplementedError for a type unknown here
             raise NotARegion(f"{type(e).__name__}: {e}") from None
-        if spec.num_leaves != len(leaves) or len(orders) != tensors or not all(v is _TENSOR or isinstance(v, _VALUES) for v in leaves):
+        values_ok = all(v is _TENSOR or isinstance(v, _VALUES) for v in leaves)
+        if spec.num_leaves != len(leaves) or len(orders) != tensors or not values_ok:
             raise NotARegion(f"it does not fit a kernel of {tensors} outputs")
         return cls(spec, leaves, orders)
 
@@ -354,7 +355,8 @@ def _compile_region(instance: torch.nn.Module, call: RegionCall, store: EntrySto
         entry = Entry(op=call.name, signature=call.to_json(), compile_seconds=round(seconds, 3),
                       timing=timing.to_json() if timing is not None else None, reason=speed_verdict(timing, artifact))
         if entry.reason is None:
-            entry.output_counts, entry.library, entry.result_structure = artifact.output_counts, artifact.library, outputs.to_json()
+            entry.output_counts, entry.library = artifact.output_counts, artifact.library
+            entry.result_structure = outputs.to_json()
         store.publish(call.key, entry, sidecar_files(artifact) if entry.library else None)
     finally:
         artifact.workdir.cleanup()
