@@ -264,6 +264,23 @@ def test_a_kept_structure_is_used_only_where_it_fits_the_kernel():
     assert Outputs.of(Pair(t, t)).to_json() is None  # a type registered without a name pytree can write
 
 
+def test_the_kept_structure_is_under_the_entrys_integrity_check(tmp_path):
+    torch.manual_seed(0)
+    model, x = Model(TupleBlock).eval(), torch.randn(4, 16)
+    aoti_eager.fuse(model, cache_dir=tmp_path)
+    with torch.no_grad():
+        model.blocks[0](x)
+    cache = _cpu_cache(tmp_path)
+    [(op, key)] = cache.entries()
+    path = cache.entry_dir(op, key) / "entry.json"
+    data = json.loads(path.read_text())
+    assert {"value": 3} in data["result_structure"]["leaves"]  # the dict's "steps": 3
+    leaves = data["result_structure"]["leaves"]
+    leaves[leaves.index({"value": 3})] = {"value": 4}
+    path.write_text(json.dumps(data))
+    assert cache.lookup(op, key) is None  # set aside as damaged: never a wrong value in a result
+
+
 @pytest.mark.parametrize("block", [Block, TupleBlock, NamedBlock])
 def test_a_new_process_loads_the_region_from_the_cache(tmp_path, block):
     torch.manual_seed(0)
