@@ -264,12 +264,17 @@ def test_a_kept_structure_is_used_only_where_it_fits_the_kernel():
     assert Outputs.of(Pair(t, t)).to_json() is None  # a type registered without a name pytree can write
 
 
-def test_the_kept_structure_is_under_the_entrys_integrity_check(tmp_path):
+def _compiled(cache: Path, block: type) -> None:
+    """Compiles the region of ``block`` for a call on a (4, 16) tensor into ``cache``."""
     torch.manual_seed(0)
-    model, x = Model(TupleBlock).eval(), torch.randn(4, 16)
-    aoti_eager.fuse(model, cache_dir=tmp_path)
+    model = Model(block).eval()
+    aoti_eager.fuse(model, cache_dir=cache)
     with torch.no_grad():
-        model.blocks[0](x)
+        model.blocks[0](torch.randn(4, 16))
+
+
+def test_the_kept_structure_is_under_the_entrys_integrity_check(tmp_path):
+    _compiled(tmp_path, TupleBlock)
     cache = _cpu_cache(tmp_path)
     [(op, key)] = cache.entries()
     path = cache.entry_dir(op, key) / "entry.json"
@@ -283,22 +288,14 @@ def test_the_kept_structure_is_under_the_entrys_integrity_check(tmp_path):
 
 @pytest.mark.parametrize("block", [Block, TupleBlock, NamedBlock])
 def test_a_new_process_loads_the_region_from_the_cache(tmp_path, block):
-    torch.manual_seed(0)
-    model, x = Model(block).eval(), torch.randn(4, 16)
-    aoti_eager.fuse(model, cache_dir=tmp_path)
-    with torch.no_grad():
-        model.blocks[0](x)
+    _compiled(tmp_path, block)
     row = _child(tmp_path, block)
     # Loaded once, the result's structure read from the entry: every call a hit, the original forward never run.
     assert (row["compiles"], row["cache_loads"], row["calls"], row["hits"], row["eager_calls"]) == (0, 1, 2, 2, 0)
 
 
 def test_a_result_type_not_registered_in_the_new_process_is_learnt_from_eager(tmp_path):
-    torch.manual_seed(0)
-    model, x = Model(LazyBlock).eval(), torch.randn(4, 16)
-    aoti_eager.fuse(model, cache_dir=tmp_path)
-    with torch.no_grad():
-        model.blocks[0](x)
+    _compiled(tmp_path, LazyBlock)
     row = _child(tmp_path, LazyBlock)  # Lazy is registered by the first forward that returns one
     assert (row["compiles"], row["cache_loads"], row["calls"], row["hits"], row["eager_calls"]) == (0, 1, 2, 1, 1)
     assert "the structure of its result in the cache cannot be used here" in row["stderr"]
