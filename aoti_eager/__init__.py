@@ -40,7 +40,7 @@ from aoti_eager._prewarm import prewarm
 from aoti_eager._reach import ReachedOps, ops_reached
 from aoti_eager.version import __version__
 
-__all__ = ["ReachedOps", "cache_dir", "disable", "enable", "enabled", "fuse", "ops_reached", "prewarm", "stats", "unfuse"]
+__all__ = ["ReachedOps", "cache_dir", "disable", "enable", "enabled", "fuse", "ops_reached", "prewarm", "stats", "unfuse", "wait"]
 
 log = logging.getLogger("aoti_eager")
 
@@ -269,8 +269,11 @@ def fuse(
             more instances whose parameters and buffers have the same names,
             shapes, dtypes and devices; never a module inside another region.
         compile (str): ``"now"``: a miss compiles before the call returns;
-            ``"never"``: a miss runs the original forward (kernels already
-            in the cache are used). Default: ``"now"``.
+            ``"background"``: a miss runs the original forward and queues the
+            compile for a thread of this process, whose kernel the calls use
+            once it is published (see :func:`wait`); ``"never"``: a miss runs
+            the original forward (kernels already in the cache are used).
+            Default: ``"now"``.
         cache_dir (str | PathLike | None): where kernels are kept. Default:
             :func:`cache_dir`.
 
@@ -289,8 +292,8 @@ def fuse(
         12
         >>> aoti_eager.unfuse(model)                 # the original forwards are back
     """
-    if compile not in ("now", "never"):
-        raise ValueError(f'aoti_eager: fuse(compile=...) is "now" or "never", not {compile!r}')
+    if compile not in ("now", "background", "never"):
+        raise ValueError(f'aoti_eager: fuse(compile=...) is "now", "background" or "never", not {compile!r}')
     settings.check_all()
     root = Path(cache_dir).expanduser() if cache_dir is not None else _root if _root is not None else default_root()
     _regions.fuse(model, modules, compile, root)
@@ -312,6 +315,28 @@ def unfuse(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def wait(timeout: float | None = None) -> bool:
+    """Waits for the background compiles queued so far (``compile="background"``
+    of :func:`enable` and :func:`fuse`) to end; the calls after it find their
+    kernels published.
+
+    Args:
+        timeout (float | None): the most seconds to wait. Default: no limit.
+
+    Returns:
+        bool: whether every one ended within ``timeout``.
+
+    Examples::
+
+        >>> model = aoti_eager.fuse(model, compile="background")
+        >>> y = model(x)                # eager's result; the blocks compile in the background
+        >>> aoti_eager.wait()
+        True
+        >>> y = model(x)                # the compiled blocks
+    """
+    return _background.wait(timeout)
+
+
 def stats() -> dict[str, dict[str, Any]]:
     """What the calls of each enabled op overload did in this process, summed
     over devices.
@@ -327,7 +352,7 @@ def stats() -> dict[str, dict[str, Any]]:
         the calls waiting for them run the original kernel meanwhile).
         Each region of :func:`fuse` has its row too (``"region::<module>.<class>"``):
         ``calls``, ``hits``, ``compiles``, ``cache_loads``, ``fallbacks``,
-        ``fallback_reason`` and ``compile_seconds``.
+        ``fallback_reason``, ``compile_seconds``, ``queued`` and ``compiling``.
 
     Examples::
 

@@ -14,13 +14,16 @@ at exit; the next process compiles what was left.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures
+import contextlib
 import logging
+import os
 import queue
 import threading
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from aoti_eager import _worker, settings
 from aoti_eager.kernels import CompileRequest, toolchain
@@ -44,7 +47,7 @@ def submit(request: CompileRequest, root: Path, remote: str | None = None) -> Fu
     """Queues a compile of ``request`` into the cache at ``root``, with the
     fleet cache at ``remote`` behind it (None: ``$AOTI_EAGER_REMOTE``, if
     set); the future's result is the worker's :class:`aoti_eager._worker.Outcome`."""
-    future: Future = Future()
+    future = _unfinished()
     with _threads_lock:
         _queue.put((request, root, remote, future))
         if len(_threads) < _jobs():
@@ -52,6 +55,58 @@ def submit(request: CompileRequest, root: Path, remote: str | None = None) -> Fu
             _threads.add(thread)
             thread.start()
     return future
+
+
+# Compiles that run in this process (a region's: its module is here, which a
+# worker could not rebuild), one at a time: Inductor is not thread-safe.
+_here: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
+_here_thread: threading.Thread | None = None
+# Every background compile not finished yet (see wait()).
+_running: set[Future] = set()
+
+
+def _unfinished() -> Future:
+    future: Future = Future()
+    _running.add(future)
+    future.add_done_callback(_running.discard)
+    return future
+
+
+def submit_here(compile: Callable[[], Any]) -> Future:
+    """Queues ``compile()`` for a thread of this process; the future's result is what it returns."""
+    global _here_thread
+    future = _unfinished()
+    with _threads_lock:
+        _here.put((compile, future))
+        if _here_thread is None:
+            _here_thread = threading.Thread(target=_serve_here, name="aoti_eager-compiles-here", daemon=True)
+            _here_thread.start()
+    return future
+
+
+def _serve_here() -> None:
+    global _here_thread
+    with contextlib.suppress(OSError, AttributeError):  # AttributeError: no setpriority here
+        # This thread and the compilers it starts yield the CPU to the calls that run eagerly meanwhile (Linux: per thread).
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
+    while True:
+        try:
+            compile, future = _here.get(timeout=IDLE_SECONDS)
+        except queue.Empty:
+            with _threads_lock:  # submit() holds it: a compile queued from now on starts a thread
+                if _here.empty():
+                    _here_thread = None
+                    return
+            continue
+        try:
+            future.set_result(compile())
+        except BaseException as e:  # noqa: BLE001 - the caller's to report
+            future.set_exception(e)
+
+
+def wait(timeout: float | None = None) -> bool:
+    """Waits for every background compile queued so far; whether all ended within ``timeout`` seconds."""
+    return not concurrent.futures.wait(list(_running), timeout).not_done
 
 
 class Queued:

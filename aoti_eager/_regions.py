@@ -11,9 +11,11 @@ serves run the original forward, with one log line per region and reason.
 from __future__ import annotations
 
 import collections
+import copy
 import logging
 import threading
 import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -21,7 +23,7 @@ from typing import Any, Iterable
 import torch
 import torch.utils._pytree as pytree
 
-from aoti_eager import _extension, _mechanism
+from aoti_eager import _background, _extension, _mechanism, settings
 from aoti_eager.cache import DamagedEntry, UntrustedEntry
 from aoti_eager.cache.entry_store import EntryStore
 from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad
@@ -42,6 +44,7 @@ class RegionStats:
     compiles: int = 0
     compile_seconds: float = 0.0
     cache_loads: int = 0
+    queued: int = 0  # compiles started in the background
 
 
 @dataclass
@@ -240,9 +243,14 @@ _logged: set[tuple[str, str]] = set()
 
 
 def _log_eager_once(name: str, reason: str) -> None:
-    if (name, reason) not in _logged:
-        _logged.add((name, reason))
-        log.warning("aoti_eager: %s runs eagerly: %s", name, reason)
+    # Compiling in the background is what was asked for: no warning.
+    _log_once(name, f" runs eagerly: {reason}", logging.INFO if reason == COMPILING else logging.WARNING)
+
+
+def _log_once(name: str, said: str, level: int = logging.WARNING) -> None:
+    if (name, said) not in _logged:
+        _logged.add((name, said))
+        log.log(level, "aoti_eager: %s%s", name, said)
 
 
 def _decide(
@@ -280,11 +288,15 @@ def _cache(root: Path, device: torch.device) -> EntryStore:
 
 def _miss(instance: _Instance, cache: EntryStore, call: RegionCall) -> _Decided:
     try:
+        if (compiled := _compiled_apart(cache, call)) is not None:
+            return compiled
         found = _from_cache(instance, cache, call)
         if found is not None or instance.compile == "never":
             return found or _Decided(reason="compile='never' and no kernel in the cache")
         if (why := _mechanism.cannot_compile(cache)) is not None:
             return _Decided(reason=why)
+        if instance.compile == "background":
+            return _compile_apart(instance, cache, call)
         with cache.lock_signature(call.name, call.key), _mechanism.compile_lock:
             return _from_cache(instance, cache, call) or _compile(instance, cache, call)
     except (UntrustedEntry, UnsafeToLoad, OSError) as e:
@@ -298,6 +310,8 @@ def _from_cache(instance: _Instance, cache: EntryStore, call: RegionCall, compil
         with cache.hold(call.name, call.key) as entry:
             if entry is None:
                 return None
+            if entry.library is None and entry.timing is not None and not settings.keep_faster.get():
+                return None  # a verdict on speed, which the timing's switch turned off: compile
             if entry.library is None:
                 return _Decided(reason=entry.reason or "decided eager")
             kernel = _mechanism.load_library(cache, call.device, entry.library, entry.output_counts, len(call.inputs()),
@@ -305,16 +319,88 @@ def _from_cache(instance: _Instance, cache: EntryStore, call: RegionCall, compil
     except DamagedEntry:
         return None
     _stats_of(instance.name).cache_loads += not compiled
-    return _Decided(kernel=kernel)
+    return _Decided(kernel=kernel, outputs=_kept_outputs(instance.name, entry.result_structure, kernel.num_outputs))
 
 
-def _compile(instance: _Instance, cache: EntryStore, call: RegionCall) -> _Decided:
+def _kept_outputs(name: str, kept: dict[str, Any] | None, tensors: int) -> Outputs | None:
+    """The structure of the result that the entry keeps; None where it keeps
+    none this process can rebuild: the first call then learns it from eager."""
+    if kept is None:
+        return None
+    try:
+        return Outputs.from_json(kept, tensors)
+    except NotARegion as e:
+        _log_once(name, f": the structure of its result in the cache cannot be used here ({e}); its first call "
+                        "in this process runs its forward to learn it")
+        return None
+
+
+COMPILING = "its kernel is compiling in the background"
+# (cache directory of the environment, key) -> the background compile its calls wait for, and its region.
+_compiling: dict[tuple[str, str], tuple[Future, str]] = {}
+
+
+def _compile_apart(instance: _Instance, cache: EntryStore, call: RegionCall) -> _Decided:
+    """Queues the compile of ``call``'s key for a thread of this process
+    (``compile="background"``); the calls with the key run eagerly meanwhile."""
+
+    def compile_here() -> _Decided:
+        module = instance.module
+        if module is None:
+            return _Decided(reason="its module was freed before it was compiled", lasting=False)
+        apart = _sharing_state(module)
+        with cache.lock_signature(call.name, call.key), _mechanism.compile_lock:
+            return _from_cache(instance, cache, call) or _compile(instance, cache, call, apart)
+
+    _compiling[(str(cache.directory), call.key)] = (_background.submit_here(compile_here), instance.name)
+    _stats_of(instance.name).queued += 1
+    log.info("aoti_eager: compiling %s for (%s) in the background", call.name, call.short())
+    return _Decided(reason=COMPILING, lasting=False)
+
+
+def _compiled_apart(cache: EntryStore, call: RegionCall) -> _Decided | None:
+    """What the background compile of ``call``'s key decided, once it ended
+    (eager while it runs); None where none was queued."""
+    where = (str(cache.directory), call.key)
+    if where not in _compiling:
+        return None
+    future, _ = _compiling[where]
+    if not future.done():
+        return _Decided(reason=COMPILING, lasting=False)
+    del _compiling[where]
+    try:
+        return future.result()
+    except Exception as e:  # noqa: BLE001 - the lock's timeout, the cache's errors: this key's calls run eagerly
+        return _Decided(reason=f"its background compile failed: {type(e).__name__}: {e}")
+
+
+def compiling(name: str) -> int:
+    """The background compiles of region ``name`` not finished yet."""
+    return sum(1 for future, region in list(_compiling.values()) if region == name and not future.done())
+
+
+def _sharing_state(module: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``module`` that shares its parameters and buffers (no tensor
+    is copied) and runs its class's forward: a compile in another thread
+    traces it (``functional_call`` swaps its tensors for the trace's while
+    it runs) while this thread's calls run ``module``."""
+    memo: dict[int, Any] = {id(t): t for t in (*module.parameters(), *module.buffers())}
+    if (fused := module.__dict__.get("forward")) is not None:
+        memo[id(fused)] = None  # not copied: popped below
+    apart = copy.deepcopy(module, memo)
+    apart.__dict__.pop("forward", None)
+    return apart
+
+
+def _compile(instance: _Instance, cache: EntryStore, call: RegionCall, apart: torch.nn.Module | None = None) -> _Decided:
+    """Compiles ``call``'s kernel (from ``apart``, a copy of the instance's module, in the background)."""
+
     def load(library: Path, output_counts: list[int]) -> Any:
         return _mechanism.load_library(cache, call.device, library, output_counts, len(call.inputs()), call.short(),
                                        known_good=False)
 
     with _mechanism.own_work():
-        outcome, outputs = compile_region(instance.module, call, cache, load)
+        outcome, outputs = compile_region(apart or instance.module, call, cache, load, in_background=apart is not None)
     stats = _stats_of(instance.name)
     if not isinstance(outcome, Published):
         if outcome.compiler_error is not None:
@@ -415,4 +501,4 @@ def unfuse(model: torch.nn.Module) -> None:
 
 def stats() -> dict[str, dict[str, Any]]:
     """The :class:`RegionStats` of each region with fused modules alive, as a dict."""
-    return {name: dict(vars(s)) for name, s in _stats.items() if _live[name]}
+    return {name: {**vars(s), "compiling": compiling(name)} for name, s in _stats.items() if _live[name]}

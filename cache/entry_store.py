@@ -43,6 +43,8 @@ class Entry:
     timing: dict[str, float] | None = None
     # A dynamic-shape kernel's dims and guards (kernels/dynamic.py: ShapeFamily.to_json).
     dynamic: dict[str, Any] | None = None
+    # A region's result: its pytree structure and values (kernels/region.py: Outputs.to_json).
+    result_structure: dict[str, Any] | None = None
     created: float = dataclasses.field(default_factory=time.time)
     # Where it was published (its op is ``op``): an entry moved to another key no longer matches.
     signature_key: str | None = None

@@ -32,7 +32,7 @@ from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily
 from aoti_eager.kernels.compile import Artifact, CompileError, call_op, compile_call, compile_options, sidecar_files
 from aoti_eager.kernels.seam import Seam
 from aoti_eager.kernels.signature import CallSignature, clone_args, qualified_name
-from aoti_eager.kernels.speed import Timer, Timing, measured, time_against_eager
+from aoti_eager.kernels.speed import Timer, Timing, measured, time_against_eager, time_region_against_eager
 from aoti_eager.kernels.toolchain import usable_vec_isas
 from aoti_eager.kernels.validate import Mismatch, check_matches_eager
 
@@ -78,12 +78,14 @@ class Compiler:
     """What :func:`compile_signature` makes, checks and times a kernel with:
     ``compile`` as :func:`~aoti_eager.kernels.compile.compile_call` (raises
     CompileError), ``check`` as :func:`~aoti_eager.kernels.validate.check_matches_eager`
-    (raises Mismatch), ``timer`` as :func:`~aoti_eager.kernels.speed.time_against_eager`.
+    (raises Mismatch), ``timer`` as :func:`~aoti_eager.kernels.speed.time_against_eager`,
+    ``region_timer`` as :func:`~aoti_eager.kernels.speed.time_region_against_eager`.
     By default those; a test gives its own with :func:`scope`."""
 
     compile: Callable[..., Artifact] = compile_call
     check: Callable[..., None] = check_matches_eager
     timer: Timer = time_against_eager
+    region_timer: Callable[..., Timing] = time_region_against_eager
 
 
 _compiler = Seam(Compiler())
@@ -296,29 +298,40 @@ def _entry(
         timing=timing.to_json() if timing is not None else None,
         dynamic=family.to_json() if family is not None else None,
     )
-    if timing is not None and artifact.generated_kernels == 0:
-        # The same kernels as eager's, behind AOTInductor's runner: never faster where a model is bound by the host.
-        entry.reason = f"eager is faster: Inductor generated no kernel of its own, only calls of eager's ({timing.ratio:.2f}x eager's time)"
-    elif timing is not None and timing.eager_faster:
-        entry.reason = f"eager is faster: kernel {timing.ratio:.2f}x eager's time (measured at compile)"
-    else:
+    entry.reason = speed_verdict(timing, artifact)
+    if entry.reason is None:
         entry.output_counts, entry.library = artifact.output_counts, artifact.library
     return entry
+
+
+def speed_verdict(timing: Timing | None, artifact: Artifact) -> str | None:
+    """Why the calls of a kernel timed so stay eager; None where the kernel is kept."""
+    if timing is not None and artifact.generated_kernels == 0:
+        # The same kernels as eager's, behind AOTInductor's runner: never faster where a model is bound by the host.
+        return f"eager is faster: Inductor generated no kernel of its own, only calls of eager's ({timing.ratio:.2f}x eager's time)"
+    if timing is not None and timing.eager_faster:
+        return f"eager is faster: kernel {timing.ratio:.2f}x eager's time (measured at compile)"
+    return None
 
 
 def time_kernel(kernel: Any, signature: CallSignature, op: torch._ops.OpOverload, timer: Timer | None = None) -> Timing | None:
     """``kernel``'s time against eager's at ``signature``'s call
     (:func:`measured`, with ``timer`` or the current compiler's); None where
     timing is off or failed."""
+    return timed(qualified_name(op), signature.short(), lambda: measured(kernel, signature, op, timer or current().timer))
+
+
+def timed(name: str, call: str, measure: Callable[[], Timing]) -> Timing | None:
+    """``measure()``, the timing of ``name``'s kernel for ``call`` against
+    eager; None where timing is off or failed."""
     if not settings.keep_faster.get():
         return None
-    name = qualified_name(op)
     try:
-        timing = measured(kernel, signature, op, timer or current().timer)
+        timing = measure()
     except Exception as e:  # noqa: BLE001 - the kernel passed validation: keep it
         log.debug("aoti_eager: timing %s against eager failed; keeping the kernel", name, exc_info=e)
         return None
-    log.debug("aoti_eager: %s for (%s): kernel %.1f us, eager %.1f us", name, signature.short(),
+    log.debug("aoti_eager: %s for (%s): kernel %.1f us, eager %.1f us", name, call,
               timing.kernel_seconds * 1e6, timing.eager_seconds * 1e6)
     return timing
 

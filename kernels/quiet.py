@@ -21,8 +21,9 @@ import logging
 import os
 import sys
 import tempfile
+import threading
 import warnings
-from typing import Iterator
+from typing import Any, Iterator
 
 _PROJECT_LOGGER = "aoti_eager"
 
@@ -104,11 +105,25 @@ def _project_records_held() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def captured(log: list[str]) -> Iterator[None]:
+def captured(log: list[str], this_thread_only: bool = False) -> Iterator[None]:
     """Within the block, everything the process prints (file descriptors 1
     and 2, ``sys.stdout`` and ``sys.stderr``), torch's log records and Python
     warnings are appended to ``log`` (as one text, if there was any), not
-    shown. The project's own log records are shown as usual, after it."""
+    shown. The project's own log records are shown as usual, after it.
+
+    ``this_thread_only``: what this thread prints through Python
+    (``sys.stdout``, ``sys.stderr``, warnings, torch's log records), while
+    the other threads, the user's calls, print as usual; what C++ writes
+    straight to the file descriptors is not taken."""
+    if this_thread_only:
+        text = io.StringIO()
+        try:
+            with _this_thread_into(text):
+                yield
+        finally:
+            if text.getvalue().strip():
+                log.append(text.getvalue().strip())
+        return
     text = io.StringIO()
     caught: list[warnings.WarningMessage] = []
     with tempfile.TemporaryFile() as sink:
@@ -126,3 +141,71 @@ def captured(log: list[str]) -> Iterator[None]:
             output = (printed + text.getvalue() + said).strip()
             if output:
                 log.append(output)
+
+
+class _ByThread:
+    """A stream that writes what one thread writes into ``into``, and what
+    the others write into ``others``, which is what they see of it
+    (``fileno``, ``isatty``, ``encoding``)."""
+
+    def __init__(self, others: Any, into: io.StringIO, thread: int):
+        self.others, self.into, self.thread = others, into, thread
+
+    def write(self, text: str) -> int:
+        return (self.into if threading.get_ident() == self.thread else self.others).write(text)
+
+    def flush(self) -> None:
+        self.others.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.others, name)
+
+
+class _ThreadRecords(logging.Filter):
+    """Takes torch's records of one thread off every handler, into ``into``."""
+
+    def __init__(self, into: io.StringIO, thread: int):
+        super().__init__()
+        self.into, self.thread, self.taken = into, thread, set()
+        self.formatter = logging.Formatter("%(levelname)s %(name)s: %(message)s")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.thread != self.thread or not record.name.startswith("torch"):
+            return True
+        if id(record) not in self.taken:  # once, however many handlers it reaches
+            self.taken.add(id(record))
+            self.into.write(self.formatter.format(record) + "\n")
+        return False
+
+
+@contextlib.contextmanager
+def _this_thread_into(text: io.StringIO) -> Iterator[None]:
+    """What this thread prints through Python goes into ``text`` within the block (see :func:`captured`)."""
+    thread = threading.get_ident()
+    streams = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = (_ByThread(stream, text, thread) for stream in streams)
+    show = warnings.showwarning
+
+    def showwarning(message: Any, category: type, *args: Any, **kwargs: Any) -> None:
+        if threading.get_ident() == thread:
+            text.write(f"{category.__name__}: {message}\n")
+        else:
+            show(message, category, *args, **kwargs)
+
+    warnings.showwarning = showwarning
+    records = _ThreadRecords(text, thread)
+    names = [name for name in list(logging.root.manager.loggerDict) if name.startswith("torch")]
+    loggers = [logging.root, *map(logging.getLogger, names)]
+    handlers = {h for logger in loggers for h in logger.handlers} | ({logging.lastResort} if logging.lastResort else set())
+    for handler in handlers:
+        handler.addFilter(records)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(records)
+        if warnings.showwarning is showwarning:  # unless another thread set its own meanwhile
+            warnings.showwarning = show
+        for name, stream in zip(("stdout", "stderr"), streams):
+            if isinstance(getattr(sys, name), _ByThread) and getattr(sys, name).others is stream:
+                setattr(sys, name, stream)

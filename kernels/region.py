@@ -28,15 +28,17 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils._pytree as pytree
 
+from aoti_eager import settings
 from aoti_eager.cache.entry_store import Entry, EntryStore
 from aoti_eager.kernels import quiet
 from aoti_eager.kernels.compile import CompileError, dense_order, in_order, compile_module, compile_options, sidecar_files
-from aoti_eager.kernels.pipeline import Loader, NotCompiled, Outcome, Published
+from aoti_eager.kernels.pipeline import Loader, NotCompiled, Outcome, Published, current, speed_verdict, timed
+from aoti_eager.kernels.speed import Timing, measured
 from aoti_eager.kernels.signature import Arg, ConstantArg, NoneArg, NumberArg, TensorArg, Unsupported, clone_args
 from aoti_eager.kernels.toolchain import usable_vec_isas
 from aoti_eager.kernels.validate import Mismatch, check_fresh_memory, compare
@@ -206,6 +208,34 @@ class Outputs:
         tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
         return cls(spec, tuple(_TENSOR if isinstance(v, torch.Tensor) else v for v in leaves), tuple(map(dense_order, tensors)))
 
+    def to_json(self) -> dict[str, Any] | None:
+        """The structure as a cache entry keeps it; None where the result holds
+        a type that pytree cannot name (registered without ``serialized_type_name``)."""
+        try:
+            spec = pytree.treespec_dumps(self.spec)
+        except Exception as e:  # noqa: BLE001 - pytree raises NotImplementedError, json TypeError
+            log.debug("aoti_eager: the structure of a region's result is not kept in the cache: %s", e)
+            return None
+        orders = iter(self.orders)
+        leaves = [{"tensor": _order_json(next(orders))} if v is _TENSOR else {"value": v} for v in self.leaves]
+        return {"spec": spec, "leaves": leaves}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], tensors: int) -> "Outputs":
+        """The structure :meth:`to_json` kept, for a kernel of ``tensors``
+        outputs. Raises NotARegion where this process cannot rebuild it (a
+        type not registered with pytree here) or it does not fit the kernel."""
+        try:
+            spec = pytree.treespec_loads(data["spec"])
+            leaves = tuple(_TENSOR if "tensor" in leaf else leaf["value"] for leaf in data["leaves"])
+            orders = tuple(_order_of(leaf["tensor"]) for leaf in data["leaves"] if "tensor" in leaf)
+        except Exception as e:  # noqa: BLE001 - pytree raises NotImplementedError for a type unknown here
+            raise NotARegion(f"{type(e).__name__}: {e}") from None
+        values_ok = all(v is _TENSOR or isinstance(v, _VALUES) for v in leaves)
+        if spec.num_leaves != len(leaves) or len(orders) != tensors or not values_ok:
+            raise NotARegion(f"it does not fit a kernel of {tensors} outputs")
+        return cls(spec, leaves, orders)
+
     def tensors(self, result: Any) -> list[torch.Tensor]:
         return [v for v in pytree.tree_leaves(result) if isinstance(v, torch.Tensor)]
 
@@ -228,6 +258,16 @@ class Outputs:
             return tuple(tensors)
         it = iter(tensors)
         return pytree.tree_unflatten([next(it) if v is _TENSOR else v for v in self.leaves], self.spec)
+
+
+def _order_json(order: tuple[int, ...] | None) -> list[int] | None:
+    return None if order is None else list(order)
+
+
+def _order_of(data: Any) -> tuple[int, ...] | None:
+    if data is not None and not (isinstance(data, list) and all(type(d) is int for d in data)):
+        raise ValueError(f"a tensor's dims order {data!r}")
+    return None if data is None else tuple(data)
 
 
 class _Local(threading.local):
@@ -283,14 +323,15 @@ class RegionModule(torch.nn.Module):
 
 
 def compile_region(
-    instance: torch.nn.Module, call: RegionCall, store: EntryStore, load: Loader
+    instance: torch.nn.Module, call: RegionCall, store: EntryStore, load: Loader, in_background: bool = False
 ) -> tuple[Outcome, Outputs | None]:
     """Compiles, validates and publishes the kernel of ``call`` (under the
     caller's lock), with the structure of its result. What it all prints is
-    logged at DEBUG level, not shown."""
+    logged at DEBUG level, not shown; ``in_background``: what this thread
+    prints, while the process's other threads print as usual."""
     output: list[str] = []
     try:
-        with quiet.captured(output), torch.no_grad():
+        with quiet.captured(output, this_thread_only=in_background), torch.no_grad():
             return _compile_region(instance, call, store, load)
     finally:
         if output:
@@ -308,6 +349,9 @@ def _compile_region(instance: torch.nn.Module, call: RegionCall, store: EntrySto
         outputs = Outputs.of(expected)
     except NotARegion as e:
         return _publish_eager(store, call, str(e)), None
+    if not settings.keep_faster.get():
+        # A verdict on speed, which the caller passed over, makes way for the kernel.
+        store.remove(call.name, call.key)
     start = time.perf_counter()
     try:
         artifact = compile_module(RegionModule(instance, call, outputs), tuple(clone_args(call.inputs())),
@@ -321,27 +365,57 @@ def _compile_region(instance: torch.nn.Module, call: RegionCall, store: EntrySto
     try:
         try:
             kernel = load(artifact.library, artifact.output_counts)
-            check_region(kernel, call, outputs.tensors(expected))
+            check_region(kernel, call, outputs.tensors(expected), lambda: _float64_result(instance, call, outputs))
         except Exception as e:  # noqa: BLE001
             said = (str(e).strip().splitlines() or [""])[0][:300]
             failed = f"compiled kernel disagrees with eager: {said}" if isinstance(e, Mismatch) else f"compiled kernel failed to run: {type(e).__name__}: {said}"
             return _publish_eager(store, call, failed), outputs
         seconds = time.perf_counter() - start
+        timing = timed(call.name, call.short(), lambda: _measured(kernel, instance, call))
         entry = Entry(op=call.name, signature=call.to_json(), compile_seconds=round(seconds, 3),
-                      output_counts=artifact.output_counts, library=artifact.library)
-        store.publish(call.key, entry, sidecar_files(artifact))
+                      timing=timing.to_json() if timing is not None else None, reason=speed_verdict(timing, artifact))
+        if entry.reason is None:
+            entry.output_counts, entry.library = artifact.output_counts, artifact.library
+            entry.result_structure = outputs.to_json()
+        store.publish(call.key, entry, sidecar_files(artifact) if entry.library else None)
     finally:
         artifact.workdir.cleanup()
     return Published(seconds, artifact.seconds, call.key), outputs
 
 
-def check_region(kernel: Any, call: RegionCall, expected: list[torch.Tensor]) -> None:
+def _measured(kernel: Any, instance: torch.nn.Module, call: RegionCall) -> Timing:
+    """The region's kernel timed against the instance's original forward, both on copies of the call's tensors."""
+    inputs = [*call.tensors, *clone_args(call.inputs()[len(call.tensors):])]
+    args, kwargs = call.arguments(iter(inputs[len(call.tensors):]))
+
+    def eager() -> Any:
+        with original_forward():
+            return instance(*args, **kwargs)
+
+    return measured(kernel, inputs, eager, current().region_timer)
+
+
+def check_region(kernel: Any, call: RegionCall, expected: list[torch.Tensor],
+                 reference: Callable[[], list[torch.Tensor] | None] | None = None) -> None:
     """Runs ``kernel`` on fresh copies of the call's inputs and compares its
-    tensors with eager's ``expected`` (raises Mismatch)."""
+    tensors with eager's ``expected`` (raises Mismatch); in low precision,
+    against ``reference`` too where they differ (see :func:`compare`)."""
     inputs = clone_args(call.inputs())
     fresh = kernel.run(inputs)
     check_fresh_memory(inputs, fresh)
-    compare("the region's result", list(fresh), list(expected))
+    compare("the region's result", list(fresh), list(expected), reference)
+
+
+def _float64_result(instance: torch.nn.Module, call: RegionCall, outputs: Outputs) -> list[torch.Tensor] | None:
+    """The result's tensors of the original forward run in float64 on upcast
+    copies of the state and the call's floating tensors; None where it does
+    not run so (a forward that casts to a dtype of its own)."""
+    upcast = [t.detach().to(torch.float64, copy=True) if t.is_floating_point() else t.clone() for t in call.inputs()]
+    try:
+        return outputs.tensors(RegionModule(instance, call)(*upcast))
+    except Exception as e:  # noqa: BLE001 - the kernel is then judged by its dtype's tolerance alone
+        log.debug("aoti_eager: %s does not run in float64: %s", call.name, e)
+        return None
 
 
 def _publish_eager(store: EntryStore, call: RegionCall, reason: str) -> NotCompiled:

@@ -93,14 +93,20 @@ def time_against_eager(
     """
     kernel_inputs = flat_tensor_inputs(signature, clone_args(signature.args))
     positional, keywords = split_arguments(op, clone_args(signature.args))
+    return time_both(lambda: kernel.run(kernel_inputs), lambda: op(*positional, **keywords), signature.device, budget)
 
-    def run_kernel() -> None:
-        kernel.run(kernel_inputs)
 
-    def run_eager() -> None:
-        op(*positional, **keywords)
+def time_region_against_eager(kernel: Any, inputs: list[torch.Tensor], eager: Callable[[], Any],
+                              budget: float = BUDGET_SECONDS) -> Timing:
+    """Times a region's ``kernel`` on ``inputs`` against ``eager``, its
+    original forward on the same values (see :func:`time_both`)."""
+    return time_both(lambda: kernel.run(inputs), eager, inputs[0].device, budget)
 
-    device = signature.device
+
+def time_both(run_kernel: Callable[[], Any], run_eager: Callable[[], Any], device: torch.device,
+              budget: float = BUDGET_SECONDS) -> Timing:
+    """The median seconds per call of ``run_kernel`` and ``run_eager``, in
+    interleaved rounds after a few warm-up calls (see :func:`time_against_eager`)."""
     with torch.no_grad():
         per_call = max(_seconds_per_call(run_kernel, WARMUP_CALLS, device), _seconds_per_call(run_eager, WARMUP_CALLS, device))
         rounds = min(MAX_ROUNDS, max(MIN_ROUNDS, int(budget / (2 * max(per_call, 1e-9)))))
@@ -114,10 +120,12 @@ def time_against_eager(
     return Timing(statistics.median(kernel_times), statistics.median(eager_times))
 
 
-def measured(kernel: Any, signature: CallSignature, op: torch._ops.OpOverload, timer: Timer = time_against_eager) -> Timing:
+def measured(kernel: Any, signature: Any, op: Any, timer: Timer = time_against_eager) -> Timing:
     """``timer``'s timing of ``kernel`` against eager, taken a second time
     where the first says eager is faster: the kernel's better showing, so
-    that eager wins only on two measurements."""
+    that eager wins only on two measurements. ``signature`` and ``op`` are
+    what ``timer`` takes besides the kernel (a region's: its inputs and its
+    forward)."""
     timing = timer(kernel, signature, op)
     if timing.eager_faster:
         again = timer(kernel, signature, op)

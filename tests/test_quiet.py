@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import warnings
 
 from aoti_eager.kernels import quiet
@@ -36,3 +37,31 @@ def test_nothing_printed_adds_nothing_to_the_log():
     with quiet.captured(log):
         pass
     assert log == []
+
+
+def test_a_background_compile_takes_its_own_threads_output_only(capsys, caplog):
+    log: list[str] = []
+    inside, done = threading.Event(), threading.Event()
+
+    def compile_here():
+        with quiet.captured(log, this_thread_only=True):
+            print("def forward(self, arg0_1):")
+            warnings.warn("a warning raised inside the compile")
+            logging.getLogger("torch.fx.experimental.symbolic_shapes").warning("Unable to find user code")
+            inside.set()
+            assert done.wait(timeout=60)
+
+    thread = threading.Thread(target=compile_here)
+    with caplog.at_level(logging.INFO):
+        thread.start()
+        assert inside.wait(timeout=60)
+        print("the user's own line")  # meanwhile, in the user's thread
+        encoding = sys.stdout.encoding  # what the user's thread sees of its stream is its stream's
+        logging.getLogger("torch.distributed").warning("the user's torch record")
+        done.set()
+        thread.join()
+    assert capsys.readouterr().out == "the user's own line\n"
+    assert encoding == sys.stdout.encoding is not None
+    assert [r.getMessage() for r in caplog.records] == ["the user's torch record"]
+    assert log == ["def forward(self, arg0_1):\nUserWarning: a warning raised inside the compile\n"
+                   "WARNING torch.fx.experimental.symbolic_shapes: Unable to find user code"]

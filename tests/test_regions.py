@@ -10,6 +10,7 @@ import json
 import logging
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,40 @@ class TupleBlock(Block):
         return y, {"doubled": 2 * y, "steps": 3}
 
 
+@dataclasses.dataclass
+class Named:
+    out: torch.Tensor
+    total: torch.Tensor
+
+
+# Named by pytree, so that the structure of a result holding one is kept in the cache.
+pytree.register_dataclass(Named, serialized_type_name=f"{__name__}.Named")
+
+
+class NamedBlock(Block):
+    def forward(self, x):
+        y = super().forward(x)
+        return Named(y, y.sum(dim=-1))
+
+
+@dataclasses.dataclass
+class Lazy:
+    out: torch.Tensor
+
+
+def _register_lazy() -> None:
+    if Lazy not in pytree.SUPPORTED_NODES:
+        pytree.register_dataclass(Lazy, serialized_type_name=f"{__name__}.Lazy")
+
+
+class LazyBlock(Block):
+    """Returns a type registered with pytree by its first call, as a model may import it late."""
+
+    def forward(self, x):
+        _register_lazy()
+        return Lazy(super().forward(x))
+
+
 @pytest.fixture(autouse=True)
 def _models_let_go():
     """A test's models are freed when it ends (transformers' hold cycles):
@@ -124,6 +159,7 @@ def _models_let_go():
 def _row(region: type) -> dict:
     return aoti_eager.stats().get(f"region::{region.__module__}.{region.__qualname__}", {
         "calls": 0, "hits": 0, "fallbacks": 0, "fallback_reason": None, "compiles": 0, "compile_seconds": 0.0, "cache_loads": 0,
+        "queued": 0, "compiling": 0,
     })
 
 
@@ -152,12 +188,16 @@ def test_repeated_blocks_share_one_compile(tmp_path):
         f"region::{Block.__module__}.Block"}
 
 
-def _cache_entries(root: Path) -> list[tuple[str, str]]:
+def _cpu_cache(root: Path):
     from aoti_eager.cache import KernelCache
     from aoti_eager.kernels.compile import compile_options
     from aoti_eager.kernels.toolchain import environment_name
 
-    return list(KernelCache(root, environment_name(torch.device("cpu"), compile_options("cpu"))).entries())
+    return KernelCache(root, environment_name(torch.device("cpu"), compile_options("cpu")))
+
+
+def _cache_entries(root: Path) -> list[tuple[str, str]]:
+    return list(_cpu_cache(root).entries())
 
 
 def test_changed_weights_need_no_compile(shared_cache):
@@ -179,31 +219,87 @@ def test_changed_weights_need_no_compile(shared_cache):
 CHILD = """
 import copy, json, sys, importlib
 import torch, aoti_eager
+import torch.utils._pytree as pytree
 sys.path[:0] = [sys.argv[2], sys.argv[3]]
 tests = importlib.import_module(sys.argv[4])
-model, x = tests._model(), torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
+block = getattr(tests, sys.argv[5])
+torch.manual_seed(0)
+model, x = tests.Model(block).eval(), torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
 reference = copy.deepcopy(model)
 aoti_eager.fuse(model, cache_dir=sys.argv[1])
+original, eager_calls = block.forward, []
+def counted(*args, **kwargs):
+    eager_calls.append(1)
+    return original(*args, **kwargs)
+block.forward = counted  # fused instances run their class's forward where they run eagerly
 with torch.no_grad():
-    results = [model(x), model(x)]
-    expected = reference(x)
-for r in results:
-    torch.testing.assert_close(r, expected)
-print(json.dumps(tests._row(tests.Block)))
+    results = [model.blocks[0](x), model.blocks[1](x)]
+    block.forward = original
+    expected = reference.blocks[0](x), reference.blocks[1](x)
+for r, e in zip(results, expected):
+    assert type(r) is type(e) and pytree.tree_structure(r) == pytree.tree_structure(e)
+    torch.testing.assert_close(pytree.tree_leaves(r), pytree.tree_leaves(e))
+print(json.dumps({**tests._row(block), "eager_calls": len(eager_calls)}))
 """
 
 
-def test_a_new_process_loads_the_region_from_the_cache(tmp_path):
-    model, x = _model(), torch.randn(4, 16)
-    aoti_eager.fuse(model, cache_dir=tmp_path)
-    with torch.no_grad():
-        model(x)
-    child = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path), str(ROOT), str(ROOT / "tests"), Block.__module__],
+def _child(cache: Path, block: type) -> dict:
+    """The stats row of ``block``'s region in a new process that calls two fused blocks, with
+    ``eager_calls``: the calls of the original forward."""
+    child = subprocess.run([sys.executable, "-c", CHILD, str(cache), str(ROOT), str(ROOT / "tests"), block.__module__, block.__name__],
                            capture_output=True, text=True, timeout=600)
     assert child.returncode == 0, child.stderr[-2000:]
-    row = json.loads(child.stdout.strip().splitlines()[-1])
-    # Loaded once; the first call learns the structure of the result eagerly, every later one is a hit.
-    assert (row["compiles"], row["cache_loads"], row["calls"], row["hits"]) == (0, 1, 6, 5)
+    return {**json.loads(child.stdout.strip().splitlines()[-1]), "stderr": child.stderr}
+
+
+def test_a_kept_structure_is_used_only_where_it_fits_the_kernel():
+    from aoti_eager.kernels.region import NotARegion, Outputs
+
+    t = torch.randn(2, 3).t()
+    outputs = Outputs.of(Named(t, {"a": t, "n": 2.5, "s": "x", "none": None}))
+    kept = json.loads(json.dumps(outputs.to_json()))  # as the entry holds it
+    assert Outputs.from_json(kept, 2) == outputs
+    with pytest.raises(NotARegion, match="does not fit a kernel of 3 outputs"):
+        Outputs.from_json(kept, 3)
+    assert Outputs.of(Pair(t, t)).to_json() is None  # a type registered without a name pytree can write
+
+
+def _compiled(cache: Path, block: type) -> None:
+    """Compiles the region of ``block`` for a call on a (4, 16) tensor into ``cache``."""
+    torch.manual_seed(0)
+    model = Model(block).eval()
+    aoti_eager.fuse(model, cache_dir=cache)
+    with torch.no_grad():
+        model.blocks[0](torch.randn(4, 16))
+
+
+def test_the_kept_structure_is_under_the_entrys_integrity_check(tmp_path):
+    _compiled(tmp_path, TupleBlock)
+    cache = _cpu_cache(tmp_path)
+    [(op, key)] = cache.entries()
+    path = cache.entry_dir(op, key) / "entry.json"
+    data = json.loads(path.read_text())
+    assert {"value": 3} in data["result_structure"]["leaves"]  # the dict's "steps": 3
+    leaves = data["result_structure"]["leaves"]
+    leaves[leaves.index({"value": 3})] = {"value": 4}
+    path.write_text(json.dumps(data))
+    assert cache.lookup(op, key) is None  # set aside as damaged: never a wrong value in a result
+
+
+@pytest.mark.parametrize("block", [Block, TupleBlock, NamedBlock])
+def test_a_new_process_loads_the_region_from_the_cache(tmp_path, block):
+    _compiled(tmp_path, block)
+    row = _child(tmp_path, block)
+    # Loaded once, the result's structure read from the entry: every call a hit, the original forward never run.
+    assert (row["compiles"], row["cache_loads"], row["calls"], row["hits"], row["eager_calls"]) == (0, 1, 2, 2, 0)
+
+
+def test_a_result_type_not_registered_in_the_new_process_is_learnt_from_eager(tmp_path):
+    _compiled(tmp_path, LazyBlock)
+    row = _child(tmp_path, LazyBlock)  # Lazy is registered by the first forward that returns one
+    assert (row["compiles"], row["cache_loads"], row["calls"], row["hits"], row["eager_calls"]) == (0, 1, 2, 1, 1)
+    assert "the structure of its result in the cache cannot be used here" in row["stderr"]
+    assert f"Deserializing {Lazy.__module__}.Lazy in pytree is not registered" in row["stderr"]
 
 
 def test_a_region_that_does_not_export_runs_eagerly_with_its_reason(tmp_path, caplog):
@@ -240,7 +336,7 @@ def test_a_kernel_that_disagrees_with_eager_is_not_used(tmp_path, monkeypatch):
     from aoti_eager.kernels import region
     from aoti_eager.kernels.validate import Mismatch
 
-    def disagree(what, actual, expected):
+    def disagree(what, actual, expected, reference=None):
         raise Mismatch(f"{what}: made to differ")
 
     monkeypatch.setattr(region, "compare", disagree)
@@ -252,6 +348,139 @@ def test_a_kernel_that_disagrees_with_eager_is_not_used(tmp_path, monkeypatch):
         torch.testing.assert_close(model(x), reference(x))
     assert _delta(before, Block)["hits"] == 0
     assert _row(Block)["fallback_reason"] == "compiled kernel disagrees with eager: the region's result: made to differ"
+
+
+class Layer(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.up, self.down, self.norm = torch.nn.Linear(width, 4 * width), torch.nn.Linear(4 * width, width), torch.nn.LayerNorm(width)
+
+    def forward(self, x):
+        return self.norm(x + self.down(torch.nn.functional.gelu(self.up(x))))
+
+
+class Deep(torch.nn.Module):
+    """Layers of Linear, GELU and LayerNorm: compiled whole in bf16, it rounds at
+    other points than eager, by more than bf16's tolerance for one op."""
+
+    def __init__(self, width: int = 64, layers: int = 4):
+        super().__init__()
+        self.layers = torch.nn.Sequential(*(Layer(width) for _ in range(layers)))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def _bf16_deep_blocks():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(Deep(), Deep()).eval().to(torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)
+
+
+def _rmse(a, b):
+    return (a.double() - b.double()).square().mean().sqrt().item()
+
+
+def test_a_bf16_block_compiled_whole_is_judged_against_float64(tmp_path):
+    blocks, x = _bf16_deep_blocks()
+    reference, float64 = copy.deepcopy(blocks), copy.deepcopy(blocks).double()
+    aoti_eager.fuse(blocks, cache_dir=tmp_path)
+    before = _row(Deep)
+    with torch.no_grad():
+        actual, expected, exact = blocks(x), reference(x), float64(x.double())
+    assert _delta(before, Deep) == {"calls": 2, "hits": 2, "fallbacks": 0, "compiles": 1, "cache_loads": 0}, _row(Deep)["fallback_reason"]
+    assert (actual.dtype, actual.shape, actual.stride()) == (expected.dtype, expected.shape, expected.stride())
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(actual, expected)  # what one op's tolerance would refuse
+    # As near the float64 result as eager, within same()'s multiple for bf16.
+    assert _rmse(actual, exact) <= 3 * _rmse(expected, exact) + 1e-4
+
+
+def test_a_bf16_kernel_further_from_float64_than_eager_is_refused(tmp_path, monkeypatch):
+    from aoti_eager import _mechanism
+
+    class Skewed:
+        """The kernel, its first output 3% too large."""
+
+        def __init__(self, kernel):
+            self.kernel, self.num_outputs = kernel, kernel.num_outputs
+
+        def run(self, inputs):
+            outputs = self.kernel.run(inputs)
+            return [outputs[0].mul_(1.03), *outputs[1:]]
+
+    load = _mechanism.load_library
+    monkeypatch.setattr(_mechanism, "load_library", lambda *args, known_good, **kwargs: (
+        load(*args, known_good=known_good, **kwargs) if known_good else Skewed(load(*args, known_good=known_good, **kwargs))))
+    blocks, x = _bf16_deep_blocks()
+    reference = copy.deepcopy(blocks)
+    aoti_eager.fuse(blocks, cache_dir=tmp_path)
+    before = _row(Deep)
+    with torch.no_grad():
+        torch.testing.assert_close(blocks(x), reference(x), rtol=0, atol=0)
+    assert _delta(before, Deep)["hits"] == 0
+    reason = _row(Deep)["fallback_reason"]
+    assert reason.startswith("compiled kernel disagrees with eager: the region's result[0]: Tensor-likes are not close!")
+    assert "against a float64 run of the forward: RMSE (res-fp64)" in reason
+
+
+def _region_entries(root: Path, region: type) -> list:
+    cache = _cpu_cache(root)
+    return [cache.lookup(op, key) for op, key in cache.entries() if op.endswith(f".{region.__qualname__}")]
+
+
+def test_a_region_timed_slower_than_eager_stays_eager(tmp_path, monkeypatch, swap_compiler):
+    from aoti_eager.kernels.speed import Timing
+
+    timed = []
+
+    def slower(kernel, inputs, eager):
+        # What it is given: the kernel and the original forward on the same values, each giving eager's result.
+        timed.append(1)
+        torch.testing.assert_close(kernel.run(inputs)[0], eager())
+        return Timing(2e-3, 1e-3)
+
+    monkeypatch.setenv("AOTI_EAGER_KEEP_FASTER", "1")
+    swap_compiler(region_timer=slower)
+    delta, reason = _fused_against_eager(tmp_path, seed=7)
+    assert delta == {"calls": 3, "hits": 0, "fallbacks": 3, "compiles": 1, "cache_loads": 0}
+    assert timed == [1, 1]  # timed twice before eager wins, as ops are
+    assert reason == "eager is faster: kernel 2.00x eager's time (measured at compile)"
+    [entry] = _region_entries(tmp_path, Block)
+    assert (entry.library, entry.timing) == (None, {"kernel_us": 2000.0, "eager_us": 1000.0, "ratio": 2.0})
+    # With the switch off, the verdict on speed is passed over: compiled again, and used.
+    monkeypatch.setenv("AOTI_EAGER_KEEP_FASTER", "0")
+    monkeypatch.setattr(_regions, "_decided", {})
+    assert _fused_against_eager(tmp_path, seed=7)[0] == {"calls": 3, "hits": 3, "fallbacks": 0, "compiles": 1, "cache_loads": 0}
+
+
+def _fused_against_eager(cache: Path, seed: int) -> tuple[dict, str | None]:
+    """Fuses a model's blocks and calls it once, its result checked against eager's; what its region's calls
+    did, and the last reason they ran eagerly."""
+    model, x = _model(seed=seed), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=cache)
+    before = _row(Block)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x))
+    return _delta(before, Block), _row(Block)["fallback_reason"]
+
+
+def test_a_region_timed_faster_than_eager_keeps_its_kernel(tmp_path, monkeypatch, swap_compiler):
+    from aoti_eager.kernels.speed import Timing
+
+    monkeypatch.setenv("AOTI_EAGER_KEEP_FASTER", "1")
+    swap_compiler(region_timer=lambda kernel, inputs, eager: Timing(1e-3, 2e-3))
+    assert _fused_against_eager(tmp_path, seed=8)[0] == {"calls": 3, "hits": 3, "fallbacks": 0, "compiles": 1, "cache_loads": 0}
+    [entry] = _region_entries(tmp_path, Block)
+    assert entry.library is not None and entry.timing == {"kernel_us": 1000.0, "eager_us": 2000.0, "ratio": 0.5}
+
+
+def test_a_region_is_timed_against_its_original_forward(tmp_path, monkeypatch):
+    monkeypatch.setenv("AOTI_EAGER_KEEP_FASTER", "1")
+    _fused_against_eager(tmp_path, seed=9)  # the kernel or eager, whichever was faster here
+    [entry] = _region_entries(tmp_path, Block)
+    assert entry.timing["kernel_us"] > 0 and entry.timing["eager_us"] > 0
+    assert (entry.library is None) == (entry.timing["ratio"] > 1.05)
 
 
 def test_a_number_read_from_the_data_keeps_eager(tmp_path):
@@ -406,7 +635,7 @@ def test_fuse_names_the_modules_or_classes(shared_cache):
     assert fused == ["blocks.0", "blocks.1.fc1", "blocks.1.fc2", "blocks.2.fc1", "blocks.2.fc2", "head"]
     aoti_eager.unfuse(model)
     with pytest.raises(ValueError, match="compile"):
-        aoti_eager.fuse(model, compile="background")
+        aoti_eager.fuse(model, compile="later")
 
 
 def test_compile_never_runs_eagerly_on_a_miss(tmp_path):
@@ -425,6 +654,33 @@ def test_compile_never_runs_eagerly_on_a_miss(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(model(x), reference(x))
     assert _delta(before, Block) == {"calls": 3, "hits": 3, "fallbacks": 0, "compiles": 1, "cache_loads": 0}
+
+
+def test_compile_background_runs_eagerly_until_the_kernel_is_published(tmp_path, monkeypatch):
+    compiled_on, go = [], threading.Event()
+
+    def held(*args, **kwargs):
+        compiled_on.append(threading.current_thread())
+        assert go.wait(timeout=600)  # until the calls below have returned: none of them waits for it
+        return compile_region(*args, **kwargs)
+
+    compile_region = _regions.compile_region
+    monkeypatch.setattr(_regions, "compile_region", held)
+    model, x = _model(seed=10), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, compile="background", cache_dir=tmp_path)
+    before = _row(Block)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(model(x), reference(x))
+        assert (_row(Block)["queued"], _row(Block)["compiling"], _row(Block)["fallback_reason"]) == (
+            before["queued"] + 1, 1, "its kernel is compiling in the background")
+        go.set()
+        assert aoti_eager.wait(timeout=600)
+        assert _row(Block)["compiling"] == 0
+        torch.testing.assert_close(model(x), reference(x))
+    assert len(compiled_on) == 1 and compiled_on[0] is not threading.current_thread()
+    assert _delta(before, Block) == {"calls": 9, "hits": 3, "fallbacks": 6, "compiles": 1, "cache_loads": 0}
 
 
 def test_training_flags_and_autocast_are_part_of_the_call(shared_cache):

@@ -10,7 +10,7 @@ import torch
 
 from aoti_eager.kernels.compile import call_op
 from aoti_eager.kernels.signature import CallSignature, clone_args
-from aoti_eager.kernels.validate import Mismatch, check_matches_eager
+from aoti_eager.kernels.validate import Mismatch, check_matches_eager, compare
 from helpers import FakeKernel
 
 A = torch.ops.aten
@@ -90,3 +90,30 @@ def test_the_kernel_runs_on_copies_of_the_call():
     torch.testing.assert_close(signature.args[0], X)  # the caller's tensor, not written into
     called = {t.untyped_storage().data_ptr() for t in signature.args if isinstance(t, torch.Tensor)}
     assert seen and not called & {t.untyped_storage().data_ptr() for t in seen}
+
+
+def _bf16_pair(skew: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(actual, expected, float64 reference): eager's result rounded to bf16 from a float64 one with
+    rounding noise of its own, and a kernel's rounded at other points, ``skew`` times too large."""
+    g = torch.Generator().manual_seed(0)
+    exact = torch.randn(64, 64, dtype=torch.float64, generator=g)
+    noise = lambda: exact * (1 + 4e-3 * torch.randn(exact.shape, dtype=torch.float64, generator=g))  # noqa: E731
+    return (noise() * skew).to(torch.bfloat16), noise().to(torch.bfloat16), exact
+
+
+def test_a_low_precision_result_is_judged_against_a_float64_reference():
+    actual, expected, exact = _bf16_pair(skew=1.0)
+    with pytest.raises(Mismatch, match="not close"):
+        compare("out", actual, expected)  # one op's bf16 tolerance
+    compare("out", [actual], [expected], lambda: [exact])  # as near float64 as eager: accepted
+    skewed, expected, exact = _bf16_pair(skew=1.03)
+    with pytest.raises(Mismatch, match=r"against a float64 run of the forward: RMSE \(res-fp64\)"):
+        compare("out", [skewed], [expected], lambda: [exact])
+    with pytest.raises(Mismatch, match="no float64 run of the forward"):
+        compare("out", [actual], [expected], lambda: None)  # the forward did not run in float64
+
+
+def test_a_float32_result_keeps_its_dtypes_tolerance_with_a_reference():
+    actual, expected, exact = (t.float() for t in _bf16_pair(skew=1.0))
+    with pytest.raises(Mismatch, match="not close"):
+        compare("out", [actual], [expected], lambda: [exact])

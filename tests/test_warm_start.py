@@ -569,3 +569,15 @@ def test_after_a_failed_background_dynamic_compile_the_familys_shapes_compile_al
     aoti_eager.disable()
     for n, result in results.items():
         assert_same_as_eager(result, torch.add(*calls[n]), atol=0, rtol=0)
+
+
+def test_wait_returns_once_the_queued_compiles_ended(tmp_path, swap_toolchain):
+    swap_toolchain(vec_isas_known=lambda: True)  # the miss queues its compile at once
+    x = torch.randn(6, 5)
+    aoti_eager.enable(["aten::abs"], devices=["cpu"], cache_dir=tmp_path, compile="background")
+    assert_same_as_eager(torch.abs(x), x.abs())
+    assert aoti_eager.stats()["aten::abs"]["queued"] == 1
+    assert aoti_eager.wait(timeout=600)
+    assert aoti_eager.stats()["aten::abs"]["compiling"] == 0
+    hits = lambda: aoti_eager.stats()["aten::abs"]["hits"] > 0  # noqa: E731
+    assert_same_as_eager(_calls_until(hits, lambda: torch.abs(x)), x.abs())
