@@ -21,16 +21,15 @@ from typing import Any, Iterable
 import torch
 
 from aoti_eager import _mechanism
+from aoti_eager._region_families import RegionFamily
 from aoti_eager.cache import DamagedEntry, UntrustedEntry
 from aoti_eager.cache.entry_store import EntryStore
+from aoti_eager.kernels import region_shapes
 from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad
 from aoti_eager.kernels.pipeline import Published
 from aoti_eager.kernels.region import (
     NotARegion, Outputs, RegionCall, bypassed, code_digest, compile_region, region_name, state_of, state_structure,
 )
-from aoti_eager._region_families import RegionFamily
-from aoti_eager._runtime import _dynamic_kernel
-from aoti_eager.kernels import region_shapes
 
 @dataclass
 class RegionStats:
@@ -301,7 +300,7 @@ def _from_family(instance: _Instance, cache: EntryStore, call: RegionCall) -> _D
     family = _family_of(cache, call)
     # The local cache's, and the fleet's (looking one up publishes it locally, verified).
     keys = [key for key in cache.keys(call.name, region_shapes.family_key(call) + "-") if key not in family.published]
-    family.published.update({key: _dynamic_kernel(cache, call.name, key) for key in keys})
+    family.published.update({key: _mechanism.dynamic_kernel(cache, call.name, key) for key in keys})
     for key, dynamic in family.dynamic():
         if region_shapes.admits(dynamic, key, call):
             decided = family.decided.get(key) or _from_cache(instance, cache, call, key=key)
