@@ -315,20 +315,21 @@ def _compile_family(instance: _Instance, cache: EntryStore, call: RegionCall) ->
     """Compiles the dynamic kernel the family's policy asks for and what it
     decides; None where it asks for none or the kernel failed (the shape then compiles alone)."""
     family = _family_of(cache, call)
-    if family.static is None and (verdict := cache.lookup(call.name, region_shapes.static_key(call))) is not None:
-        family.static = verdict.reason or "no dynamic kernel"
+    if family.static is None and (verdict := _mechanism.recorded_verdict(cache, call.name, [(region_shapes.static_key(call), "family")])):
+        family.static = verdict.reason
     dims = family.to_compile(region_shapes.call_sizes(call))
     if dims is None:
         return None
     load = _loader(cache, call)
     with _mechanism.own_work():
-        outcome, outputs, dynamic = region_shapes.compile_family(instance.module, call, dims, family.seen, cache, load)
-    if not isinstance(outcome, Published) or dynamic is None:
-        family.static = outcome.reason
+        outcome, outputs = region_shapes.compile_family(instance.module, call, dims, family.seen, cache, load)
+    if not isinstance(outcome, Published):
+        if not outcome.eager_raised:
+            family.static = outcome.reason
         log.info("aoti_eager: %s for (%s): %s; compiling this shape alone", call.name, call.short(), outcome.reason)
         return None
     _count_compile(instance, call, outcome)
-    family.published[outcome.key] = dynamic
+    family.published[outcome.key] = outcome.family
     decided = _from_cache(instance, cache, call, compiled=True, key=outcome.key)
     if decided is None or decided.kernel is None:
         return None

@@ -26,7 +26,7 @@ import torch.utils._pytree as pytree
 
 from aoti_eager.cache.entry_store import Entry, EntryStore
 from aoti_eager.kernels import quiet
-from aoti_eager.kernels.compile import CompileError, compile_module, compile_options, sidecar_files
+from aoti_eager.kernels.compile import Artifact, CompileError, compile_module, compile_options, sidecar_files
 from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily, _form
 from aoti_eager.kernels.pipeline import Loader, NotCompiled, Outcome, Published
 from aoti_eager.kernels.region import NotARegion, Outputs, RegionCall, RegionModule, _digest, check_region
@@ -81,7 +81,7 @@ def export_shapes(call: RegionCall, family: ShapeFamily) -> tuple[Any, ...]:
     return (tuple([None] * len(call.tensors) + dims),)
 
 
-def guarded(call: RegionCall, family: ShapeFamily, artifact: Any) -> ShapeFamily:
+def guarded(call: RegionCall, family: ShapeFamily, artifact: Artifact) -> ShapeFamily:
     """``family`` with the guards of ``artifact``'s exported program. Raises
     NotDynamic where export fixed a dim that moved, or its guards do not admit
     the call it was compiled from."""
@@ -117,12 +117,12 @@ def resized(call: RegionCall, family: ShapeFamily, values: dict[int, int]) -> Re
 def compile_family(
     instance: torch.nn.Module, call: RegionCall, family: ShapeFamily, seen: list[list[tuple[int, ...]]],
     store: EntryStore, load: Loader,
-) -> tuple[Outcome, Outputs | None, ShapeFamily | None]:
+) -> tuple[Outcome, Outputs | None]:
     """Compiles the dynamic kernel of ``family``'s dims for calls like
     ``call`` (under the caller's lock), checks it against eager at ``call``,
     at the ``seen`` sizes its guards admit and at one further size, and
-    publishes it under :func:`entry_key`: the outcome, the structure of the
-    result and the family with its guards. Where it fails for good, the
+    publishes it under :func:`entry_key`: the outcome (its ``family`` with the
+    guards) and the structure of the result. Where it fails for good, the
     family is recorded as static (:func:`static_key`)."""
     output: list[str] = []
     try:
@@ -136,12 +136,12 @@ def compile_family(
 def _compile_family(
     instance: torch.nn.Module, call: RegionCall, family: ShapeFamily, seen: list[list[tuple[int, ...]]],
     store: EntryStore, load: Loader,
-) -> tuple[Outcome, Outputs | None, ShapeFamily | None]:
+) -> tuple[Outcome, Outputs | None]:
     try:
         expected = RegionModule(instance, call)(*clone_args(call.inputs()))
         outputs = Outputs.of(expected)
-    except Exception as e:  # noqa: BLE001 - the static path decides for this call
-        return NotCompiled(f"no dynamic kernel: eager gave {type(e).__name__}"), None, None
+    except Exception as e:  # noqa: BLE001 - of this call's values, not the family's: the static path decides for it
+        return NotCompiled(f"no dynamic kernel for this call: eager gave {type(e).__name__}", eager_raised=True), None
     start = time.perf_counter()
     try:
         artifact = compile_module(RegionModule(instance, call, outputs), tuple(clone_args(call.inputs())),
@@ -149,7 +149,7 @@ def _compile_family(
                                   vec_isas=usable_vec_isas(), dynamic_shapes=export_shapes(call, family))
     except CompileError as e:
         log.debug("aoti_eager: compiling %s's dynamic kernel failed", call.name, exc_info=e.__cause__)
-        return _static(store, call, str(e), recorded=e.lasting), outputs, None
+        return _static(store, call, str(e), recorded=e.lasting), outputs
     try:
         try:
             family = guarded(call, family, artifact)
@@ -162,7 +162,7 @@ def _compile_family(
                 said = f"its kernel disagrees with eager: {said}"
             elif not isinstance(e, NotDynamic):
                 said = f"its kernel failed to run: {type(e).__name__}: {said}"
-            return _static(store, call, said), outputs, None
+            return _static(store, call, said), outputs
         seconds = time.perf_counter() - start
         key = entry_key(call, family)
         entry = Entry(op=call.name, signature=call.to_json(), compile_seconds=round(seconds, 3),
@@ -170,7 +170,7 @@ def _compile_family(
         store.publish(key, entry, sidecar_files(artifact))
     finally:
         artifact.workdir.cleanup()
-    return Published(seconds, artifact.seconds, key, family), outputs, family
+    return Published(seconds, artifact.seconds, key, family), outputs
 
 
 def _check_other_sizes(
