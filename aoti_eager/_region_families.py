@@ -50,7 +50,8 @@ class RegionFamily:
             return None
         known = [family.dims for _, family in self.dynamic()]
         changed = changed_sizes(sizes, self.seen)
-        dims = tuple(tuple(sorted(set(c).union(*(k[i] for k in known)))) for i, c in enumerate(changed))
+        # A known kernel's dims too, but not at 0 or 1 here: export would fix them.
+        dims = tuple(tuple(d for d in sorted(set(c).union(*(k[i] for k in known))) if sizes[i][d] >= 2) for i, c in enumerate(changed))
         if not any(changed) or any(all(set(d) <= set(k) for d, k in zip(dims, kernel)) for kernel in known):
             return None
         return ShapeFamily(dims)

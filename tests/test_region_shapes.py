@@ -241,3 +241,36 @@ def test_a_new_process_serves_a_new_length_with_the_family_kernel(gpt2_lengths):
     row = json.loads(child.stdout.strip().splitlines()[-1])
     # Loaded once; its first call learns the result's structure eagerly, the three others are hits.
     assert (row["compiles"], row["cache_loads"], row["calls"], row["hits"], row["fallbacks"]) == (0, 1, 4, 3, 0)
+
+
+def test_a_shape_no_dynamic_kernel_admits_compiles_a_wider_one_only_for_dims_none_takes():
+    from aoti_eager._region_families import RegionFamily
+    from aoti_eager.kernels.dynamic import ShapeFamily
+
+    family = RegionFamily(seen=[[(2, 8, 32), (1, 8)]])
+    # The second length: its dims, of the hidden states and the position ids.
+    assert family.to_compile([(2, 12, 32), (1, 12)]) == ShapeFamily(((1,), (1,)))
+    family.published["k"] = ShapeFamily(((1,), (1,)))
+    family.see([(2, 12, 32), (1, 12)])
+    # A batch that moved: batch and length; a length of 1 stays fixed (export would fix it).
+    assert family.to_compile([(3, 12, 32), (1, 12)]) == ShapeFamily(((0, 1), (1,)))
+    assert family.to_compile([(3, 1, 32), (1, 1)]) == ShapeFamily(((0,), ()))
+    # Only dims the kernel takes moved (its guards refused the call): a static kernel.
+    assert family.to_compile([(2, 16, 32), (1, 12)]) is None
+    family.static = "export fixed dim 1 of args[0] to 8"
+    assert family.to_compile([(3, 12, 32), (1, 12)]) is None
+
+
+def test_gpt2_attention_mask_takes_the_hidden_states_length_symbol(gpt2_lengths):
+    cache_dir, name, _ = gpt2_lengths
+    model, reference, _ = _gpt2(cache_dir)
+    for length in (9, 12):
+        ids, mask = torch.randint(0, 100, (2, length)), torch.ones(2, length, dtype=torch.long)
+        mask[0, :2] = 0
+        with torch.no_grad():
+            torch.testing.assert_close(model(ids, attention_mask=mask, use_cache=False).logits,
+                                       reference(ids, attention_mask=mask, use_cache=False).logits)
+    (entry,) = [e for e in _entries(cache_dir, name).values() if e["dynamic"] and len(e["dynamic"]["dims"]) == 3]
+    # (tensor, dim, symbol, size): the hidden states' dim 1 and the mask's dims 2 and 3 are one symbol.
+    symbols = {(tensor, dim): symbol for tensor, dim, symbol, _ in entry["dynamic"]["guards"]}
+    assert symbols[0, 1] == symbols[1, 2] == symbols[1, 3] >= 0
