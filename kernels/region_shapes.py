@@ -18,6 +18,7 @@ recorded as static under :func:`static_key` and its shapes compile alone.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from typing import Any
 
@@ -149,7 +150,7 @@ def _compile_family(
                                   vec_isas=usable_vec_isas(), dynamic_shapes=export_shapes(call, family))
     except CompileError as e:
         log.debug("aoti_eager: compiling %s's dynamic kernel failed", call.name, exc_info=e.__cause__)
-        return _static(store, call, str(e), recorded=e.lasting), outputs
+        return _static(store, call, _named_inputs(str(e), call), recorded=e.lasting), outputs
     try:
         try:
             family = guarded(call, family, artifact)
@@ -209,6 +210,17 @@ def _check_at(instance: torch.nn.Module, kernel: Any, call: RegionCall | None) -
         return False
     check_region(kernel, call, tensors)
     return True
+
+
+def _named_inputs(message: str, call: RegionCall) -> str:
+    """``message`` with export's names of the exported inputs (``L['flat'][7]``) as the region's own.
+
+        >>> call = RegionCall.of("r", ("weight",), (torch.ones(2),), "s", (torch.ones(3),), {})
+        >>> _named_inputs("Constraints violated (L['flat'][1].size()[0])!", call)
+        'Constraints violated (args[0].size()[0])!'
+    """
+    names = [*call.names, *(p for p, d in call.described if isinstance(d, TensorArg))]
+    return re.sub(r"L\['flat'\]\[(\d+)\]", lambda m: names[int(m[1])] if int(m[1]) < len(names) else m[0], message)
 
 
 def _static(store: EntryStore, call: RegionCall, reason: str, recorded: bool = True) -> NotCompiled:

@@ -152,6 +152,7 @@ def test_a_dim_export_fixes_keeps_static_kernels_and_is_recorded_for_every_proce
     assert _compiles_at(model, reference, name, [2, 3, 5]) == [before + n for n in (1, 2, 3)]
     static = [entry for key, entry in _entries(tmp_path, name).items() if key.endswith("-static")]
     assert len(static) == 1 and static[0]["library"] is None and "no dynamic kernel: torch.export failed" in static[0]["reason"]
+    assert "args[0]" in static[0]["reason"] and "L['flat']" not in static[0]["reason"]  # the input, by the region's name
     # A process that knows nothing of the family reads the verdict instead of trying again.
     monkeypatch.setattr(_regions, "_families", {})
     tried = []
