@@ -329,7 +329,10 @@ def _compile_family(instance: _Instance, cache: EntryStore, call: RegionCall) ->
         log.info("aoti_eager: %s for (%s): %s; compiling this shape alone", call.name, call.short(), outcome.reason)
         return None
     _count_compile(instance, call, outcome)
-    family.published[outcome.key] = outcome.family
+    # What the store holds: another process's kernel where it published first.
+    family.published[outcome.key] = dynamic = _mechanism.dynamic_kernel(cache, call.name, outcome.key)
+    if dynamic is None or not region_shapes.admits(dynamic, outcome.key, call):
+        return None
     decided = _from_cache(instance, cache, call, compiled=True, key=outcome.key)
     if decided is None or decided.kernel is None:
         return None
