@@ -257,6 +257,28 @@ def _from_cache(instance: _Instance, cache: EntryStore, call: RegionCall, compil
     return _Decided(kernel=kernel)
 
 
+def _compile(instance: _Instance, cache: EntryStore, call: RegionCall) -> _Decided:
+    def load(library: Path, output_counts: list[int]) -> Any:
+        return _mechanism.load_library(cache, call.device, library, output_counts, len(call.inputs()), call.short(),
+                                       known_good=False)
+
+    with _mechanism.own_work():
+        outcome, outputs = compile_region(instance.module, call, cache, load)
+    stats = _stats_of(instance.name)
+    if not isinstance(outcome, Published):
+        if outcome.compiler_error is not None:
+            _mechanism.compiler_failures.add(outcome.compiler_error)
+        return _Decided(reason=outcome.reason, lasting=not outcome.eager_raised)
+    stats.compiles += 1
+    stats.compile_seconds = round(stats.compile_seconds + outcome.seconds, 3)
+    log.info("aoti_eager: compiled %s for (%s) in %.1f s", call.name, call.short(), outcome.seconds)
+    decided = _from_cache(instance, cache, call, compiled=True)
+    if decided is None or decided.kernel is None:
+        return decided or _Decided(reason="its published kernel is not in the cache")
+    decided.outputs = outputs
+    return decided
+
+
 def _loader(cache: EntryStore, call: RegionCall) -> Any:
     def load(library: Path, output_counts: list[int]) -> Any:
         return _mechanism.load_library(cache, call.device, library, output_counts, len(call.inputs()), call.short(),
@@ -270,21 +292,6 @@ def _count_compile(instance: _Instance, call: RegionCall, outcome: Published) ->
     stats.compiles += 1
     stats.compile_seconds = round(stats.compile_seconds + outcome.seconds, 3)
     log.info("aoti_eager: compiled %s for (%s) in %.1f s", call.name, call.short(), outcome.seconds)
-
-
-def _compile(instance: _Instance, cache: EntryStore, call: RegionCall) -> _Decided:
-    with _mechanism.own_work():
-        outcome, outputs = compile_region(instance.module, call, cache, _loader(cache, call))
-    if not isinstance(outcome, Published):
-        if outcome.compiler_error is not None:
-            _mechanism.compiler_failures.add(outcome.compiler_error)
-        return _Decided(reason=outcome.reason, lasting=not outcome.eager_raised)
-    _count_compile(instance, call, outcome)
-    decided = _from_cache(instance, cache, call, compiled=True)
-    if decided is None or decided.kernel is None:
-        return decided or _Decided(reason="its published kernel is not in the cache")
-    decided.outputs = outputs
-    return decided
 
 
 # (cache directory of the environment, family key) -> what this process knows of the region family.
