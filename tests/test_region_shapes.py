@@ -122,9 +122,14 @@ def test_the_dynamic_kernel_is_checked_against_eager_at_another_size(tmp_path, m
     monkeypatch.setattr(region_shapes, "check_region",
                         lambda kernel, call, expected: checked.append(call.described[0][1].sizes[0]) or check(kernel, call, expected))
     model, reference = _fused(Block, tmp_path)
-    _compiles_at(model, reference, _name(Block), [2, 3])
+    _compiles_at(model, reference, _name(Block), [2])
+    x, random_state = torch.randn(3, 16), torch.get_rng_state()
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x))
     # At the batch that made it, the one seen before and one neither had; then at 1.
     assert checked[0] == 3 and {2, 1} <= set(checked) and set(checked) - {1, 2, 3}
+    # The checks' random inputs are not drawn from the caller's random numbers.
+    assert torch.equal(torch.get_rng_state(), random_state)
 
 
 def test_a_dynamic_kernel_that_disagrees_with_eager_keeps_static_kernels(tmp_path, monkeypatch, caplog):
