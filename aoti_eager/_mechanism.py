@@ -28,7 +28,7 @@ from aoti_eager.cache.entry_store import Entry, EntryStore
 from aoti_eager.cache.store import TEMPORARY_PREFIX
 from aoti_eager.kernels import CallSignature
 from aoti_eager.kernels.compile import compile_options, flat_tensor_inputs
-from aoti_eager.kernels.dynamic import ShapeFamily
+from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily
 from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad, check_loads, runtime_crashes
 from aoti_eager.kernels.pipeline import Loader, NotCompiled, Outcome, Published, compile_signature, time_kernel
 from aoti_eager.kernels.speed import Timer
@@ -163,6 +163,15 @@ def load_entry(cache: EntryStore, signature: CallSignature, entry: Entry) -> Any
         raise
     except Exception as e:  # noqa: BLE001 - the entry's problem, not the environment's
         raise DamagedEntry(f"its kernel does not load: {e}") from e
+
+
+def dynamic_kernel(cache: EntryStore, name: str, key: str) -> ShapeFamily | None:
+    """The dynamic kernel's family of the entry ``key``; None where it is none (or gone, or damaged)."""
+    try:
+        entry = cache.lookup(name, key)
+        return ShapeFamily.from_json(entry.dynamic) if entry is not None and entry.dynamic else None
+    except (DamagedEntry, NotDynamic):  # damaged, or an entry of an earlier format: its guards meant something else
+        return None
 
 
 def recorded_verdict(cache: EntryStore, name: str, keys: list[tuple[str, str]]) -> Eager | None:

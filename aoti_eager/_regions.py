@@ -24,8 +24,10 @@ import torch
 import torch.utils._pytree as pytree
 
 from aoti_eager import _background, _extension, _mechanism, settings
+from aoti_eager._region_families import RegionFamily
 from aoti_eager.cache import DamagedEntry, UntrustedEntry
 from aoti_eager.cache.entry_store import EntryStore
+from aoti_eager.kernels import region_shapes
 from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad
 from aoti_eager.kernels.pipeline import Published
 from aoti_eager.kernels.region import (
@@ -290,7 +292,8 @@ def _miss(instance: _Instance, cache: EntryStore, call: RegionCall) -> _Decided:
     try:
         if (compiled := _compiled_apart(cache, call)) is not None:
             return compiled
-        found = _from_cache(instance, cache, call)
+        _family_of(cache, call).see(region_shapes.call_sizes(call))
+        found = _from_cache(instance, cache, call) or _from_family(instance, cache, call)
         if found is not None or instance.compile == "never":
             return found or _Decided(reason="compile='never' and no kernel in the cache")
         if (why := _mechanism.cannot_compile(cache)) is not None:
@@ -298,16 +301,18 @@ def _miss(instance: _Instance, cache: EntryStore, call: RegionCall) -> _Decided:
         if instance.compile == "background":
             return _compile_apart(instance, cache, call)
         with cache.lock_signature(call.name, call.key), _mechanism.compile_lock:
-            return _from_cache(instance, cache, call) or _compile(instance, cache, call)
+            return (_from_cache(instance, cache, call) or _from_family(instance, cache, call)
+                    or _compile_family(instance, cache, call) or _compile(instance, cache, call))
     except (UntrustedEntry, UnsafeToLoad, OSError) as e:
         return _Decided(reason=f"{type(e).__name__}: {e}")
 
 
-def _from_cache(instance: _Instance, cache: EntryStore, call: RegionCall, compiled: bool = False) -> _Decided | None:
-    """What the cache holds for ``call``, its kernel loaded; None where it holds nothing
-    usable. ``compiled``: the entry was just published here (not counted as a load)."""
+def _from_cache(instance: _Instance, cache: EntryStore, call: RegionCall, compiled: bool = False,
+                key: str | None = None) -> _Decided | None:
+    """What the cache holds for ``call`` (under ``key``, else its own), its kernel loaded; None where it holds
+    nothing usable. ``compiled``: the entry was just published here (not counted as a load)."""
     try:
-        with cache.hold(call.name, call.key) as entry:
+        with cache.hold(call.name, key or call.key) as entry:
             if entry is None:
                 return None
             if entry.library is None and entry.timing is not None and not settings.keep_faster.get():
@@ -413,6 +418,75 @@ def _compile(instance: _Instance, cache: EntryStore, call: RegionCall, apart: to
     if decided is None or decided.kernel is None:
         return decided or _Decided(reason="its published kernel is not in the cache")
     decided.outputs = outputs
+    return decided
+
+
+def _loader(cache: EntryStore, call: RegionCall) -> Any:
+    def load(library: Path, output_counts: list[int]) -> Any:
+        return _mechanism.load_library(cache, call.device, library, output_counts, len(call.inputs()), call.short(),
+                                       known_good=False)
+
+    return load
+
+
+def _count_compile(instance: _Instance, call: RegionCall, outcome: Published) -> None:
+    stats = _stats_of(instance.name)
+    stats.compiles += 1
+    stats.compile_seconds = round(stats.compile_seconds + outcome.seconds, 3)
+    log.info("aoti_eager: compiled %s for (%s) in %.1f s", call.name, call.short(), outcome.seconds)
+
+
+# (cache directory of the environment, family key) -> what this process knows of the region family.
+_families: dict[tuple[str, str], RegionFamily] = {}
+
+
+def _family_of(cache: EntryStore, call: RegionCall) -> RegionFamily:
+    return _families.setdefault((str(cache.directory), region_shapes.family_key(call)), RegionFamily())
+
+
+def _from_family(instance: _Instance, cache: EntryStore, call: RegionCall) -> _Decided | None:
+    """What a dynamic kernel whose guards admit ``call`` runs (this process's, or another's), or None."""
+    family = _family_of(cache, call)
+    # The local cache's, and the fleet's (looking one up publishes it locally, verified).
+    keys = [key for key in cache.keys(call.name, region_shapes.family_key(call) + "-") if key not in family.published]
+    family.published.update({key: _mechanism.dynamic_kernel(cache, call.name, key) for key in keys})
+    for key, dynamic in family.dynamic():
+        if region_shapes.admits(dynamic, key, call):
+            decided = family.decided.get(key) or _from_cache(instance, cache, call, key=key)
+            if decided is not None:
+                # One decision for every shape it admits: a result's structure is learnt once.
+                return family.decided.setdefault(key, decided)
+            family.published.pop(key)
+    return None
+
+
+def _compile_family(instance: _Instance, cache: EntryStore, call: RegionCall) -> _Decided | None:
+    """Compiles the dynamic kernel the family's policy asks for and what it
+    decides; None where it asks for none or the kernel failed (the shape then compiles alone)."""
+    family = _family_of(cache, call)
+    if family.static is None and (verdict := _mechanism.recorded_verdict(cache, call.name, [(region_shapes.static_key(call), "family")])):
+        family.static = verdict.reason
+    dims = family.to_compile(region_shapes.call_sizes(call))
+    if dims is None:
+        return None
+    load = _loader(cache, call)
+    with _mechanism.own_work():
+        outcome, outputs = region_shapes.compile_family(instance.module, call, dims, family.seen, cache, load)
+    if not isinstance(outcome, Published):
+        if not outcome.eager_raised:
+            family.static = outcome.reason
+        log.info("aoti_eager: %s for (%s): %s; compiling this shape alone", call.name, call.short(), outcome.reason)
+        return None
+    _count_compile(instance, call, outcome)
+    # What the store holds: another process's kernel where it published first.
+    family.published[outcome.key] = dynamic = _mechanism.dynamic_kernel(cache, call.name, outcome.key)
+    if dynamic is None or not region_shapes.admits(dynamic, outcome.key, call):
+        return None
+    decided = _from_cache(instance, cache, call, compiled=True, key=outcome.key)
+    if decided is None or decided.kernel is None:
+        return None
+    decided.outputs = outputs
+    family.decided[outcome.key] = decided
     return decided
 
 

@@ -36,7 +36,7 @@ from aoti_eager._planner import Eager, IntLookup, Planner
 from aoti_eager.cache import DamagedEntry, Entry, UntrustedEntry
 from aoti_eager.cache.entry_store import EntryStore, LockedElsewhere
 from aoti_eager.kernels import CallSignature, CompileRequest, Unsupported
-from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily, family_key, tensor_args, tensor_sizes
+from aoti_eager.kernels.dynamic import ShapeFamily, family_key, tensor_args, tensor_sizes
 from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad
 from aoti_eager.kernels.pipeline import NotCompiled, Published, publish_verdict
 from aoti_eager.kernels.signature import Position, qualified_name
@@ -214,7 +214,7 @@ class Override:
         family = self.planner.family(signature)
         # The local cache's, and the fleet's (looking one up publishes it locally, verified).
         keys = [key for key in cache.keys(self.name, family_key(signature) + "-") if key not in family.published]
-        family.published.update({key: _dynamic_kernel(cache, self.name, key) for key in keys})
+        family.published.update({key: _mechanism.dynamic_kernel(cache, self.name, key) for key in keys})
         for key, dynamic in family.dynamic():
             if dynamic.admits(signature, key):
                 if decision := family.decisions.get(key) or self._from_cache(cache, signature, key, dynamic):
@@ -313,15 +313,6 @@ class Override:
         self.stats.last_fallback_reason = verdict.reason
         _mechanism.log_eager_once(self.name, self.device, verdict.reason)
         return self._remember(signature, self.planner.eager(signature, verdict))
-
-
-def _dynamic_kernel(cache: EntryStore, name: str, key: str) -> ShapeFamily | None:
-    """The dynamic kernel's family of the entry ``key``; None where it is none (or gone, or damaged)."""
-    try:
-        entry = cache.lookup(name, key)
-        return ShapeFamily.from_json(entry.dynamic) if entry is not None and entry.dynamic else None
-    except (DamagedEntry, NotDynamic):  # damaged, or an entry of an earlier format: its guards meant something else
-        return None
 
 
 @dataclass

@@ -286,7 +286,7 @@ class _OpCall(torch.nn.Module):
         return [0 if aliased else (len(r) if isinstance(r, (list, tuple)) else -1) for aliased, r in zip(self.aliased, results)]
 
 
-def _dynamic_options(signature: CallSignature, dynamic_shapes: tuple[Any, ...] | None) -> dict[str, Any]:
+def _dynamic_options(device_type: str, dynamic_shapes: tuple[Any, ...] | None) -> dict[str, Any]:
     """Options of a dynamic-shape kernel beyond its environment's. On CPU,
     Inductor decides whether a loop is split across threads from the sizes it
     compiles at: a kernel made at a few rows would run every later size on one
@@ -294,7 +294,7 @@ def _dynamic_options(signature: CallSignature, dynamic_shapes: tuple[Any, ...] |
     cores). With dynamic threads every loop nest has a parallel region, and
     OpenMP sizes it when the kernel runs; below ATen's grain it runs on one
     thread (:mod:`aoti_eager.kernels.inductor.parallel_grain`)."""
-    if dynamic_shapes is None or signature.device.type != "cpu":
+    if dynamic_shapes is None or device_type != "cpu":
         return {}
     return {"cpp.dynamic_threads": True}
 
@@ -366,18 +366,24 @@ def compile_call(
     module = _OpCall(signature, eager_result)
     # Fresh copies: tracing an in-place op must not touch the caller's tensors.
     example = tuple(flat_tensor_inputs(signature, clone_args(signature.args)))
-    dynamic = _dynamic_options(signature, dynamic_shapes)
+    dynamic = _dynamic_options(signature.device.type, dynamic_shapes)
     artifact, exported = _export_and_compile(
         module, example, signature.device.type, {**options, **dynamic}, workdir, shared_dir, vec_isas, dynamic_shapes,
         whole_graph=False,
     )
     artifact.output_counts = module.output_counts(eager_result)
     if dynamic_shapes is not None:
-        inputs = {node.name: node for node in exported.graph.nodes if node.op == "placeholder"}
-        artifact.input_shapes = [tuple(inputs[name].meta["val"].shape) for name in exported.graph_signature.user_inputs]
-        artifact.input_strides = [tuple(inputs[name].meta["val"].stride()) for name in exported.graph_signature.user_inputs]
-        artifact.range_constraints = dict(exported.range_constraints)
+        _keep_exported_inputs(artifact, exported)
     return artifact
+
+
+def _keep_exported_inputs(artifact: Artifact, exported: torch.export.ExportedProgram) -> None:
+    """Keeps in ``artifact`` what a dynamic-shape kernel's guards are read
+    from: the exported program's input shapes and strides and its range constraints."""
+    inputs = {node.name: node for node in exported.graph.nodes if node.op == "placeholder"}
+    artifact.input_shapes = [tuple(inputs[name].meta["val"].shape) for name in exported.graph_signature.user_inputs]
+    artifact.input_strides = [tuple(inputs[name].meta["val"].stride()) for name in exported.graph_signature.user_inputs]
+    artifact.range_constraints = dict(exported.range_constraints)
 
 
 def compile_module(
@@ -387,18 +393,23 @@ def compile_module(
     options: dict[str, Any],
     shared_dir: Path | None = None,
     vec_isas: dict[str, list[str]] | None = None,
+    dynamic_shapes: tuple[Any, ...] | None = None,
 ) -> Artifact:
     """Compiles ``module``, whose forward takes the tensors ``example`` and
     returns a tuple of tensors, as :func:`compile_call` compiles an op's call.
     Its library returns one tensor per output (output counts all -1). A
     module that mutates its inputs is refused: nothing would write the
-    mutation back. Raises CompileError with the stage and cause on failure."""
+    mutation back. ``dynamic_shapes`` as :func:`compile_call` takes it.
+    Raises CompileError with the stage and cause on failure."""
+    dynamic = _dynamic_options(device_type, dynamic_shapes)
     artifact, exported = _export_and_compile(
-        module, example, device_type, options, None, shared_dir, vec_isas, None, whole_graph=True,
+        module, example, device_type, {**options, **dynamic}, None, shared_dir, vec_isas, dynamic_shapes, whole_graph=True,
         check_exported=_refuse_mutations,
     )
     outputs = exported.graph_signature.user_outputs
     artifact.output_counts = [-1] * len(outputs)
+    if dynamic_shapes is not None:
+        _keep_exported_inputs(artifact, exported)
     return artifact
 
 

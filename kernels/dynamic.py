@@ -153,11 +153,19 @@ def changed_dims(signature: CallSignature, seen: list[list[tuple[int, ...]]]) ->
     """For each tensor argument, the dims whose size differs from one of the
     ``seen`` calls of its family (each a list of its tensors' sizes) and is at
     least 2 here: export specializes 0 and 1."""
-    mine = tensor_args(signature)
+    return changed_sizes([t.sizes for t in tensor_args(signature)], seen)
+
+
+def changed_sizes(mine: list[tuple[int, ...]], seen: list[list[tuple[int, ...]]]) -> tuple[tuple[int, ...], ...]:
+    """:func:`changed_dims` of a call whose tensors have the sizes ``mine``.
+
+        >>> changed_sizes([(9, 8), (1,)], [[(5, 8), (8,)]])
+        ((0,), ())
+    """
     changed: list[set[int]] = [set() for _ in mine]
     for sizes in seen:
         for i, (a, other) in enumerate(zip(mine, sizes)):
-            changed[i].update(d for d, (n, m) in enumerate(zip(a.sizes, other)) if n != m and n >= 2)
+            changed[i].update(d for d, (n, m) in enumerate(zip(a, other)) if n != m and n >= 2)
     return tuple(tuple(sorted(c)) for c in changed)
 
 
@@ -338,6 +346,15 @@ class ShapeFamily:
         kinds = _flat_kinds(signature)
         shapes = [shape for shape, d in zip(exported_shapes, kinds) if d]
         all_strides = [strides for strides, d in zip(exported_strides, kinds) if d]
+        return self.with_tensor_guards(tensor_args(signature), shapes, all_strides, ranges)
+
+    def with_tensor_guards(
+        self, tensors: list[TensorArg], shapes: list[tuple[Any, ...]], all_strides: list[tuple[Any, ...]], ranges: dict[Any, Any],
+    ) -> "ShapeFamily":
+        """:meth:`with_guards` of a program whose tensor inputs, described by
+        ``tensors`` (as called), were exported with ``shapes`` and
+        ``all_strides``: a caller with inputs other than an op's (a region)
+        gives its own. Raises NotDynamic."""
         symbols: dict[Any, int] = {}
         where: dict[Any, tuple[int, int]] = {}  # a symbol -> a dim of its size
         guards = []
@@ -355,7 +372,7 @@ class ShapeFamily:
             if any(not isinstance(n, int) for d, n in enumerate(shape) if d not in dims):
                 raise NotDynamic(f"export made a fixed dim of tensor {tensor} symbolic")
         rules, orders, read = [], [], set()
-        for tensor, (dims, strides, described) in enumerate(zip(self.dims, all_strides, tensor_args(signature))):
+        for tensor, (dims, strides, described) in enumerate(zip(self.dims, all_strides, tensors)):
             if not dims:
                 continue  # its strides are in the key
             free = False
@@ -394,32 +411,12 @@ class ShapeFamily:
         dims and padding), and its alignment (random values, as
         :func:`~aoti_eager.kernels.examples.example_tensor` makes them); None
         for a call that cannot be rebuilt."""
-        own = tensor_args(signature)
-        shapes = [tuple(sizes.get((i, d), n) for d, n in enumerate(t.sizes)) for i, t in enumerate(own)]
+        shapes = self.shapes_with(tensor_args(signature), sizes)
         counter = iter(range(len(self.dims)))
 
         def rebuild(value: Any, described: Any) -> Any:
             if isinstance(described, TensorArg):
-                index = next(counter)
-                if not self.dims[index]:
-                    return clone_exact(value)
-                order = layout_order(described.sizes, described.strides)
-                if self.strides or self.orders:
-                    rules = {dim: scale * math.prod(shapes[t][d] for t, d in factors)
-                             for tensor, dim, scale, factors in self.strides if tensor == index}
-                    strides = _strides_for(shapes[index], order, rules, pad=True)
-                else:  # before export: as the call has them
-                    rules = {d: 0 for d, (n, s) in enumerate(zip(described.sizes, described.strides)) if n != 1 and s == 0}
-                    dense = _strides_for(described.sizes, order, rules, pad=False)
-                    padded = any(n != 1 and s != d for n, s, d in zip(described.sizes, described.strides, dense))
-                    strides = _strides_for(shapes[index], order, rules, pad=padded)
-                tensor = example_tensor(replace(described, sizes=shapes[index], strides=strides), value.device)
-                if not (tensor.is_floating_point() or tensor.is_complex()) and value.numel() and tensor.numel():
-                    # Its own values, over and over: indices stay in their tables' range.
-                    with torch.no_grad():
-                        flat = value.reshape(-1)
-                        tensor.copy_(flat[torch.arange(tensor.numel(), device=flat.device) % flat.numel()].view(tensor.shape))
-                return tensor
+                return self.resized_tensor(next(counter), value, described, shapes)
             if isinstance(described, ListArg):
                 return [rebuild(v, d) for v, d in zip(value, described.items)]
             return value
@@ -428,6 +425,34 @@ class ShapeFamily:
             return _rebuilt(signature, [rebuild(v, d) for v, d in zip(signature.args, signature.described)])
         except Exception:  # noqa: BLE001 - a call that cannot be rebuilt is not checked
             return None
+
+    @staticmethod
+    def shapes_with(tensors: list[TensorArg], sizes: dict[tuple[int, int], int]) -> list[tuple[int, ...]]:
+        """The sizes of ``tensors`` with dim ``dim`` of tensor ``tensor`` at ``sizes[tensor, dim]``."""
+        return [tuple(sizes.get((i, d), n) for d, n in enumerate(t.sizes)) for i, t in enumerate(tensors)]
+
+    def resized_tensor(self, index: int, value: torch.Tensor, described: TensorArg, shapes: list[tuple[int, ...]]) -> torch.Tensor:
+        """The tensor argument ``index`` (``value``, described as ``described``)
+        at ``shapes[index]`` (see :meth:`_with_sizes`); a copy where its dims do not move."""
+        if not self.dims[index]:
+            return clone_exact(value)
+        order = layout_order(described.sizes, described.strides)
+        if self.strides or self.orders:
+            rules = {dim: scale * math.prod(shapes[t][d] for t, d in factors)
+                     for tensor, dim, scale, factors in self.strides if tensor == index}
+            strides = _strides_for(shapes[index], order, rules, pad=True)
+        else:  # before export: as the call has them
+            rules = {d: 0 for d, (n, s) in enumerate(zip(described.sizes, described.strides)) if n != 1 and s == 0}
+            dense = _strides_for(described.sizes, order, rules, pad=False)
+            padded = any(n != 1 and s != d for n, s, d in zip(described.sizes, described.strides, dense))
+            strides = _strides_for(shapes[index], order, rules, pad=padded)
+        tensor = example_tensor(replace(described, sizes=shapes[index], strides=strides), value.device)
+        if not (tensor.is_floating_point() or tensor.is_complex()) and value.numel() and tensor.numel():
+            # Its own values, over and over: indices stay in their tables' range.
+            with torch.no_grad():
+                flat = value.reshape(-1)
+                tensor.copy_(flat[torch.arange(tensor.numel(), device=flat.device) % flat.numel()].view(tensor.shape))
+        return tensor
 
     def size_span(self, signature: CallSignature, seen: list[list[tuple[int, ...]]]) -> list[list[int]]:
         """``[smallest, largest]`` size of each dynamic dim (``dims`` order,

@@ -22,6 +22,7 @@ MODULES = [
     "aoti_eager._ops", "aoti_eager._reach", "aoti_eager.kernels.compile", "aoti_eager.kernels.dynamic",
     "aoti_eager.kernels.examples", "aoti_eager.kernels.request", "aoti_eager.kernels.signature",
     "aoti_eager.kernels.inductor.wrapper_split", "aoti_eager.kernels.inductor.internals", "aoti_eager.kernels.seam",
+    "aoti_eager.kernels.region_shapes",
 ]
 
 
