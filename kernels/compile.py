@@ -182,13 +182,47 @@ def _per_item_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload | Non
     return getattr(getattr(torch.ops.aten, name.removeprefix("aten::")), "Scalar", None)
 
 
+# cuBLAS's fast kernels read and write rows 16-byte aligned; an odd vocabulary leaves a matmul's output rows unaligned.
+_ALIGNED_BYTES = 16
+# Multiply-adds below which a matmul is not worth the copies that pad it (pad_mm's is_mm_compute_bound, roughly).
+_PADDED_MIN_WORK = 1 << 24
+
+
+def _padded_matmul(op: torch._ops.OpOverload, args: list[Any]) -> Any:
+    """``mm``, ``addmm`` or ``bmm`` on CUDA with an unaligned inner or output
+    dim, traced on operands zero-padded to aligned sizes and sliced back: what
+    Inductor's pad_mm does, but before the output's layout is fixed, so that
+    the kernel copies the result into eager's. None for any other call.
+    (The kernel is timed against eager's as any other.)"""
+    if op.name() not in ("aten::mm", "aten::addmm", "aten::bmm"):
+        return None
+    bias, a, b = (args[0], args[1], args[2]) if op.name() == "aten::addmm" else (None, args[0], args[1])
+    if a.device.type != "cuda" or a.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return None
+    k, n = a.shape[-1], b.shape[-1]
+    if not all(isinstance(d, int) and d > 0 for d in (*a.shape, *b.shape)) or a.numel() * n < _PADDED_MIN_WORK:
+        return None  # a dynamic dim, an empty or a small matmul
+    align = _ALIGNED_BYTES // a.element_size()
+    pad_k, pad_n = -k % align, -n % align
+    if pad_k == pad_n == 0:
+        return None
+    a = torch.nn.functional.pad(a, (0, pad_k))
+    b = torch.nn.functional.pad(b, (0, pad_n, 0, pad_k))
+    if bias is None:
+        return call_op(op, [a, b, *args[2:]])[..., :n]
+    if bias.dim() > 0 and bias.shape[-1] == n:
+        bias = torch.nn.functional.pad(bias, (0, pad_n))
+    return call_op(op, [bias, a, b, *args[3:]])[..., :n]
+
+
 def traced_call(op: torch._ops.OpOverload, args: list[Any]) -> Any:
     """Calls ``op`` as a kernel traces it: a ``_foreach_*.ScalarList`` op as
     one call of its ``.Scalar`` overload per item, which computes what the
     op's own CPU and CUDA kernels do for tensors of one dtype and device."""
     per_item = _per_item_overload(op)
     if per_item is None:
-        return call_op(op, args)
+        padded = _padded_matmul(op, args)
+        return call_op(op, args) if padded is None else padded
     def nth(argument: torch._C.Argument, value: Any, item: int) -> Any:
         if not isinstance(argument.type, torch._C.ListType):
             return value

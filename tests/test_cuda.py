@@ -111,3 +111,26 @@ def test_cuda_graph_capture_replays_the_kernel(shared_cache):
         torch.cuda.synchronize()
     assert_same_as_eager(y, x.abs())
     assert_same_as_eager(z, x.neg())
+
+
+
+@pytest.mark.parametrize("op", ["mm", "addmm", "bmm"])
+def test_cuda_matmul_with_an_unaligned_dim_runs_padded_with_eagers_strides(op, tmp_path):
+    # An odd vocabulary: the kernel pads the weight's rows, and copies its result into eager's layout.
+    x, weight = torch.randn(512, 60, device="cuda", dtype=torch.bfloat16), torch.randn(1001, 60, device="cuda", dtype=torch.bfloat16)
+    bias = torch.randn(1001, device="cuda", dtype=torch.bfloat16)
+    call = {
+        "mm": lambda: torch.mm(x, weight.t()),
+        "addmm": lambda: torch.addmm(bias, x, weight.t()),
+        "bmm": lambda: torch.bmm(x.view(4, 128, 60), weight.t().expand(4, 60, 1001)),
+    }[op]
+    from torch._inductor import metrics
+
+    generated = metrics.generated_kernel_count
+    with aoti_eager.enabled([f"aten::{op}"], devices=["cuda"], cache_dir=tmp_path):
+        y = call()
+        stats = aoti_eager.stats()[f"aten::{op}"]
+    assert_same_as_eager(y, call())
+    xfail_if_kernels_cannot_load(stats)
+    assert (stats["compiles"], stats["fallbacks"]) == (1, 0), stats
+    assert metrics.generated_kernel_count > generated  # the padding and the copy: cuBLAS alone generates none

@@ -117,3 +117,20 @@ def test_a_float32_result_keeps_its_dtypes_tolerance_with_a_reference():
     actual, expected, exact = (t.float() for t in _bf16_pair(skew=1.0))
     with pytest.raises(Mismatch, match="not close"):
         compare("out", [actual], [expected], lambda: [exact])
+
+
+def _mm_in_halves(inputs: list[torch.Tensor], skew: float = 1.0) -> list[torch.Tensor]:
+    """A bf16 matmul that sums each half of its inner dim apart: rounded at other points than eager's."""
+    x, y = inputs
+    return [(x[:, :128] @ y[:128] + x[:, 128:] @ y[128:]) * skew]
+
+
+def test_an_op_in_low_precision_is_judged_against_its_float64_run():
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(32, 256, generator=g).bfloat16(), torch.randn(256, 32, generator=g).bfloat16()
+    args = lambda: [x.clone(), y.clone()]  # noqa: E731
+    with pytest.raises(Mismatch, match="not close"):
+        compare("mm", _mm_in_halves(args())[0], call_op(A.mm.default, args()))  # one op's bf16 tolerance: refused
+    check(A.mm.default, args(), FakeKernel(_mm_in_halves, [-1]))  # as near float64 as eager: accepted
+    with pytest.raises(Mismatch, match="against a float64 run"):
+        check(A.mm.default, args(), FakeKernel(lambda i: _mm_in_halves(i, skew=1.03), [-1]))
