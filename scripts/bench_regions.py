@@ -9,7 +9,7 @@ For each model, three questions, each side by side in one run:
   alternating rounds (median seconds a forward), outputs against eager's, the
   compiles each region took and its calls that ran eagerly.
 - **First forward** (``--first``): in new processes on empty caches (this
-  project's and Inductor's), the first call of ``fuse(model, compile="now")``
+  project's, Inductor's and Triton's), the first call of ``fuse(model, compile="now")``
   against ``torch.compile(model)``'s first call; each process has run one
   eager forward before, so neither pays the device's start.
 - **New process on a warm cache** (``--first``): the seconds from a new
@@ -116,7 +116,7 @@ def synchronize(device: str) -> None:
 
 
 def in_new_process(name: str, device: str, mode: str, cache_dir: str, inductor_dir: str) -> float:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor_dir}
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": inductor_dir, "TRITON_CACHE_DIR": os.path.join(inductor_dir, "triton")}
     command = [sys.executable, __file__, "--child", json.dumps([name, device, mode, cache_dir])]
     done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
     return float(done.stdout.strip().splitlines()[-1])
