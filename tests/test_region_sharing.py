@@ -3,6 +3,7 @@ fleet cache (a real redis-server), listed and cleared by the command line."""
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import shutil
@@ -17,7 +18,7 @@ from aoti_eager.cache import remote
 from helpers import publish_kernel
 from test_bundle import _crafted, rewrite
 from test_regions import Block, Model, _child, _compiled, _cpu_cache, _delta, _row
-from test_remote import keys, redis_session, server  # noqa: F401 - fixtures
+from test_remote import free_port, keys, redis_session, refusals, server  # noqa: F401 - fixtures
 
 REGION = f"region::{Block.__module__}.Block"
 
@@ -121,6 +122,27 @@ def test_a_region_published_to_the_fleet_is_loaded_by_another_machine(server, ke
     # An empty local cache: the fleet's entry verified, published locally and loaded; no compile.
     assert (second["compiles"], second["cache_loads"], second["hits"], second["eager_calls"]) == (0, 1, 2, 0), second
     assert _key(tmp_path / "machine-b") == listed[0][1]
+
+
+def test_a_fleet_that_does_not_answer_leaves_regions_on_the_local_cache(compiled, keys, tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(remote, "_servers", {})
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    torch.manual_seed(0)
+    model, x, y = Model(Block).eval(), torch.randn(4, 16), torch.randn(5, 16)
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=_copy(compiled, tmp_path / "cache"), remote=dead)
+    before = _row(Block)
+    with torch.no_grad():
+        # A local entry: the fleet is never asked.
+        for block, eager in zip(model.blocks, reference.blocks):
+            torch.testing.assert_close(block(x), eager(x))
+        assert refusals(caplog) == []
+        # A miss: the fleet is asked, fails, and the region compiles here.
+        for block, eager in zip(model.blocks, reference.blocks):
+            torch.testing.assert_close(block(y), eager(y))
+    assert _delta(before, Block) == {"calls": 6, "hits": 6, "fallbacks": 0, "compiles": 1, "cache_loads": 1}
+    said = refusals(caplog)
+    assert len(said) == 1 and "cannot connect" in said[0], said
 
 
 class ElsewhereCompiling:
