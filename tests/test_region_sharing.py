@@ -18,7 +18,9 @@ from aoti_eager.cache import remote
 from helpers import publish_kernel
 from test_bundle import _crafted, rewrite
 from test_regions import Block, Model, _child, _compiled, _cpu_cache, _delta, _row
-from test_remote import free_port, keys, redis_session, refusals, server  # noqa: F401 - fixtures
+from test_remote import REDIS_SERVER, free_port, keys, redis_session, refusals, server  # noqa: F401 - fixtures
+
+needs_redis_server = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server is not installed (scripts/setup_env.sh installs it)")
 
 REGION = f"region::{Block.__module__}.Block"
 
@@ -112,6 +114,7 @@ def test_fuse_refuses_a_remote_that_is_not_a_url():
         aoti_eager.fuse(Model(Block), remote="cache-host")
 
 
+@needs_redis_server
 def test_a_region_published_to_the_fleet_is_loaded_by_another_machine(server, keys, tmp_path, monkeypatch):
     monkeypatch.delenv(settings.remote.name, raising=False)  # fuse(remote=...) names it
     first = _child(tmp_path / "machine-a", Block, server.url)
@@ -172,6 +175,7 @@ class ElsewhereCompiling:
         self.server.client.delete(self.lock)
 
 
+@needs_redis_server
 def test_a_region_another_machine_compiles_runs_eagerly_then_loads_its_kernel(compiled, server, keys, tmp_path):
     elsewhere = ElsewhereCompiling(compiled, server, tmp_path / "cache", "now")
     elsewhere.call(rtol=0, atol=0)
@@ -182,6 +186,7 @@ def test_a_region_another_machine_compiles_runs_eagerly_then_loads_its_kernel(co
     assert _delta(elsewhere.before, Block) == {"calls": 2, "hits": 1, "fallbacks": 1, "compiles": 0, "cache_loads": 1}
 
 
+@needs_redis_server
 def test_a_background_compile_another_machine_outlasts_is_tried_again_at_the_next_call(compiled, server, keys, tmp_path, monkeypatch):
     monkeypatch.setenv(settings.lock_timeout.name, "1")
     elsewhere = ElsewhereCompiling(compiled, server, tmp_path / "cache", "background")
