@@ -87,6 +87,16 @@ def _selected(ops: Iterable[OpSpec] | OpSpec) -> list[torch._ops.OpOverload]:
     return selected
 
 
+def _fleet_url(remote: str | None) -> str | None:
+    """``remote`` checked (None: ``$AOTI_EAGER_REMOTE``, if set, read where a cache is opened)."""
+    if remote is None:
+        return None
+    try:
+        return settings.URL.parse(str(remote))
+    except ValueError:
+        raise ValueError(f"aoti_eager: remote={remote!r} is not {settings.URL.expected}") from None
+
+
 def enable(
     ops: Iterable[OpSpec] | OpSpec,
     *,
@@ -153,11 +163,7 @@ def enable(
     if compile not in ("now", "background", "never"):
         raise ValueError(f'aoti_eager: compile is "now", "background" or "never", not {compile!r}')
     settings.check_all()
-    if remote is not None:
-        try:
-            remote = settings.URL.parse(str(remote))
-        except ValueError:
-            raise ValueError(f"aoti_eager: remote={remote!r} is not {settings.URL.expected}") from None
+    remote = _fleet_url(remote)
     if record is None:
         record = settings.record.get()
     recorder = Recorder(record) if record is not None else None
@@ -248,6 +254,7 @@ def fuse(
     *,
     compile: str = "now",
     cache_dir: str | os.PathLike | None = None,
+    remote: str | None = None,
 ) -> torch.nn.Module:
     """Compiles each chosen submodule's forward whole: one library per region
     signature, shared by every instance, with the parameters and buffers as
@@ -276,12 +283,16 @@ def fuse(
             Default: ``"now"``.
         cache_dir (str | PathLike | None): where kernels are kept. Default:
             :func:`cache_dir`.
+        remote (str | None): the fleet cache behind the local one, as
+            :func:`enable` takes it: a miss looks there before it compiles,
+            and a compiled region is published there (signed). Default:
+            ``$AOTI_EAGER_REMOTE``, else none.
 
     Returns:
         torch.nn.Module: ``model``, its regions' forwards replaced.
 
     Raises:
-        ValueError: ``compile`` is not one it takes.
+        ValueError: ``compile`` or ``remote`` is not one it takes.
 
     Examples::
 
@@ -295,8 +306,9 @@ def fuse(
     if compile not in ("now", "background", "never"):
         raise ValueError(f'aoti_eager: fuse(compile=...) is "now", "background" or "never", not {compile!r}')
     settings.check_all()
+    remote = _fleet_url(remote)
     root = Path(cache_dir).expanduser() if cache_dir is not None else _root if _root is not None else default_root()
-    _regions.fuse(model, modules, compile, root)
+    _regions.fuse(model, modules, compile, root, remote)
     return model
 
 

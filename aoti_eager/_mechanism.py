@@ -24,7 +24,7 @@ import torch
 from aoti_eager import _extension, settings
 from aoti_eager._planner import Eager
 from aoti_eager.cache import DamagedEntry, KernelCache, UntrustedEntry, inventory, remote
-from aoti_eager.cache.entry_store import Entry, EntryStore
+from aoti_eager.cache.entry_store import Entry, EntryStore, LockedElsewhere
 from aoti_eager.cache.store import TEMPORARY_PREFIX
 from aoti_eager.kernels import CallSignature
 from aoti_eager.kernels.compile import compile_options, flat_tensor_inputs
@@ -112,6 +112,14 @@ def open_cache(root: Path, device: torch.device, url: str | None, wait: float) -
     if url is not None:
         cache.behind = remote.tier(url, cache.directory.name, wait=wait)
     return cache
+
+
+def waited_for(error: TimeoutError) -> str:
+    """Why a miss runs eagerly for now: another machine compiles its kernel
+    (the fleet's lock), or another process did for longer than the lock timeout."""
+    if isinstance(error, LockedElsewhere):
+        return f"{error}; running eagerly meanwhile"
+    return f"waited over {settings.lock_timeout.get():.0f} s for another process's compile; running eagerly meanwhile"
 
 
 def not_loaded(crash: str) -> str:

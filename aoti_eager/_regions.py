@@ -67,7 +67,8 @@ _stats: dict[str, RegionStats] = {}
 _live: dict[str, weakref.WeakSet] = collections.defaultdict(weakref.WeakSet)
 # (cache directory of the environment, key, compile mode) -> what its calls run.
 _decided: dict[tuple[str, str, str], _Decided] = {}
-_caches: dict[tuple[Path, str], EntryStore] = {}
+# (root, device, fleet cache's URL, how long its lock is waited for) -> the cache.
+_caches: dict[tuple[Path, str, str | None, float], EntryStore] = {}
 _lock = threading.RLock()
 
 
@@ -150,6 +151,8 @@ class _Instance:
     refused: str | None = None  # why no call of it is compiled
     # A forward set on the instance before fuse() (refused), called instead of its class's.
     replaced: Any = None
+    # The fleet cache's URL; None: $AOTI_EAGER_REMOTE, if set.
+    remote: str | None = None
 
     @property
     def module(self) -> torch.nn.Module:
@@ -269,7 +272,7 @@ def _decide(
         raise NotARegion("grad is enabled and its parameters or inputs require grad (regions run without autograd)")
     if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
         raise NotARegion("autocast is on (regions are compiled without it)")
-    cache = _cache(instance.root, call.device)
+    cache = _cache(instance, call.device)
     with _lock:
         where = (str(cache.directory), call.key, instance.compile)
         decided = _decided.get(where)
@@ -282,10 +285,13 @@ def _decide(
     return decided, call.leaves, _NO_KWARGS
 
 
-def _cache(root: Path, device: torch.device) -> EntryStore:
-    if (root, str(device)) not in _caches:
-        _caches[(root, str(device))] = _mechanism.open_cache(root, device, None, wait=0.0)
-    return _caches[(root, str(device))]
+def _cache(instance: _Instance, device: torch.device, wait: float = 0.0) -> EntryStore:
+    """The instance's cache of kernels for ``device``, with its fleet cache
+    behind, whose lock a miss waits ``wait`` seconds for (a call's: none)."""
+    where = (instance.root, str(device), instance.remote, wait)
+    if where not in _caches:
+        _caches[where] = _mechanism.open_cache(instance.root, device, instance.remote, wait=wait)
+    return _caches[where]
 
 
 def _miss(instance: _Instance, cache: EntryStore, call: RegionCall) -> _Decided:
@@ -300,9 +306,11 @@ def _miss(instance: _Instance, cache: EntryStore, call: RegionCall) -> _Decided:
             return _Decided(reason=why)
         if instance.compile == "background":
             return _compile_apart(instance, cache, call)
-        with cache.lock_signature(call.name, call.key), _mechanism.compile_lock:
+        with cache.lock_signature(call.name, call.key, timeout=settings.lock_timeout.get()), _mechanism.compile_lock:
             return (_from_cache(instance, cache, call) or _from_family(instance, cache, call)
                     or _compile_family(instance, cache, call) or _compile(instance, cache, call))
+    except TimeoutError as e:  # another's compile: the next call asks the caches again
+        return _Decided(reason=_mechanism.waited_for(e), lasting=False)
     except (UntrustedEntry, UnsafeToLoad, OSError) as e:
         return _Decided(reason=f"{type(e).__name__}: {e}")
 
@@ -354,8 +362,10 @@ def _compile_apart(instance: _Instance, cache: EntryStore, call: RegionCall) -> 
         if module is None:
             return _Decided(reason="its module was freed before it was compiled", lasting=False)
         apart = _sharing_state(module)
-        with cache.lock_signature(call.name, call.key), _mechanism.compile_lock:
-            return _from_cache(instance, cache, call) or _compile(instance, cache, call, apart)
+        # As an op's worker: it waits for another machine's compile of the key, no call does.
+        waiting = _cache(instance, call.device, wait=settings.lock_timeout.get())
+        with waiting.lock_signature(call.name, call.key, timeout=settings.lock_timeout.get()), _mechanism.compile_lock:
+            return _from_cache(instance, waiting, call) or _compile(instance, waiting, call, apart)
 
     _compiling[(str(cache.directory), call.key)] = (_background.submit_here(compile_here), instance.name)
     _stats_of(instance.name).queued += 1
@@ -375,7 +385,9 @@ def _compiled_apart(cache: EntryStore, call: RegionCall) -> _Decided | None:
     del _compiling[where]
     try:
         return future.result()
-    except Exception as e:  # noqa: BLE001 - the lock's timeout, the cache's errors: this key's calls run eagerly
+    except TimeoutError as e:  # another's compile outlasted the wait: the next call asks the caches again
+        return _Decided(reason=_mechanism.waited_for(e), lasting=False)
+    except Exception as e:  # noqa: BLE001 - the cache's errors: this key's calls run eagerly
         return _Decided(reason=f"its background compile failed: {type(e).__name__}: {e}")
 
 
@@ -534,15 +546,18 @@ def chosen(model: torch.nn.Module, modules: Iterable[Any] | None) -> list[torch.
     return result
 
 
-def fuse(model: torch.nn.Module, modules: Iterable[Any] | None, compile: str, root: Path) -> list[str]:
-    """Makes regions of the instances :func:`chosen` picks; the regions' names."""
+def fuse(model: torch.nn.Module, modules: Iterable[Any] | None, compile: str, root: Path,
+         remote: str | None = None) -> list[str]:
+    """Makes regions of the instances :func:`chosen` picks, their kernels in
+    the cache at ``root`` with the fleet cache at ``remote`` behind it; the regions' names."""
     _hook_assignments()
     names = []
     for module in chosen(model, modules):
         if _fused(module) is not None:
             continue
         name = region_name(module)
-        instance = _Instance(weakref.ref(module), name, root, compile, _stats_of(name), replaced=module.__dict__.get("forward"))
+        instance = _Instance(weakref.ref(module), name, root, compile, _stats_of(name),
+                             replaced=module.__dict__.get("forward"), remote=remote)
         instance.refused = _refusal(module)
         if instance.refused is not None:
             _log_eager_once(instance.name, instance.refused)

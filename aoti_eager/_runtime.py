@@ -144,10 +144,10 @@ class Override:
             except UntrustedEntry as e:
                 return self._eager(f"refused an untrusted cache entry: {e}", signature)
             except LockedElsewhere as e:
-                self.stats.last_fallback_reason = f"{e}; running eagerly meanwhile"
+                self.stats.last_fallback_reason = _mechanism.waited_for(e)
                 return RetryLater(self.stats.last_fallback_reason, retry_after=e.retry_after)
-            except TimeoutError:
-                reason = f"waited over {settings.lock_timeout.get():.0f} s for another process's compile; running eagerly meanwhile"
+            except TimeoutError as e:
+                reason = _mechanism.waited_for(e)
                 _mechanism.log_eager_once(self.name, self.device, reason)
                 return RetryLater(reason)
             except OSError as e:  # after TimeoutError, which is one

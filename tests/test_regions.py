@@ -226,7 +226,7 @@ block = getattr(tests, sys.argv[5])
 torch.manual_seed(0)
 model, x = tests.Model(block).eval(), torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
 reference = copy.deepcopy(model)
-aoti_eager.fuse(model, cache_dir=sys.argv[1])
+aoti_eager.fuse(model, cache_dir=sys.argv[1], remote=(sys.argv[6:] or [None])[0])
 original, eager_calls = block.forward, []
 def counted(*args, **kwargs):
     eager_calls.append(1)
@@ -243,11 +243,11 @@ print(json.dumps({**tests._row(block), "eager_calls": len(eager_calls)}))
 """
 
 
-def _child(cache: Path, block: type) -> dict:
-    """The stats row of ``block``'s region in a new process that calls two fused blocks, with
-    ``eager_calls``: the calls of the original forward."""
-    child = subprocess.run([sys.executable, "-c", CHILD, str(cache), str(ROOT), str(ROOT / "tests"), block.__module__, block.__name__],
-                           capture_output=True, text=True, timeout=600)
+def _child(cache: Path, block: type, remote: str | None = None) -> dict:
+    """The stats row of ``block``'s region in a new process that calls two fused blocks (with the
+    fleet cache ``remote`` behind ``cache``), with ``eager_calls``: the calls of the original forward."""
+    argv = [str(cache), str(ROOT), str(ROOT / "tests"), block.__module__, block.__name__, *([remote] if remote else [])]
+    child = subprocess.run([sys.executable, "-c", CHILD, *argv], capture_output=True, text=True, timeout=600)
     assert child.returncode == 0, child.stderr[-2000:]
     return {**json.loads(child.stdout.strip().splitlines()[-1]), "stderr": child.stderr}
 
