@@ -204,3 +204,32 @@ def test_a_region_line_that_is_not_one_names_its_line(recorded, tmp_path):
     manifest.write_text(recorded.read_text() + json.dumps(line) + "\n")
     with pytest.raises(ValueError, match=r"broken.jsonl:3: not a manifest entry"):
         read_entries(manifest)
+
+
+def _gpt2(transformers, seed: int):
+    torch.manual_seed(seed)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64)
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+def test_gpt2_blocks_prewarmed_from_a_recorded_run(tmp_path):
+    """Blocks called with keyword arguments (masks, None, flags): rebuilt from the line."""
+    transformers = pytest.importorskip("transformers")
+    model = aoti_eager.fuse(_gpt2(transformers, 0), cache_dir=tmp_path / "run", record=tmp_path / "gpt2.jsonl")
+    with torch.no_grad():
+        for length in (8, 12):
+            model(torch.randint(0, 100, (2, length)), use_cache=False)
+    lines = _lines(tmp_path / "gpt2.jsonl")
+    assert len(lines) == 2 and any(d["name"].startswith("kwargs") for d in lines[0]["signature"])
+    fresh = _gpt2(transformers, 1)
+    reference = copy.deepcopy(fresh)
+    block = type(fresh.transformer.h[0])
+    aoti_eager.fuse(fresh, cache_dir=tmp_path / "fresh")
+    report = aoti_eager.prewarm(tmp_path / "gpt2.jsonl", model=fresh, cache_dir=tmp_path / "fresh")
+    assert [r.outcome.status for r in report.results] == ["compiled"] * 2, [r.outcome.reason for r in report.results]
+    before = _row(block)
+    with torch.no_grad():
+        for length in (8, 12, 16):
+            ids = torch.randint(0, 100, (2, length))
+            torch.testing.assert_close(fresh(ids, use_cache=False).logits, reference(ids, use_cache=False).logits)
+    assert _delta(before, block) == {"calls": 6, "hits": 6, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
