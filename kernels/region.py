@@ -231,16 +231,23 @@ class RegionRequest:
             raise TypeError("a region line's fields are strings and a list")
         return cls(**data)
 
-    def arguments(self, device: torch.device) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def arguments(self, device: torch.device, zero_integers: bool = False) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """Example ``(args, kwargs)`` of the recorded call on ``device``: its
-        tensors random with the recorded layout, its other values as recorded.
-        Raises NotARegion where the description cannot be rebuilt here."""
+        tensors random with the recorded layout (``zero_integers``: its
+        integer tensors zeros), its other values as recorded. Raises
+        NotARegion where the description cannot be rebuilt here."""
         try:
             spec = pytree.treespec_loads(self.spec)
             leaves = [example_value(argument_from_json(d), device) for d in self.signature]
+            if zero_integers:
+                leaves = [v.zero_() if _integer(v) else v for v in leaves]
             return pytree.tree_unflatten(leaves, spec)
         except Exception as e:  # noqa: BLE001 - pytree raises NotImplementedError for a type unknown here
             raise NotARegion(f"its recorded call cannot be rebuilt here ({type(e).__name__}: {e})") from None
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
 
 
 def _path_name(path: tuple[Any, ...]) -> str:

@@ -233,3 +233,42 @@ def test_gpt2_blocks_prewarmed_from_a_recorded_run(tmp_path):
             ids = torch.randint(0, 100, (2, length))
             torch.testing.assert_close(fresh(ids, use_cache=False).logits, reference(ids, use_cache=False).logits)
     assert _delta(before, block) == {"calls": 6, "hits": 6, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
+
+
+class Indexed(torch.nn.Module):
+    """Looks its input up in a table of 2 rows: random indices run past it."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Embedding(2, 16)
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x, ids):
+        return self.fc(x) + self.table(ids)
+
+
+class Lookups(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Indexed() for _ in range(2))
+
+    def forward(self, x, ids):
+        for block in self.blocks:
+            x = block(x, ids)
+        return x
+
+
+def test_a_call_whose_random_integers_eager_refuses_is_prewarmed_with_zeros(tmp_path):
+    x, ids = torch.randn(16, 16), torch.randint(0, 2, (16,))
+    model = aoti_eager.fuse(Lookups().eval(), compile="never", cache_dir=tmp_path / "run", record=tmp_path / "ids.jsonl")
+    with torch.no_grad():
+        model(x, ids)
+    fresh = Lookups().eval()
+    reference = copy.deepcopy(fresh)
+    aoti_eager.fuse(fresh, cache_dir=tmp_path / "fresh")
+    report = aoti_eager.prewarm(tmp_path / "ids.jsonl", model=fresh, cache_dir=tmp_path / "fresh")
+    assert [r.outcome.status for r in report.results] == ["compiled"], [r.outcome.reason for r in report.results]
+    before = _row(Indexed)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(x, ids), reference(x, ids))
+    assert _delta(before, Indexed) == {"calls": 2, "hits": 2, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
