@@ -169,6 +169,10 @@ def prewarm(
         >>> report = aoti_eager.prewarm("misses.jsonl", jobs=4)
         >>> report.count("compiled"), report.failed
         (12, [])
+        >>> model = aoti_eager.fuse(model, record="regions.jsonl")   # a run of a fused model
+        >>> ...                                                       # then, in a new process:
+        >>> aoti_eager.prewarm("regions.jsonl", model=aoti_eager.fuse(model)).count("compiled")
+        2
     """
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     wanted = set(devices) if devices is not None else set(_available_devices())
@@ -253,7 +257,7 @@ def _unmatched(entry: RegionRequest, instances: dict[tuple[str, str], Any]) -> s
     if any(name == entry.region for name, _ in instances):
         return (f"the model's fused {entry.region} instances have another state structure (parameters' shapes, "
                 "dtypes or devices, the code or training flags changed)")
-    return f"the model has no fused instance of {entry.region}"
+    return f"the model has no fused instance of {entry.region}" + ("" if instances else " (fuse it before prewarm)")
 
 
 def _described(entry: CompileRequest) -> str:

@@ -172,7 +172,7 @@ def test_a_mixed_manifest_prewarms_ops_in_workers_and_regions_with_the_model(mix
 def test_a_line_the_model_does_not_match_is_skipped_with_its_reason(recorded, tmp_path):
     plain = _model(0)  # not fused
     report = aoti_eager.prewarm(recorded, model=plain, cache_dir=tmp_path)
-    assert [s.reason for s in report.skipped_regions] == [f"the model has no fused instance of {REGION}"] * 2
+    assert [s.reason for s in report.skipped_regions] == [f"the model has no fused instance of {REGION} (fuse it before prewarm)"] * 2
     other = aoti_eager.fuse(Other(), cache_dir=tmp_path)
     report = aoti_eager.prewarm(recorded, model=other, cache_dir=tmp_path)
     assert [s.reason for s in report.skipped_regions] == [f"the model has no fused instance of {REGION}"] * 2
