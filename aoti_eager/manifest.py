@@ -42,8 +42,9 @@ class Manifest:
 
 def regions_note(count: int) -> str:
     """What a reader of ops says of the region lines it passes over."""
-    return (f"{count} region entries need their model: prewarm them with "
-            "aoti_eager.prewarm(manifest, model=...)")
+    if count == 1:
+        return "1 region entry needs its model: prewarm it with aoti_eager.prewarm(manifest, model=...)"
+    return f"{count} region entries need their model: prewarm them with aoti_eager.prewarm(manifest, model=...)"
 
 
 def read_entries(path: str | os.PathLike) -> Manifest:

@@ -272,3 +272,15 @@ def test_a_call_whose_random_integers_eager_refuses_is_prewarmed_with_zeros(tmp_
     with torch.no_grad():
         torch.testing.assert_close(fresh(x, ids), reference(x, ids))
     assert _delta(before, Indexed) == {"calls": 2, "hits": 2, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
+
+
+def test_a_worker_handed_a_region_line_answers_it_and_goes_on(recorded, tmp_path):
+    from aoti_eager import _worker
+
+    entries = read_entries(recorded).regions
+    worker = _worker.Worker(tmp_path)
+    try:
+        outcomes = [worker.compile(entry) for entry in entries]
+    finally:
+        worker.close()
+    assert outcomes == [_worker.Outcome("failed", regions_note(1))] * 2
