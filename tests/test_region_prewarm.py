@@ -5,6 +5,7 @@ readers of ops pass region lines over with one note."""
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import logging
 import subprocess
@@ -32,6 +33,14 @@ class Other(torch.nn.Module):
 
     def forward(self, x):
         return self.blocks[1](self.blocks[0](x))
+
+
+@pytest.fixture(autouse=True)
+def _models_let_go():
+    """A test's models are freed when it ends (transformers' hold cycles):
+    stats() in later tests has no rows of their regions."""
+    yield
+    gc.collect()
 
 
 def _model(seed: int) -> Model:
