@@ -163,6 +163,12 @@ def test_the_cli_prewarms_the_ops_and_notes_the_regions(mixed, tmp_path):
     assert (done.stdout + done.stderr).count(regions_note(2)) == 1
     assert "aten::abs" in done.stdout and "Traceback" not in done.stderr
     assert {op for op, _ in _cache_entries(cache)} == {"aten::abs"}
+    again = subprocess.run([sys.executable, "-m", "aoti_eager", "--cache-dir", str(cache), "prewarm", str(mixed), "--json"],
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0 and again.stderr.count(regions_note(2)) == 1, again.stdout + again.stderr
+    report = json.loads(again.stdout)
+    assert [(r["op"], r["status"]) for r in report["results"]] == [("aten::abs", "cached")]
+    assert [s["reason"] for s in report["skipped_regions"]] == ["no model given"] * 2
 
 
 def test_a_mixed_manifest_prewarms_ops_in_workers_and_regions_with_the_model(mixed, tmp_path):
