@@ -84,6 +84,16 @@ def test_a_run_records_one_line_per_region_miss(recorded):
     assert manifest.ops == [] and [r.key for r in manifest.regions] == [line["key"] for line in lines]
 
 
+NEW_PROCESS = r"""
+import json, sys, torch, aoti_eager
+from test_regions import Model, Block, _row
+model = aoti_eager.fuse(Model().eval(), cache_dir=sys.argv[1])
+with torch.no_grad():
+    model(torch.randn(9, 16))
+print(json.dumps({k: _row(Block)[k] for k in ("calls", "hits", "compiles", "cache_loads")}))
+"""
+
+
 def test_a_model_prewarmed_from_the_manifest_runs_with_no_compile(recorded, tmp_path):
     model = _model(1)
     reference = copy.deepcopy(model)
@@ -97,6 +107,11 @@ def test_a_model_prewarmed_from_the_manifest_runs_with_no_compile(recorded, tmp_
     before = _row(Block)
     _run(model, reference)
     assert _delta(before, Block) == {"calls": 9, "hits": 9, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
+    # A new process, at a batch size the dynamic kernel serves: its first call a hit too.
+    child = subprocess.run([sys.executable, "-c", NEW_PROCESS, str(tmp_path)], capture_output=True, text=True, timeout=600,
+                           cwd=Path(__file__).parent)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert json.loads(child.stdout.splitlines()[-1]) == {"calls": 3, "hits": 3, "compiles": 0, "cache_loads": 1}
     # Again: what the cache holds is not compiled again.
     again = aoti_eager.prewarm(recorded, model=model, cache_dir=tmp_path)
     assert [r.outcome.status for r in again.results] == ["cached"] * 2
