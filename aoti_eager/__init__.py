@@ -255,6 +255,7 @@ def fuse(
     compile: str = "now",
     cache_dir: str | os.PathLike | None = None,
     remote: str | None = None,
+    record: str | os.PathLike | None = None,
 ) -> torch.nn.Module:
     """Compiles each chosen submodule's forward whole: one library per region
     signature, shared by every instance, with the parameters and buffers as
@@ -287,6 +288,10 @@ def fuse(
             :func:`enable` takes it: a miss looks there before it compiles,
             and a compiled region is published there (signed). Default:
             ``$AOTI_EAGER_REMOTE``, else none.
+        record (str | PathLike | None): a manifest (JSON Lines) to append
+            each region call that misses the cache to, once each, for
+            ``prewarm(manifest, model=...)`` in a process that holds the
+            model. Default: ``$AOTI_EAGER_RECORD``, else none.
 
     Returns:
         torch.nn.Module: ``model``, its regions' forwards replaced.
@@ -308,7 +313,10 @@ def fuse(
     settings.check_all()
     remote = _fleet_url(remote)
     root = Path(cache_dir).expanduser() if cache_dir is not None else _root if _root is not None else default_root()
-    _regions.fuse(model, modules, compile, root, remote)
+    if record is None:
+        record = settings.record.get()
+    _regions.fuse(model, modules, compile, root, remote,
+                  Recorder(record) if record is not None else None)
     return model
 
 

@@ -4,11 +4,14 @@ parallel worker processes, before any process needs it.
 Each job is a worker process (:mod:`aoti_eager._worker`) that compiles entries
 one after another and publishes each like a miss would, so an interrupted
 prewarm leaves only complete entries behind and running it again compiles what
-is left.
+is left. A region's entry is compiled in this process, for the fused instance
+of the model given whose region and state structure it names: a worker could
+not rebuild the user's module.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -16,15 +19,18 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable, TextIO
+from typing import Any, Callable, Iterable, TextIO
 
 import torch
 
-from aoti_eager import _mechanism, _worker
+from aoti_eager import _mechanism, _regions, _worker
 from aoti_eager.cache import UntrustedEntry, default_root
 from aoti_eager.kernels import CompileRequest
+from aoti_eager.kernels.region import RegionRequest
 from aoti_eager.kernels.signature import short_form
-from aoti_eager.manifest import read_manifest
+from aoti_eager.manifest import read_entries, regions_note
+
+log = logging.getLogger("aoti_eager")
 
 # The cache a prewarm fills when none is given: the package's cache_dir(),
 # which the package (a layer above) hands down.
@@ -33,8 +39,16 @@ default_cache_dir: Callable[[], Path] = default_root
 
 @dataclass
 class Result:
-    entry: CompileRequest
+    entry: CompileRequest | RegionRequest
     outcome: _worker.Outcome
+
+
+@dataclass
+class SkippedRegion:
+    """A region entry not compiled, and why (no model given, no fused instance matches it, ...)."""
+
+    entry: RegionRequest
+    reason: str
 
 
 @dataclass
@@ -44,6 +58,7 @@ class PrewarmReport:
     results: list[Result] = field(default_factory=list)
     # Entries for devices that were not asked for or are not here.
     skipped: list[CompileRequest] = field(default_factory=list)
+    skipped_regions: list[SkippedRegion] = field(default_factory=list)
     seconds: float = 0.0
 
     def count(self, status: str) -> int:
@@ -110,6 +125,7 @@ def prewarm(
     devices: Iterable[str] | None = None,
     cache_dir: str | os.PathLike | None = None,
     output: TextIO | None = None,
+    model: torch.nn.Module | None = None,
 ) -> PrewarmReport:
     """Compiles every entry of ``manifest`` that the cache lacks.
 
@@ -132,6 +148,14 @@ def prewarm(
             :func:`aoti_eager.cache_dir`.
         output (TextIO | None): where progress goes (e.g. ``sys.stdout``).
             Default: none.
+        model (torch.nn.Module | None): a model fused with
+            :func:`aoti_eager.fuse`, for the manifest's region entries: each
+            is compiled here, in order, for the fused instance whose region
+            and state structure it names, as a miss of its call with
+            ``compile="now"`` would be (so a region's shapes give the static,
+            then the dynamic kernel a run gives). Entries no instance matches
+            are in ``.skipped_regions`` with the reason. Default: none (region
+            entries are skipped, with one note).
 
     Returns:
         A :class:`PrewarmReport`: each entry's outcome; entries that failed
@@ -145,13 +169,18 @@ def prewarm(
         >>> report = aoti_eager.prewarm("misses.jsonl", jobs=4)
         >>> report.count("compiled"), report.failed
         (12, [])
+        >>> model = aoti_eager.fuse(model, record="regions.jsonl")   # a run of a fused model
+        >>> ...                                                       # then, in a new process:
+        >>> aoti_eager.prewarm("regions.jsonl", model=aoti_eager.fuse(model)).count("compiled")
+        2
     """
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     wanted = set(devices) if devices is not None else set(_available_devices())
     start = time.monotonic()
     report = PrewarmReport()
     pending = []
-    for entry in read_manifest(manifest):
+    entries = read_entries(manifest)
+    for entry in entries.ops:
         if entry.device not in wanted or entry.device not in _available_devices():
             report.skipped.append(entry)
             continue
@@ -195,8 +224,40 @@ def prewarm(
             # After the pool's threads have ended: a worker is driven by one thread.
             for worker in workers:
                 worker.close()
+    _prewarm_regions(entries.regions, model, wanted, report, output)
     report.seconds = time.monotonic() - start
     return report
+
+
+def _prewarm_regions(entries: list[RegionRequest], model: torch.nn.Module | None, wanted: set[str],
+                     report: PrewarmReport, output: TextIO | None) -> None:
+    """Compiles the region ``entries`` for ``model``'s fused instances, one after another, in this process."""
+    if entries and model is None:
+        note = regions_note(len(entries))
+        report.skipped_regions += [SkippedRegion(entry, "no model given") for entry in entries]
+        if output is not None:
+            output.write(note + "\n")
+        else:
+            log.warning("aoti_eager: %s", note)
+        return
+    instances = _regions.fused_instances(model) if entries else {}
+    for entry in entries:
+        instance = instances.get((entry.region, entry.structure))
+        device = torch.device(entry.device).type
+        if device not in wanted or device not in _available_devices():
+            report.skipped_regions.append(SkippedRegion(entry, f"device {entry.device} not asked for or not here"))
+        elif instance is None:
+            report.skipped_regions.append(SkippedRegion(entry, _unmatched(entry, instances)))
+        else:
+            status, reason, seconds = _regions.prewarm(instance, entry)
+            report.results.append(Result(entry, _worker.Outcome(status, reason, seconds)))
+
+
+def _unmatched(entry: RegionRequest, instances: dict[tuple[str, str], Any]) -> str:
+    if any(name == entry.region for name, _ in instances):
+        return (f"the model's fused {entry.region} instances have another state structure (parameters' shapes, "
+                "dtypes or devices, the code or training flags changed)")
+    return f"the model has no fused instance of {entry.region}" + ("" if instances else " (fuse it before prewarm)")
 
 
 def _described(entry: CompileRequest) -> str:
@@ -219,7 +280,10 @@ def summary(report: PrewarmReport) -> str:
     lines.append(f"{'total':<{width}}  {'':<6}  " + "  ".join(f"{report.count(s):>8}" for s in statuses)
                  + f"  {sum(seconds.values()):>9.1f}")
     lines.append(f"{len(report.results)} entries in {report.seconds:.1f} s"
-                 + (f"; {len(report.skipped)} skipped (devices not asked for or not here)" if report.skipped else ""))
+                 + (f"; {len(report.skipped)} skipped (devices not asked for or not here)" if report.skipped else "")
+                 + (f"; {len(report.skipped_regions)} region entries skipped" if report.skipped_regions else ""))
+    lines += [f"SKIPPED {s.entry.region} on {s.entry.device} ({_described(s.entry)}): {s.reason}"
+              for s in report.skipped_regions if s.reason != "no model given"]
     for r in report.results:
         if r.outcome.status in ("failed", "eager"):
             lines.append(f"{r.outcome.status.upper()} {r.entry.op} on {r.entry.device} "

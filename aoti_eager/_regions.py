@@ -31,8 +31,10 @@ from aoti_eager.kernels import region_shapes
 from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad
 from aoti_eager.kernels.pipeline import Published
 from aoti_eager.kernels.region import (
-    NotARegion, Outputs, RegionCall, bypassed, code_digest, compile_region, region_name, state_of, state_structure,
+    NotARegion, Outputs, RegionCall, RegionRequest, bypassed, code_digest, compile_region, region_name, state_of,
+    state_structure,
 )
+from aoti_eager.manifest import Recorder
 
 @dataclass
 class RegionStats:
@@ -153,6 +155,7 @@ class _Instance:
     replaced: Any = None
     # The fleet cache's URL; None: $AOTI_EAGER_REMOTE, if set.
     remote: str | None = None
+    recorder: Recorder | None = None  # where its misses are recorded
 
     @property
     def module(self) -> torch.nn.Module:
@@ -272,17 +275,24 @@ def _decide(
         raise NotARegion("grad is enabled and its parameters or inputs require grad (regions run without autograd)")
     if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
         raise NotARegion("autocast is on (regions are compiled without it)")
+    decided, where = _decision(instance, call)
+    if decided.lasting and key is not None:
+        state.memo[key] = where
+    return decided, call.leaves, _NO_KWARGS
+
+
+def _decision(instance: _Instance, call: RegionCall, compile: str | None = None) -> tuple[_Decided, tuple[str, str, str]]:
+    """What ``call`` runs (decided before in this process, else by a miss
+    compiling as ``compile`` says, default the instance's mode), and where the decision is kept."""
     cache = _cache(instance, call.device)
     with _lock:
         where = (str(cache.directory), call.key, instance.compile)
         decided = _decided.get(where)
         if decided is None:
-            decided = _miss(instance, cache, call)
+            decided = _miss(instance, cache, call, compile or instance.compile)
             if decided.lasting:
                 _decided[where] = decided
-        if decided.lasting and key is not None:
-            state.memo[key] = where
-    return decided, call.leaves, _NO_KWARGS
+    return decided, where
 
 
 def _cache(instance: _Instance, device: torch.device, wait: float = 0.0) -> EntryStore:
@@ -294,17 +304,19 @@ def _cache(instance: _Instance, device: torch.device, wait: float = 0.0) -> Entr
     return _caches[where]
 
 
-def _miss(instance: _Instance, cache: EntryStore, call: RegionCall) -> _Decided:
+def _miss(instance: _Instance, cache: EntryStore, call: RegionCall, compile: str) -> _Decided:
     try:
         if (compiled := _compiled_apart(cache, call)) is not None:
             return compiled
         _family_of(cache, call).see(region_shapes.call_sizes(call))
         found = _from_cache(instance, cache, call) or _from_family(instance, cache, call)
-        if found is not None or instance.compile == "never":
+        if found is None and instance.recorder is not None:
+            _record(instance.recorder, call)
+        if found is not None or compile == "never":
             return found or _Decided(reason="compile='never' and no kernel in the cache")
         if (why := _mechanism.cannot_compile(cache)) is not None:
             return _Decided(reason=why)
-        if instance.compile == "background":
+        if compile == "background":
             return _compile_apart(instance, cache, call)
         with cache.lock_signature(call.name, call.key, timeout=settings.lock_timeout.get()), _mechanism.compile_lock:
             return (_from_cache(instance, cache, call) or _from_family(instance, cache, call)
@@ -313,6 +325,13 @@ def _miss(instance: _Instance, cache: EntryStore, call: RegionCall) -> _Decided:
         return _Decided(reason=_mechanism.waited_for(e), lasting=False)
     except (UntrustedEntry, UnsafeToLoad, OSError) as e:
         return _Decided(reason=f"{type(e).__name__}: {e}")
+
+
+def _record(recorder: Recorder, call: RegionCall) -> None:
+    try:
+        recorder.record(RegionRequest.of(call))
+    except NotARegion as e:
+        _log_once(call.name, f": a miss is not recorded into {recorder.path}: {e}")
 
 
 def _from_cache(instance: _Instance, cache: EntryStore, call: RegionCall, compiled: bool = False,
@@ -547,9 +566,10 @@ def chosen(model: torch.nn.Module, modules: Iterable[Any] | None) -> list[torch.
 
 
 def fuse(model: torch.nn.Module, modules: Iterable[Any] | None, compile: str, root: Path,
-         remote: str | None = None) -> list[str]:
+         remote: str | None = None, recorder: Recorder | None = None) -> list[str]:
     """Makes regions of the instances :func:`chosen` picks, their kernels in
-    the cache at ``root`` with the fleet cache at ``remote`` behind it; the regions' names."""
+    the cache at ``root`` with the fleet cache at ``remote`` behind it, their
+    misses recorded by ``recorder``; the regions' names."""
     _hook_assignments()
     names = []
     for module in chosen(model, modules):
@@ -557,7 +577,8 @@ def fuse(model: torch.nn.Module, modules: Iterable[Any] | None, compile: str, ro
             continue
         name = region_name(module)
         instance = _Instance(weakref.ref(module), name, root, compile, _stats_of(name),
-                             replaced=module.__dict__.get("forward"), remote=remote)
+                             replaced=module.__dict__.get("forward"), remote=remote,
+                             recorder=recorder)
         instance.refused = _refusal(module)
         if instance.refused is not None:
             _log_eager_once(instance.name, instance.refused)
@@ -591,3 +612,57 @@ def unfuse(model: torch.nn.Module) -> None:
 def stats() -> dict[str, dict[str, Any]]:
     """The :class:`RegionStats` of each region with fused modules alive, as a dict."""
     return {name: {**vars(s), "compiling": compiling(name)} for name, s in _stats.items() if _live[name]}
+
+
+def fused_instances(model: torch.nn.Module) -> dict[tuple[str, str], _Instance]:
+    """The fused instances of ``model`` whose calls may compile, one per
+    (region name, state structure): what a recorded region request is matched with."""
+    found: dict[tuple[str, str], _Instance] = {}
+    for module in model.modules():
+        instance = _fused(module)
+        if instance is None or instance.refused is not None:
+            continue
+        try:
+            found.setdefault((instance.name, instance.state().structure), instance)
+        except NotARegion:
+            continue
+    return found
+
+
+def prewarm(instance: _Instance, request: RegionRequest) -> tuple[str, str | None, float]:
+    """Compiles the kernel of the call ``request`` recorded, rebuilt with
+    example tensors, for ``instance``, unless the cache has it: as a miss
+    with ``compile="now"`` does (checked against eager, timed, published),
+    its decision kept for this process's calls. Returns the status
+    (``compiled``, ``cached``, ``eager`` or ``failed``), its reason and the compile's seconds."""
+    stats = instance.stats
+    compiles, seconds = stats.compiles, stats.compile_seconds
+    before = torch.get_default_dtype()
+    try:
+        # The call's key holds the default dtype, which a forward's new tensors take.
+        torch.set_default_dtype(getattr(torch, request.default_dtype))
+        decided = _prewarm_call(instance, request)
+        if not decided.lasting and (decided.reason or "").startswith("eager raised"):
+            # Random integers can index past a short table (an embedding of 2 rows); zeros index any.
+            decided = _prewarm_call(instance, request, zero_integers=True)
+    except (NotARegion, TypeError, AttributeError) as e:
+        return "failed", str(e), 0.0
+    finally:
+        torch.set_default_dtype(before)
+    spent = stats.compile_seconds - seconds
+    if decided.kernel is None:
+        return ("eager" if decided.lasting else "failed"), decided.reason, spent
+    return ("compiled" if stats.compiles > compiles else "cached"), None, spent
+
+
+def _prewarm_call(instance: _Instance, request: RegionRequest, zero_integers: bool = False) -> _Decided:
+    """What the call ``request`` recorded, rebuilt for ``instance``, runs; a miss compiles it now."""
+    state = instance.state()
+    # The device of the instance's state: the model may have moved since (cuda:1).
+    device = state.tensors[0].device if state.tensors else torch.device(request.device)
+    args, kwargs = request.arguments(device, zero_integers)
+    call = RegionCall.of(instance.name, state.names, state.tensors, state.structure, args, kwargs)
+    if call.key != request.key:
+        raise NotARegion("its call rebuilt here is keyed differently from the recorded one")
+    with torch.no_grad():
+        return _decision(instance, call, "now")[0]

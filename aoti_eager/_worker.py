@@ -42,6 +42,7 @@ from aoti_eager.kernels.examples import eager_accepted, example_arguments
 from aoti_eager.kernels.pipeline import NotCompiled, Published
 from aoti_eager.kernels.pipeline import Outcome as PipelineOutcome
 from aoti_eager.kernels.signature import qualified_name
+from aoti_eager.manifest import regions_note
 
 log = logging.getLogger("aoti_eager")
 
@@ -369,7 +370,13 @@ def main() -> int:
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     cuda_started = False
     for line in sys.stdin:
-        entry = CompileRequest.from_json(json.loads(line))
+        data = json.loads(line)
+        if "region" in data:
+            # A region's call can be rebuilt only beside its model, never here.
+            outcomes.write(json.dumps(asdict(Outcome("failed", regions_note(1)))) + "\n")
+            outcomes.flush()
+            continue
+        entry = CompileRequest.from_json(data)
         try:
             if entry.device.startswith("cuda") and not cuda_started:
                 cuda_started = True

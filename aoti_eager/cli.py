@@ -406,6 +406,8 @@ def prewarm_command(root: Path, args: argparse.Namespace) -> int:
             "results": [{"op": r.entry.op, "device": r.entry.device, "key": r.entry.key, **vars(r.outcome)}
                         for r in report.results],
             "skipped": len(report.skipped),
+            "skipped_regions": [{"region": s.entry.region, "key": s.entry.key, "reason": s.reason}
+                                for s in report.skipped_regions],
         }, indent=1))
     else:
         print(summary(report))
@@ -557,7 +559,8 @@ def _parser() -> argparse.ArgumentParser:
     imports.add_argument("--allow-unsigned", action="store_true",
                          help="import a bundle that no trusted key signed: its native code will run in your processes")
     warm = command(commands, "prewarm", prewarm_command,
-                   "compile every entry of a manifest (recorded with AOTI_EAGER_RECORD) that the cache lacks")
+                   "compile every op entry of a manifest (recorded with AOTI_EAGER_RECORD) that the cache lacks "
+                   "(its region entries need their model: aoti_eager.prewarm(manifest, model=...))")
     warm.add_argument("manifest", type=Path, help="recorded with enable(record=...) or $AOTI_EAGER_RECORD")
     warm.add_argument("--jobs", "-j", type=int, help="compiles at once (default: from cores and memory)")
     warm.add_argument("--devices", nargs="+", choices=["cpu", "cuda"], help="only these devices' entries")

@@ -187,7 +187,7 @@ keep_faster = Setting("AOTI_EAGER_KEEP_FASTER", BOOLEAN, "1",
 split_wrapper = Setting("AOTI_EAGER_SPLIT_WRAPPER", BOOLEAN, "1",
                         "compile the half of a CPU wrapper that every signature shares once per environment")
 record = Setting("AOTI_EAGER_RECORD", PATH, "",
-                 "a manifest that `enable()` appends every cache miss to, for prewarm")
+                 "a manifest that `enable()` and `fuse()` append every cache miss to, for prewarm")
 signing_key = Setting("AOTI_EAGER_SIGNING_KEY", PATH, "",
                       "the private key that `cache export` signs bundles with, and the fleet cache's entries")
 trusted_keys = Setting("AOTI_EAGER_TRUSTED_KEYS", PATHS, "",

@@ -37,9 +37,12 @@ from aoti_eager import settings
 from aoti_eager.cache.entry_store import Entry, EntryStore
 from aoti_eager.kernels import quiet
 from aoti_eager.kernels.compile import CompileError, dense_order, in_order, compile_module, compile_options, sidecar_files
+from aoti_eager.kernels.examples import example_value
 from aoti_eager.kernels.pipeline import Loader, NotCompiled, Outcome, Published, current, speed_verdict, timed
 from aoti_eager.kernels.speed import Timing, measured
-from aoti_eager.kernels.signature import Arg, ConstantArg, NoneArg, NumberArg, TensorArg, Unsupported, clone_args
+from aoti_eager.kernels.signature import (
+    Arg, ConstantArg, NoneArg, NumberArg, TensorArg, Unsupported, argument_from_json, clone_args,
+)
 from aoti_eager.kernels.toolchain import usable_vec_isas
 from aoti_eager.kernels.validate import Mismatch, check_fresh_memory, compare
 
@@ -168,6 +171,83 @@ class RegionCall:
 
     def short(self) -> str:
         return ", ".join(f"{path}={d.short()}" for path, d in self.described)
+
+
+@dataclass(frozen=True)
+class RegionRequest:
+    """A region's miss as a manifest line holds it: enough to rebuild the
+    call's arguments (:meth:`arguments`) for a fused instance whose state has
+    ``structure``, in the process that holds the model::
+
+        {"region": "region::m.Block", "structure": "1c0e...", "device": "cpu", "key": "77ab...",
+         "signature": [{"name": "args[0]", "kind": "tensor", ...}], "spec": "[1, ...]", "default_dtype": "float32"}
+
+    ``signature`` is :meth:`RegionCall.to_json`, ``spec`` the pytree spec of
+    the call's ``(args, kwargs)`` (``treespec_dumps``)."""
+
+    region: str
+    structure: str
+    device: str
+    key: str
+    signature: list[dict[str, Any]]
+    spec: str
+    default_dtype: str
+
+    @classmethod
+    def of(cls, call: RegionCall) -> "RegionRequest":
+        """The request of ``call``; raises NotARegion where its arguments'
+        structure holds a type pytree cannot name."""
+        try:
+            spec = pytree.treespec_dumps(call.spec)
+        except Exception as e:  # noqa: BLE001 - pytree raises NotImplementedError, json TypeError
+            raise NotARegion(f"its arguments' structure cannot be written down ({type(e).__name__}: {e})") from None
+        dtype = str(torch.get_default_dtype()).removeprefix("torch.")
+        return cls(call.name, call.structure, str(call.device), call.key, call.to_json(), spec, dtype)
+
+    @property
+    def id(self) -> tuple[str, str, str]:
+        """What makes two requests the same kernel (the key holds the structure)."""
+        return (self.region, self.device, self.key)
+
+    @property
+    def op(self) -> str:
+        """The name the cache lists the region's entries under."""
+        return self.region
+
+    # A region's request names no dynamic kernel: its family's policy decides, as a run's would.
+    dynamic = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"region": self.region, "structure": self.structure, "device": self.device, "key": self.key,
+                "signature": self.signature, "spec": self.spec, "default_dtype": self.default_dtype}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> "RegionRequest":
+        """The request :meth:`to_json` gave. Raises KeyError, TypeError or ValueError for data that is not one."""
+        fields = {"region", "structure", "device", "key", "signature", "spec", "default_dtype"}
+        if set(data) != fields:
+            raise ValueError(f"a region line has the fields {sorted(fields)}, not {sorted(data)}")
+        if not isinstance(data["signature"], list) or not all(isinstance(v, str) for k, v in data.items() if k != "signature"):
+            raise TypeError("a region line's fields are strings and a list")
+        return cls(**data)
+
+    def arguments(self, device: torch.device, zero_integers: bool = False) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Example ``(args, kwargs)`` of the recorded call on ``device``: its
+        tensors random with the recorded layout (``zero_integers``: its
+        integer tensors zeros), its other values as recorded. Raises
+        NotARegion where the description cannot be rebuilt here."""
+        try:
+            spec = pytree.treespec_loads(self.spec)
+            leaves = [example_value(argument_from_json(d), device) for d in self.signature]
+            if zero_integers:
+                leaves = [v.zero_() if _integer(v) else v for v in leaves]
+            return pytree.tree_unflatten(leaves, spec)
+        except Exception as e:  # noqa: BLE001 - pytree raises NotImplementedError for a type unknown here
+            raise NotARegion(f"its recorded call cannot be rebuilt here ({type(e).__name__}: {e})") from None
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
 
 
 def _path_name(path: tuple[Any, ...]) -> str:

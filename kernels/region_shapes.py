@@ -170,6 +170,8 @@ def _compile_family(
         key = entry_key(call, family)
         entry = Entry(op=call.name, signature=call.to_json(), compile_seconds=round(seconds, 3),
                       output_counts=artifact.output_counts, library=artifact.library, dynamic=family.to_json())
+        # A new process's first call it serves is then a hit, as a static entry's is.
+        entry.result_structure = outputs.to_json()
         store.publish(key, entry, sidecar_files(artifact))
     finally:
         artifact.workdir.cleanup()
