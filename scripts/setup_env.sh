@@ -12,7 +12,8 @@ HAVE_TORCH="$("$VENV/bin/python" -c "import torch; print(torch.__version__.split
 if [ -z "$HAVE_TORCH" ] || { [ -n "$WANTED_TORCH" ] && [ "$HAVE_TORCH" != "$WANTED_TORCH" ]; }; then
     "$VENV/bin/pip" install -q "torch==${WANTED_TORCH:-2.13.0}"
 fi
-"$VENV/bin/pip" install -q -e ".[test,remote]"
+# bench: transformers, whose models (built from configs) the region tests fuse.
+"$VENV/bin/pip" install -q -e ".[test,remote,bench]"
 # The fleet cache's tests run a real redis-server (tests/test_remote.py); they
 # skip, saying why, where it is missing and cannot be installed (not root).
 if ! command -v redis-server >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
