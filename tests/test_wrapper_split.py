@@ -193,6 +193,21 @@ def test_a_kernel_that_borrows_its_inputs_neither_keeps_nor_frees_them(shared_ca
         assert_same_as_eager(r, a + b)
 
 
+def test_a_kernel_that_hands_an_input_to_an_extern_call_borrows_it(shared_cache, caplog):
+    """A convolution's wrapper passes its inputs to the shim as
+    ``temporary_reference(arg.get())``: the own part builds, and borrows them."""
+    x, w, b = torch.randn(2, 3, 8, 8), torch.randn(4, 3, 2, 2), torch.randn(4)
+    with aoti_eager.enabled(["aten::convolution"], devices=["cpu"], cache_dir=shared_cache):
+        results = [torch.nn.functional.conv2d(x, w, b, stride=2) for _ in range(2)]
+        assert aoti_eager.stats()["aten::convolution"]["hits"] >= 1
+    assert "building the wrapper whole" not in caplog.text
+    libraries = shared_cache.glob(f"{layout.LAYOUT_VERSION}/*/aten.convolution/*/kernel.so")
+    symbols = [subprocess.run(["nm", "-D", "--defined-only", str(p)], capture_output=True, text=True, check=True).stdout for p in libraries]
+    assert any("aoti_eager_borrows_inputs" in s for s in symbols)
+    for r in results:
+        assert_same_as_eager(r, torch.nn.functional.conv2d(x, w, b, stride=2))
+
+
 @pytest.mark.parametrize("grad_mode", [True, False])
 def test_a_call_leaves_grad_mode_as_it_found_it(shared_cache, grad_mode):
     """The runtime's entry point turns grad mode off for the kernel only."""

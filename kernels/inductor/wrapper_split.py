@@ -158,6 +158,7 @@ class AOTIEagerBorrowedHandle {
  public:
   explicit AOTIEagerBorrowedHandle(AtenTensorHandle handle) : handle_(handle) {}
   operator AtenTensorHandle() const { return handle_; }
+  AtenTensorHandle get() const { return handle_; }
   void reset() { handle_ = nullptr; }
   void* data_ptr() const {
     void* result = nullptr;
