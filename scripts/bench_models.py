@@ -13,13 +13,13 @@ mode under ``no_grad``:
 
 For each: the ops the step reaches (``aoti_eager.ops_reached``) are enabled,
 compiling now; the first steps compile (counted), then eager, aoti_eager and
-``torch.compile`` of the model run in alternating rounds (median seconds a
-step). Outputs (losses, for training, step by step from one initial state)
+``torch.compile`` of the model run in alternating rounds of ``--calls``
+steps, each after one untimed step (median seconds a step). Outputs (losses, for training, step by step from one initial state)
 are compared with eager's; misses are counted over a warm step. A
 ``torch.profiler`` step of eager and of aoti_eager gives each op's self time
 (CPU time, and device time on CUDA) side by side.
 
-    python scripts/bench_models.py [--device cpu|cuda] [--workloads gpt2,train] [--rounds 5] [--steps 3]
+    python scripts/bench_models.py [--device cpu|cuda] [--workloads gpt2,train] [--rounds 5] [--calls 10] [--steps 3]
         [--cache-dir DIR] [--top 8]
 """
 
@@ -136,7 +136,7 @@ def self_times(step: Callable[[], Any], device: str) -> dict[str, tuple[float, .
     return {e.key: tuple(getattr(e, f) / 1e3 for f in fields) for e in prof.key_averages()}
 
 
-def run(name: str, device: str, rounds: int, steps: int, cache_dir: str, top: int) -> dict[str, Any]:
+def run(name: str, device: str, rounds: int, calls: int, steps: int, cache_dir: str, top: int) -> dict[str, Any]:
     work = build(name, device)
     step = work.fresh()
     expected = [step() for _ in range(steps)]
@@ -152,16 +152,19 @@ def run(name: str, device: str, rounds: int, steps: int, cache_dir: str, top: in
     misses = sum(s["misses"] for s in aoti_eager.stats().values()) - before
     aoti_eager.disable()
 
-    def enabled_step() -> Any:
+    def timed(step: Callable[[], Any]) -> float:
+        step()  # after the other side's round: warms this side's caches (and loads decisions), not timed
+        return per_call_seconds(step, calls)
+
+    def enabled_step() -> float:
         aoti_eager.enable(ops, devices=[device], cache_dir=cache_dir)
         try:
-            work.step()  # loads this round's decisions: not timed
-            return per_call_seconds(work.step, 2)
+            return timed(work.step)
         finally:
             aoti_eager.disable()
 
-    sides = {"eager": lambda: per_call_seconds(work.step, 2), "aoti_eager": enabled_step,
-             "torch.compile": lambda: per_call_seconds(work.compiled_step, 2)}
+    sides = {"eager": lambda: timed(work.step), "aoti_eager": enabled_step,
+             "torch.compile": lambda: timed(work.compiled_step)}
     times: dict[str, list[float]] = {side: [] for side in sides}
     for i in range(rounds):
         for side in list(sides)[i % 3:] + list(sides)[:i % 3]:  # each side goes first in turn
@@ -186,6 +189,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--workloads", default="gpt2,bert,vit,train")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=10, help="timed steps a round, after one untimed")
     parser.add_argument("--steps", type=int, default=3, help="compared with eager's (the first ones compile)")
     parser.add_argument("--cache-dir", default=None, help="default: a new empty cache")
     parser.add_argument("--top", type=int, default=8, help="ops in each per-op breakdown")
@@ -198,7 +202,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="aoti_eager-bench-") as scratch:
         for name in args.workloads.split(","):
             try:
-                rows.append(run(name, args.device, args.rounds, args.steps, args.cache_dir or scratch, args.top))
+                rows.append(run(name, args.device, args.rounds, args.calls, args.steps, args.cache_dir or scratch, args.top))
             except Exception as e:  # noqa: BLE001 - the other workloads still run
                 aoti_eager.disable()
                 print(f"\n{name}: failed: {type(e).__name__}: {e}")
