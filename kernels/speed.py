@@ -15,7 +15,6 @@ slowly than ATen (a reduction or normalization Inductor schedules worse).
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -42,7 +41,7 @@ Timer = Callable[[Any, CallSignature, torch._ops.OpOverload], "Timing"]
 
 @dataclass(frozen=True)
 class Timing:
-    """Median seconds per call of the compiled kernel and of eager."""
+    """Seconds per call of the compiled kernel and of eager."""
 
     kernel_seconds: float
     eager_seconds: float
@@ -88,8 +87,10 @@ def time_against_eager(
     Each side runs on its own copies (an in-place or ``out=`` call writes into
     them, never into the caller's tensors), the same number of times. After a
     few warm-up calls, rounds of each alternate, so that both see the same
-    machine load; the median of each side's rounds is returned. On CUDA a
-    round is timed with CUDA events on the current stream.
+    machine load; each side's fastest round is returned, since other work on
+    the machine only ever adds time (a preempted OpenMP thread adds a whole
+    time slice to a round). On CUDA a round is timed with CUDA events on the
+    current stream.
     """
     kernel_inputs = flat_tensor_inputs(signature, clone_args(signature.args))
     positional, keywords = split_arguments(op, clone_args(signature.args))
@@ -105,8 +106,8 @@ def time_region_against_eager(kernel: Any, inputs: list[torch.Tensor], eager: Ca
 
 def time_both(run_kernel: Callable[[], Any], run_eager: Callable[[], Any], device: torch.device,
               budget: float = BUDGET_SECONDS) -> Timing:
-    """The median seconds per call of ``run_kernel`` and ``run_eager``, in
-    interleaved rounds after a few warm-up calls (see :func:`time_against_eager`)."""
+    """The seconds per call of ``run_kernel`` and ``run_eager`` in their fastest
+    of interleaved rounds after a few warm-up calls (see :func:`time_against_eager`)."""
     with torch.no_grad():
         per_call = max(_seconds_per_call(run_kernel, WARMUP_CALLS, device), _seconds_per_call(run_eager, WARMUP_CALLS, device))
         rounds = min(MAX_ROUNDS, max(MIN_ROUNDS, int(budget / (2 * max(per_call, 1e-9)))))
@@ -117,7 +118,7 @@ def time_both(run_kernel: Callable[[], Any], run_eager: Callable[[], Any], devic
             order = ((run_kernel, kernel_times), (run_eager, eager_times))
             for fn, times in order if i % 2 == 0 else reversed(order):
                 times.append(_seconds_per_call(fn, calls, device))
-    return Timing(statistics.median(kernel_times), statistics.median(eager_times))
+    return Timing(min(kernel_times), min(eager_times))
 
 
 def measured(kernel: Any, signature: Any, op: Any, timer: Timer = time_against_eager) -> Timing:
