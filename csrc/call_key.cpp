@@ -6,6 +6,7 @@
 #include <cstring>
 #include <limits>
 #include <functional>
+#include <string_view>
 
 namespace aoti_eager {
 namespace {
@@ -80,6 +81,49 @@ void CallKeyBuilder::add_double(double value) {
   }
   key_.words.push_back(kDouble);
   key_.words.push_back(double_bits(value));
+}
+
+void CallKeyBuilder::add_bool(bool value) {
+  key_.words.push_back(kBool);
+  key_.words.push_back(value);
+}
+
+void CallKeyBuilder::add_string(std::string_view value) {
+  key_.words.push_back(kString);
+  key_.words.push_back(static_cast<int64_t>(value.size()));
+  key_.words.push_back(static_cast<int64_t>(std::hash<std::string_view>{}(value)));
+}
+
+void CallKeyBuilder::add_none() {
+  key_.words.push_back(kNone);
+}
+
+void CallKeyBuilder::add_int_list_size(size_t size) {
+  key_.words.push_back(kIntList);
+  key_.words.push_back(static_cast<int64_t>(size));
+}
+
+void CallKeyBuilder::add_list_int(int64_t value) {
+  if (runtime_ == nullptr) {
+    key_.words.push_back(value);
+  } else {
+    ++item_;
+    add_int(value);
+  }
+}
+
+bool CallKeyBuilder::add_int_list(c10::SymIntArrayRef list) {
+  // As c10::IValue's constructor from a SymInt[]: an int list unless an item
+  // is symbolic.
+  const std::optional<c10::IntArrayRef> ints = c10::asIntArrayRefSlowOpt(list);
+  if (!ints) {
+    return false;
+  }
+  add_int_list_size(ints->size());
+  for (int64_t i : *ints) {
+    add_list_int(i);
+  }
+  return true;
 }
 
 bool CallKeyBuilder::add_tensor(const at::Tensor& t) {
@@ -182,34 +226,24 @@ bool CallKeyBuilder::add_value(const c10::IValue& v) {
     return add_tensor(v.toTensor());
   }
   if (v.isNone()) {
-    words.push_back(kNone);
+    add_none();
   } else if (v.isInt()) {
     add_int(v.toInt());
   } else if (v.isDouble()) {
     add_double(v.toDouble());
   } else if (v.isBool()) {
-    words.push_back(kBool);
-    words.push_back(v.toBool());
+    add_bool(v.toBool());
   } else if (v.isString()) {
-    const auto& s = v.toStringRef();
-    words.push_back(kString);
-    words.push_back(static_cast<int64_t>(s.size()));
-    words.push_back(static_cast<int64_t>(std::hash<std::string>{}(s)));
+    add_string(v.toStringRef());
   } else if (v.isDevice()) {
     words.push_back(kDevice);
     words.push_back(static_cast<int64_t>(v.toDevice().type()));
     words.push_back(v.toDevice().index());
   } else if (v.isIntList()) {
-    words.push_back(kIntList);
     auto list = v.toIntList();
-    words.push_back(static_cast<int64_t>(list.size()));
+    add_int_list_size(list.size());
     for (int64_t i : list) {
-      if (runtime_ == nullptr) {
-        words.push_back(i);
-      } else {
-        ++item_;
-        add_int(i);
-      }
+      add_list_int(i);
     }
   } else if (v.isDoubleList()) {
     words.push_back(kDoubleList);

@@ -4,10 +4,13 @@
 // compiled kernel was specialized on, read straight off the dispatcher stack.
 
 #include <ATen/core/ivalue.h>
+#include <c10/core/SymIntArrayRef.h>
 #include <c10/util/SmallVector.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
+#include <string_view>
 #include <vector>
 
 namespace aoti_eager {
@@ -85,6 +88,35 @@ class CallKeyBuilder {
   bool add(const c10::Scalar& arg) {
     return next_argument(add_scalar(arg));
   }
+  // The other C++ types of unboxed overrides, each as add_value keys the
+  // IValue the dispatcher boxes it into.
+  bool add(int64_t arg) {
+    add_int(arg);
+    return next_argument(true);
+  }
+  bool add(double arg) {
+    add_double(arg);
+    return next_argument(true);
+  }
+  bool add(bool arg) {
+    add_bool(arg);
+    return next_argument(true);
+  }
+  bool add(std::string_view arg) {
+    add_string(arg);
+    return next_argument(true);
+  }
+  bool add(const std::optional<at::Tensor>& arg) {
+    if (!arg.has_value()) {
+      add_none();
+      return next_argument(true);
+    }
+    return next_argument(add_tensor(*arg));
+  }
+  // An int list where no item is symbolic (else a SymInt list, never keyed).
+  bool add(c10::SymIntArrayRef arg) {
+    return next_argument(add_int_list(arg));
+  }
 
   // Returns false when an op that `mutates` its arguments got two tensors
   // sharing memory (the call then runs the original kernel).
@@ -101,6 +133,13 @@ class CallKeyBuilder {
   bool add_scalar(const c10::Scalar& arg);
   void add_int(int64_t value);
   void add_double(double value);
+  void add_bool(bool value);
+  void add_string(std::string_view value);
+  void add_none();
+  // The size of an int list, then add_list_int of each item.
+  void add_int_list_size(size_t size);
+  void add_list_int(int64_t value);
+  bool add_int_list(c10::SymIntArrayRef list);
   // Whether the number at the current position is one of `runtime_`.
   bool at_runtime_number();
 

@@ -25,6 +25,7 @@ namespace {
 struct Installed {
   std::shared_ptr<OpOverride> override;
   std::unique_ptr<c10::RegistrationHandleRAII> registration;
+  bool unboxed = false;
   std::string name;
   std::string overload;
   c10::DispatchKey dispatch_key;
@@ -33,7 +34,9 @@ struct Installed {
     // The dispatcher warns about replacing a kernel; surface that as a
     // Python warning, which enable() filters (replacing is the point).
     torch::PyWarningHandler warnings;
-    registration = register_override(name, overload, dispatch_key, override);
+    Registration registered = register_override(name, overload, dispatch_key, override);
+    registration = std::move(registered.handle);
+    unboxed = registered.unboxed;
   }
 };
 
@@ -126,7 +129,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             auto handle =
                 c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), overload.c_str());
             auto key = c10::parseDispatchKey(dispatch_key);
-            Installed installed{std::make_shared<OpOverride>(handle, key, token), nullptr, name, overload, key};
+            Installed installed{std::make_shared<OpOverride>(handle, key, token), nullptr, false, name, overload, key};
             installed.install();
             return installed;
           }),
@@ -150,6 +153,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(
           "clear",
           [](Installed& self) { self.override->clear(); })
+      // Whether the dispatcher calls it with the op's C++ arguments (see
+      // register_override), not boxed.
+      .def_property_readonly(
+          "unboxed",
+          [](const Installed& self) { return self.unboxed; })
       .def_property_readonly(
           "num_entries",
           [](const Installed& self) { return self.override->num_entries(); })
@@ -162,6 +170,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             d["hits"] = c.hits.load();
             d["misses"] = c.misses.load();
             d["eager_calls"] = c.eager_calls.load();
+            d["boxed_calls"] = c.boxed_calls.load();
             return d;
           });
 

@@ -23,27 +23,54 @@ thread_local int reentry_depth = 0;
 // object at process exit without the GIL is not safe.
 py::object* miss_handler = nullptr;
 
-// A boxed kernel that hands the call to one of the override's boxed paths:
-// OpOverride::call, the whole of it; OpOverride::run_original, for a call of
-// an unboxed override decided eager.
-template <auto Run>
-class BoxedOverride final : public c10::OperatorKernel {
+// A boxed kernel that hands the whole call to OpOverride::call.
+class WholeBoxedOverride final : public c10::OperatorKernel {
  public:
-  explicit BoxedOverride(std::shared_ptr<OpOverride> override)
+  explicit WholeBoxedOverride(std::shared_ptr<OpOverride> override)
       : override_(std::move(override)) {}
 
   void operator()(
       const c10::OperatorHandle& op,
       c10::DispatchKeySet keys,
       torch::jit::Stack* stack) {
-    (override_.get()->*Run)(op, keys, stack);
+    override_->call(op, keys, stack);
   }
 
  private:
   std::shared_ptr<OpOverride> override_;
 };
 
-using WholeBoxedOverride = BoxedOverride<&OpOverride::call>;
+// c10::SafeKernelFunction (the original kernel, as the dispatcher hands it
+// out) calls its kernel boxed only. Its members, for calling the kernel
+// unboxed: explicit instantiation is the one place where C++ does not check
+// access to the names it is given ([temp.spec.general]).
+template <class Tag, auto Member>
+struct PrivateMember {
+  friend constexpr auto member_of(Tag) {
+    return Member;
+  }
+};
+struct KernelOf {
+  friend constexpr auto member_of(KernelOf);
+};
+struct TokenOf {
+  friend constexpr auto member_of(TokenOf);
+};
+template struct PrivateMember<KernelOf, &c10::SafeKernelFunction::kernel_>;
+template struct PrivateMember<TokenOf, &c10::SafeKernelFunction::token_>;
+
+// Calls `original` unboxed where its kernel has an unboxed function, with
+// the check of SafeKernelFunction::callBoxed (the kernel still registered).
+template <class Return, class... Args>
+Return call_unboxed(
+    const c10::SafeKernelFunction& original,
+    const c10::OperatorHandle& op,
+    c10::DispatchKeySet keys,
+    Args... args) {
+  const auto& token = original.*member_of(TokenOf{});
+  TORCH_CHECK(token && token->isValid(), "aoti_eager: the original kernel of ", op.operator_name(), " is gone");
+  return (original.*member_of(KernelOf{})).template call<Return, Args...>(op, keys, std::forward<Args>(args)...);
+}
 
 // Like torch::jit::toPyObject, but with the enums that the dispatcher stack
 // carries as plain ints (dtype, layout, memory format) turned back into their
@@ -592,7 +619,8 @@ void OpOverride::clear() {
 }
 
 void OpOverride::reset_counters() {
-  for (auto* counter : {&counters_.hits, &counters_.other_calls, &counters_.misses, &counters_.eager_calls}) {
+  for (auto* counter :
+       {&counters_.hits, &counters_.other_calls, &counters_.misses, &counters_.eager_calls, &counters_.boxed_calls}) {
     counter->store(0);
   }
 }
@@ -617,9 +645,7 @@ class UnboxedOverride<Return(Args...)> final : public c10::OperatorKernel {
  public:
   explicit UnboxedOverride(std::shared_ptr<OpOverride> override)
       : override_(std::move(override)),
-        boxed_(c10::BoxedKernel::makeFromFunctor(std::make_unique<WholeBoxedOverride>(override_))),
-        original_(c10::BoxedKernel::makeFromFunctor(
-            std::make_unique<BoxedOverride<&OpOverride::run_original>>(override_))) {}
+        boxed_(c10::BoxedKernel::makeFromFunctor(std::make_unique<WholeBoxedOverride>(override_))) {}
 
   Return operator()(c10::DispatchKeySet keys, Args... args) {
     OpOverride& o = *override_;
@@ -629,34 +655,62 @@ class UnboxedOverride<Return(Args...)> final : public c10::OperatorKernel {
     const bool keyed = depth == 0 && o.compute_key(add_arguments, key);
     std::optional<OpOverride::Decision> decision = keyed ? o.find(key, add_arguments) : std::nullopt;
     if (!decision) {
-      return boxed(boxed_, keys, args...);
+      if (depth == 0) {
+        o.counters_.boxed_calls.fetch_add(1, std::memory_order_relaxed);
+      }
+      return boxed(keys, args...);
     }
     if (!decision->kernel) {
       o.counters_.other_calls.fetch_add(1, std::memory_order_relaxed);
-      return boxed(original_, keys, args...);
+      return original(keys, depth, args...);
     }
-    o.counters_.hits.fetch_add(1, std::memory_order_relaxed);
     const CompiledKernel& kernel = *decision->kernel;
     if (kernel.runtime_numbers().empty()) {
+      o.counters_.hits.fetch_add(1, std::memory_order_relaxed);
       return run(kernel, depth, args...);
     }
+    if (!whole_arguments(kernel.runtime_numbers())) {
+      o.counters_.boxed_calls.fetch_add(1, std::memory_order_relaxed);
+      return boxed(keys, args...);
+    }
+    o.counters_.hits.fetch_add(1, std::memory_order_relaxed);
     try {
       return run(kernel, depth, args...);
     } catch (const std::exception&) {
       // A runtime number the kernel refuses (see OpOverride::call).
-      return boxed(original_, keys, args...);
+      return original(keys, depth, args...);
     }
   }
 
  private:
-  Return boxed(const c10::BoxedKernel& kernel, c10::DispatchKeySet keys, Args... args) {
+  Return boxed(c10::DispatchKeySet keys, Args... args) {
     return c10::impl::BoxedKernelWrapper<Return(Args...)>::call(
-        kernel, override_->op_, keys, std::forward<Args>(args)...);
+        boxed_, override_->op_, keys, std::forward<Args>(args)...);
   }
 
-  // OpOverride::run_kernel, from the C++ arguments. The signatures overridden
-  // unboxed (register_override) take no lists: every runtime number is a
-  // whole argument.
+  // OpOverride::run_original, without boxing the arguments: the original
+  // kernel's unboxed function where it has one.
+  Return original(c10::DispatchKeySet keys, int& depth, Args... args) {
+    OpOverride& o = *override_;
+    o.counters_.eager_calls.fetch_add(1, std::memory_order_relaxed);
+    ReentryGuard guard(depth);
+    return call_unboxed<Return, Args...>(o.original_, o.op_, keys, std::forward<Args>(args)...);
+  }
+
+  // Whether each of a kernel's runtime numbers is a whole argument, as run()
+  // reads them; one that is an item of a list takes the boxed path.
+  static bool whole_arguments(const RuntimeNumbers& runtime) {
+    return std::all_of(runtime.begin(), runtime.end(), [](const RuntimeNumber& r) { return r.item < 0; });
+  }
+
+  // The C++ types whose values a kernel may take at run time (CallKeyBuilder
+  // leaves them out of the key): a wrapped number's tensor, a Scalar, an int, a double.
+  template <class T>
+  static constexpr bool may_be_runtime_number = std::is_same_v<T, at::Tensor> ||
+      std::is_same_v<T, std::optional<at::Tensor>> || std::is_same_v<T, c10::Scalar> ||
+      std::is_same_v<T, int64_t> || std::is_same_v<T, double>;
+
+  // OpOverride::run_kernel, from the C++ arguments.
   Return run(const CompiledKernel& kernel, int& depth, Args... args) {
     ReentryGuard guard(depth);
     KernelInputs inputs;
@@ -666,20 +720,38 @@ class UnboxedOverride<Return(Args...)> final : public c10::OperatorKernel {
     size_t numbers = 0;
     auto* slots = runtime == runtime_end ? nullptr : &runtime_number_slots(kernel.runtime_numbers().size());
     auto add_input = [&](const auto& arg) {
-      if (runtime != runtime_end && runtime->argument == position++) {
-        ++runtime;
-        inputs.push_back(&runtime_number(c10::IValue(arg), (*slots)[numbers++]));
-      } else if constexpr (std::is_same_v<std::decay_t<decltype(arg)>, at::Tensor>) {
+      using T = std::decay_t<decltype(arg)>;
+      const bool is_runtime = runtime != runtime_end && runtime->argument == position++;
+      if constexpr (may_be_runtime_number<T>) {
+        if (is_runtime) {
+          ++runtime;
+          inputs.push_back(&runtime_number(c10::IValue(arg), (*slots)[numbers++]));
+          return;
+        }
+      }
+      if constexpr (std::is_same_v<T, at::Tensor>) {
         add_kernel_input(arg, inputs);
+      } else if constexpr (std::is_same_v<T, std::optional<at::Tensor>>) {
+        if (arg.has_value()) {
+          add_kernel_input(*arg, inputs);
+        }
       }
     };
     (add_input(args), ...);
     CompiledKernel::Outputs outputs;
     kernel.run(inputs, outputs);
+    return results(outputs, args...);
+  }
+
+  // The call's return: the kernel's outputs in order, or for in-place and
+  // out= ops the argument they wrote into.
+  Return results(CompiledKernel::Outputs& outputs, Args... args) {
     if constexpr (std::is_same_v<Return, at::Tensor>) {
       return std::move(outputs[0]);
+    } else if constexpr (std::is_same_v<Return, std::tuple<at::Tensor, at::Tensor, at::Tensor>>) {
+      return Return(std::move(outputs[0]), std::move(outputs[1]), std::move(outputs[2]));
     } else {
-      // In-place and out= ops hand back the argument they wrote into.
+      static_assert(std::is_same_v<Return, at::Tensor&>);
       const int64_t alias = override_->return_aliases_[0];
       at::Tensor* written = nullptr;
       int64_t i = 0;
@@ -699,40 +771,71 @@ class UnboxedOverride<Return(Args...)> final : public c10::OperatorKernel {
 
   std::shared_ptr<OpOverride> override_;
   c10::BoxedKernel boxed_;
-  c10::BoxedKernel original_;
 };
 
 namespace {
 
 // Whether the dispatcher passes a schema argument (or return) as `T`, as
 // PyTorch's code generator declares it: a tensor it writes as `at::Tensor&`.
+// The real type tells SymInt[] (c10::SymIntArrayRef) from int[].
 template <class T>
 bool passed_as(const c10::Argument& argument) {
-  const bool tensor = argument.type()->kind() == c10::TypeKind::TensorType;
+  const c10::TypePtr& type = argument.real_type();
+  const bool tensor = type->kind() == c10::TypeKind::TensorType;
   const bool written = argument.alias_info() != nullptr && argument.alias_info()->isWrite();
   if constexpr (std::is_same_v<T, at::Tensor&>) {
     return tensor && written;
   } else if constexpr (std::is_same_v<T, at::Tensor> || std::is_same_v<T, const at::Tensor&>) {
     return tensor && !written;
+  } else if constexpr (std::is_same_v<T, const std::optional<at::Tensor>&>) {
+    auto optional = type->cast<c10::OptionalType>();
+    return optional && optional->getElementType()->kind() == c10::TypeKind::TensorType && !written;
+  } else if constexpr (std::is_same_v<T, c10::SymIntArrayRef>) {
+    auto list = type->cast<c10::ListType>();
+    return list && list->getElementType()->kind() == c10::TypeKind::SymIntType;
+  } else if constexpr (std::is_same_v<T, const c10::Scalar&>) {
+    return type->kind() == c10::TypeKind::NumberType;
+  } else if constexpr (std::is_same_v<T, c10::string_view>) {
+    return type->kind() == c10::TypeKind::StringType;
+  } else if constexpr (std::is_same_v<T, double>) {
+    return type->kind() == c10::TypeKind::FloatType;
+  } else if constexpr (std::is_same_v<T, int64_t>) {
+    return type->kind() == c10::TypeKind::IntType;
   } else {
-    static_assert(std::is_same_v<T, const c10::Scalar&>);
-    return argument.type()->kind() == c10::TypeKind::NumberType;
+    static_assert(std::is_same_v<T, bool>);
+    return type->kind() == c10::TypeKind::BoolType;
   }
 }
 
+// Whether the schema's returns are `Return`: one value, or a tuple's items.
+template <class Return>
+struct ReturnedAs {
+  static bool matches(const std::vector<c10::Argument>& returns) {
+    return returns.size() == 1 && passed_as<Return>(returns[0]);
+  }
+};
+template <class... Items>
+struct ReturnedAs<std::tuple<Items...>> {
+  static bool matches(const std::vector<c10::Argument>& returns) {
+    size_t i = 0;
+    return returns.size() == sizeof...(Items) && (passed_as<Items>(returns[i++]) && ...);
+  }
+};
+
 template <class Return, class... Args>
 bool has_signature(const c10::FunctionSchema& schema, Return (*)(Args...)) {
-  if (schema.returns().size() != 1 || schema.arguments().size() != sizeof...(Args)) {
+  if (schema.arguments().size() != sizeof...(Args)) {
     return false;
   }
   size_t i = 0;
-  return passed_as<Return>(schema.returns()[0]) && (passed_as<Args>(schema.arguments()[i++]) && ...);
+  return ReturnedAs<Return>::matches(schema.returns()) && (passed_as<Args>(schema.arguments()[i++]) && ...);
 }
 
 // The unboxed kernel for the first of `FuncTypes` that is the op's C++
 // signature, with that signature; else the boxed one. The signatures of
 // unary, binary and alpha-scaled pointwise ops and their in-place and out=
-// forms: the tiny calls whose time the boxing shows in.
+// forms, and of the ops of a transformer layer (addmm, gelu, layer norm,
+// softmax): the small calls whose time the boxing shows in.
 template <class FuncType, class... FuncTypes>
 c10::KernelFunction override_kernel(
     const c10::FunctionSchema& schema,
@@ -755,7 +858,7 @@ using Scalar = c10::Scalar;
 
 } // namespace
 
-std::unique_ptr<c10::RegistrationHandleRAII> register_override(
+Registration register_override(
     const std::string& op_name,
     const std::string& overload_name,
     c10::DispatchKey dispatch_key,
@@ -775,25 +878,39 @@ std::unique_ptr<c10::RegistrationHandleRAII> register_override(
       Tensor&(Tensor&, const Tensor&, const Scalar&),
       Tensor&(const Tensor&, Tensor&),
       Tensor&(const Tensor&, const Tensor&, Tensor&),
-      Tensor&(const Tensor&, const Tensor&, const Scalar&, Tensor&)>(schema, override, signature);
+      Tensor&(const Tensor&, const Tensor&, const Scalar&, Tensor&),
+      Tensor(const Tensor&, const Tensor&, const Tensor&, const Scalar&, const Scalar&),
+      Tensor&(Tensor&, const Tensor&, const Tensor&, const Scalar&, const Scalar&),
+      Tensor&(const Tensor&, const Tensor&, const Tensor&, const Scalar&, const Scalar&, Tensor&),
+      Tensor(const Tensor&, c10::string_view),
+      Tensor&(Tensor&, c10::string_view),
+      Tensor&(const Tensor&, c10::string_view, Tensor&),
+      Tensor(const Tensor&, int64_t, bool),
+      std::tuple<Tensor, Tensor, Tensor>(
+          const Tensor&, c10::SymIntArrayRef, const std::optional<Tensor>&, const std::optional<Tensor>&, double)>(
+      schema, override, signature);
   const std::string debug = "aoti_eager override of " + c10::toString(name);
   if (signature) {
     try {
-      return std::make_unique<c10::RegistrationHandleRAII>(
-          dispatcher.registerImpl(name, dispatch_key, std::move(kernel), signature, nullptr, debug));
+      return {
+          std::make_unique<c10::RegistrationHandleRAII>(
+              dispatcher.registerImpl(name, dispatch_key, std::move(kernel), signature, nullptr, debug)),
+          /*unboxed=*/true};
     } catch (const c10::Error&) {
       // The dispatcher checks the C++ signature against the op's own. Those
       // that write a const Tensor& (resize_, the in-place views) are never
       // overridden; any other op declared otherwise is registered boxed.
     }
   }
-  return std::make_unique<c10::RegistrationHandleRAII>(dispatcher.registerImpl(
-      name,
-      dispatch_key,
-      c10::KernelFunction::makeFromBoxedFunctor(std::make_unique<WholeBoxedOverride>(std::move(override))),
-      std::nullopt,
-      nullptr,
-      debug));
+  return {
+      std::make_unique<c10::RegistrationHandleRAII>(dispatcher.registerImpl(
+          name,
+          dispatch_key,
+          c10::KernelFunction::makeFromBoxedFunctor(std::make_unique<WholeBoxedOverride>(std::move(override))),
+          std::nullopt,
+          nullptr,
+          debug)),
+      /*unboxed=*/false};
 }
 
 } // namespace aoti_eager

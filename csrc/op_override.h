@@ -42,6 +42,9 @@ struct Counters {
   std::atomic<uint64_t> other_calls{0};
   std::atomic<uint64_t> misses{0};
   std::atomic<uint64_t> eager_calls{0};
+  // Calls of an unboxed override (from outside aoti_eager) that took the
+  // boxed path: its misses, and calls it could not key or serve unboxed.
+  std::atomic<uint64_t> boxed_calls{0};
 
   uint64_t calls() const {
     return hits.load() + other_calls.load();
@@ -199,9 +202,13 @@ class OpOverride : public std::enable_shared_from_this<OpOverride> {
 // an argument's index, or an (argument, item) pair for an item of a list.
 RuntimeNumbers runtime_numbers(const pybind11::iterable& positions);
 
-// Registers `override` as the kernel of its op at `dispatch_key`; dropping the
-// handle restores the original kernel.
-std::unique_ptr<c10::RegistrationHandleRAII> register_override(
+struct Registration {
+  std::unique_ptr<c10::RegistrationHandleRAII> handle; // dropping it restores the original kernel
+  bool unboxed; // registered with the op's C++ signature, not boxed
+};
+
+// Registers `override` as the kernel of its op at `dispatch_key`.
+Registration register_override(
     const std::string& op_name,
     const std::string& overload_name,
     c10::DispatchKey dispatch_key,
