@@ -388,15 +388,24 @@ def _with(values: tuple[Any, ...], position: Position, new: Any) -> tuple[Any, .
 _RUNTIME_NUMBER_DEVICES = ("cpu", "cuda")
 
 
+# Scalars whose value picks the computation, not a value in it: Inductor
+# lowers ``x ** 3.0`` to two multiplies and an ``ord=2`` norm to a square root
+# of a sum, where a number read at run time takes the general power.
+_SELECTS_COMPUTATION = frozenset({"exponent", "ord", "p"})
+
+
 def _takes_runtime_number(argument: torch._C.Argument) -> bool:
     """Whether a float given for ``argument`` can be a kernel input instead of a
     constant: a ``Scalar`` that scales values (``alpha``, ``min``,
-    ``negative_slope``) and never shapes the output. Tensor arguments receive
+    ``negative_slope``) and never shapes the output, nor picks the computation
+    (an exponent, a norm's order). Tensor arguments receive
     Python numbers as wrapped numbers. Not a ``float`` (``eps``): export hands
     the op the number read at run time, a SymFloat, which a ``float`` argument
     refuses, so each try failed and queued the call again with its number
     compiled in (native_layer_norm: a second round of compiles in every
     transformer's first forward)."""
+    if argument.name in _SELECTS_COMPUTATION:
+        return False
     declared = argument.type
     if isinstance(declared, torch._C.OptionalType):
         declared = declared.getElementType()
@@ -406,7 +415,10 @@ def _takes_runtime_number(argument: torch._C.Argument) -> bool:
 def _takes_runtime_numbers(argument: torch._C.Argument) -> bool:
     """Whether the floats of a list given for ``argument`` can be kernel
     inputs: a ``Scalar[]`` (the scalars of ``_foreach_div_.ScalarList``,
-    which an optimizer gives new values each step). Its length stays in the key."""
+    which an optimizer gives new values each step), unless they pick the
+    computation (``_foreach_pow``'s exponents). Its length stays in the key."""
+    if argument.name in _SELECTS_COMPUTATION:
+        return False
     declared = argument.type
     if isinstance(declared, torch._C.OptionalType):
         declared = declared.getElementType()

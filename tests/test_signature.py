@@ -168,6 +168,15 @@ def test_a_float_argument_is_compiled_in_a_scalar_one_is_not():
     assert layer_norm.runtime_arguments == [] and leaky_relu.runtime_arguments == [1]
 
 
+def test_a_number_that_picks_the_computation_is_compiled_in():
+    """x ** 3.0 is two multiplies only with its exponent compiled in."""
+    x = zeros(2, 8)
+    assert signature(A.pow.Tensor_Scalar, x, 3.0).runtime_arguments == []
+    assert signature(A.linalg_vector_norm.default, x, 2.0).runtime_arguments == []
+    assert signature(A._foreach_pow.ScalarList, [x, x], [2.0, 3.0]).runtime_arguments == []
+    assert signature(A.clamp.default, x, 0.5).runtime_arguments == [1]
+
+
 def test_other_numbers_change_the_values_not_the_key():
     call = signature(A.add.Tensor, zeros(4), zeros(4), 0.5)
     other = call.with_other_numbers()
