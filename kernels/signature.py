@@ -397,15 +397,12 @@ _SELECTS_COMPUTATION = frozenset({"exponent", "ord", "p"})
 def _takes_runtime_number(argument: torch._C.Argument) -> bool:
     """Whether a float given for ``argument`` can be a kernel input instead of a
     constant: a ``Scalar`` that scales values (``alpha``, ``min``,
-    ``negative_slope``) and never shapes the output, nor picks the computation
-    (an exponent, a norm's order). Tensor arguments receive
+    ``negative_slope``) and never shapes the output. Tensor arguments receive
     Python numbers as wrapped numbers. Not a ``float`` (``eps``): export hands
     the op the number read at run time, a SymFloat, which a ``float`` argument
     refuses, so each try failed and queued the call again with its number
     compiled in (native_layer_norm: a second round of compiles in every
     transformer's first forward)."""
-    if argument.name in _SELECTS_COMPUTATION:
-        return False
     declared = argument.type
     if isinstance(declared, torch._C.OptionalType):
         declared = declared.getElementType()
@@ -415,10 +412,7 @@ def _takes_runtime_number(argument: torch._C.Argument) -> bool:
 def _takes_runtime_numbers(argument: torch._C.Argument) -> bool:
     """Whether the floats of a list given for ``argument`` can be kernel
     inputs: a ``Scalar[]`` (the scalars of ``_foreach_div_.ScalarList``,
-    which an optimizer gives new values each step), unless they pick the
-    computation (``_foreach_pow``'s exponents). Its length stays in the key."""
-    if argument.name in _SELECTS_COMPUTATION:
-        return False
+    which an optimizer gives new values each step). Its length stays in the key."""
     declared = argument.type
     if isinstance(declared, torch._C.OptionalType):
         declared = declared.getElementType()
@@ -427,7 +421,11 @@ def _takes_runtime_numbers(argument: torch._C.Argument) -> bool:
 
 def _as_runtime_numbers(argument: torch._C.Argument, described: Arg) -> Arg:
     """``described`` with the floats that a kernel may take as inputs (see
-    :func:`_takes_runtime_number`, :func:`_takes_runtime_numbers`) as runtime numbers."""
+    :func:`_takes_runtime_number`, :func:`_takes_runtime_numbers`) as runtime
+    numbers, unless they pick the computation (an exponent, a norm's order,
+    ``_foreach_pow``'s exponents)."""
+    if argument.name in _SELECTS_COMPUTATION:
+        return described
     runtime = lambda d: RuntimeNumberArg(d) if isinstance(d, NumberArg) and d.can_be_runtime else d  # noqa: E731
     if isinstance(described, NumberArg) and _takes_runtime_number(argument):
         return runtime(described)
