@@ -665,15 +665,14 @@ class UnboxedOverride<Return(Args...)> final : public c10::OperatorKernel {
       return original(keys, depth, args...);
     }
     const CompiledKernel& kernel = *decision->kernel;
-    if (kernel.runtime_numbers().empty()) {
-      o.counters_.hits.fetch_add(1, std::memory_order_relaxed);
-      return run(kernel, depth, args...);
-    }
     if (!whole_arguments(kernel.runtime_numbers())) {
       o.counters_.boxed_calls.fetch_add(1, std::memory_order_relaxed);
       return boxed(keys, args...);
     }
     o.counters_.hits.fetch_add(1, std::memory_order_relaxed);
+    if (kernel.runtime_numbers().empty()) {
+      return run(kernel, depth, args...);
+    }
     try {
       return run(kernel, depth, args...);
     } catch (const std::exception&) {
