@@ -20,6 +20,7 @@ result under the op name ``region::<module>.<class>``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import inspect
@@ -218,13 +219,12 @@ class RegionRequest:
     dynamic = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"region": self.region, "structure": self.structure, "device": self.device, "key": self.key,
-                "signature": self.signature, "spec": self.spec, "default_dtype": self.default_dtype}
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> "RegionRequest":
         """The request :meth:`to_json` gave. Raises KeyError, TypeError or ValueError for data that is not one."""
-        fields = {"region", "structure", "device", "key", "signature", "spec", "default_dtype"}
+        fields = {f.name for f in dataclasses.fields(cls)}
         if set(data) != fields:
             raise ValueError(f"a region line has the fields {sorted(fields)}, not {sorted(data)}")
         if not isinstance(data["signature"], list) or not all(isinstance(v, str) for k, v in data.items() if k != "signature"):
