@@ -45,10 +45,12 @@ from aoti_eager.kernels.toolchain import cpp_compiler, linker
 # CPU: a loop is split across threads only above ATen's grain size (as eager
 # does), so that a small op does not pay for an OpenMP fork and join.
 # CUDA: the library carries its kernels' binaries, as it is moved into the cache,
-# and its outputs have eager's strides (no padding for alignment).
+# and its outputs have eager's strides (no padding for alignment). A matmul that
+# autotunes (kernels/matmul.py) chooses among Triton kernels only: cuBLAS is eager's.
 _INDUCTOR_OPTIONS: dict[str, dict[str, Any]] = {
     "cpu": {"cpp.min_chunk_size": 32768},
-    "cuda": {"aot_inductor.embed_kernel_binary": True, "shape_padding": False, "comprehensive_padding": False},
+    "cuda": {"aot_inductor.embed_kernel_binary": True, "shape_padding": False, "comprehensive_padding": False,
+             "max_autotune_gemm_backends": "TRITON"},
 }
 
 

@@ -46,8 +46,9 @@ from torch.utils import _pytree as pytree
 
 from aoti_eager.kernels.compile import call_op
 from aoti_eager.kernels.examples import example_tensor
+from aoti_eager.kernels.matmul import fixed_dims
 from aoti_eager.kernels.signature import (
-    CallSignature, ListArg, TensorArg, argument_from_json, clone_exact, kernel_inputs, _digest, _key_form,
+    CallSignature, ListArg, TensorArg, argument_from_json, clone_exact, kernel_inputs, tensor_args, _digest, _key_form,
     _without_number_value,
 )
 
@@ -60,11 +61,6 @@ UNBOUNDED = 2**63 - 1
 
 class NotDynamic(Exception):
     """The exported program does not give the dims as plain symbols."""
-
-
-def tensor_args(signature: CallSignature) -> list[TensorArg]:
-    """The call's tensor arguments in the order the C++ key meets them (lists included)."""
-    return [d for _, d in kernel_inputs(signature.args, signature.described) if isinstance(d, TensorArg)]
 
 
 def layout_order(sizes: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, ...]:
@@ -107,8 +103,14 @@ def _form(described: Any, dims: Iterator[tuple[int, ...]] | None, numbers: bool 
 
 def family_key(signature: CallSignature) -> str:
     """What calls of one shape family share: everything but tensor sizes and
-    strides (of these, only the order of dims in memory)."""
-    return _digest([str(signature.op._schema), [_form(d, None) for d in signature.described]])
+    strides (of these, only the order of dims in memory), and the sizes its
+    kernels compile in (kernels/matmul.py)."""
+    form = [str(signature.op._schema), [_form(d, None) for d in signature.described]]
+    fixed = fixed_dims(signature)
+    if fixed:
+        tensors = tensor_args(signature)
+        form.append(sorted([i, d, tensors[i].sizes[d]] for i, d in fixed))
+    return _digest(form)
 
 
 def family_limit_key(signature: CallSignature) -> str:
@@ -153,7 +155,13 @@ def changed_dims(signature: CallSignature, seen: list[list[tuple[int, ...]]]) ->
     """For each tensor argument, the dims whose size differs from one of the
     ``seen`` calls of its family (each a list of its tensors' sizes) and is at
     least 2 here: export specializes 0 and 1."""
-    return changed_sizes([t.sizes for t in tensor_args(signature)], seen)
+    return _movable(signature, changed_sizes([t.sizes for t in tensor_args(signature)], seen))
+
+
+def _movable(signature: CallSignature, dims: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, ...], ...]:
+    """``dims`` without those ``signature``'s kernels compile in (kernels/matmul.py)."""
+    fixed = fixed_dims(signature)
+    return tuple(tuple(d for d in ds if (i, d) not in fixed) for i, ds in enumerate(dims))
 
 
 def changed_sizes(mine: list[tuple[int, ...]], seen: list[list[tuple[int, ...]]]) -> tuple[tuple[int, ...], ...]:
@@ -210,8 +218,9 @@ class ShapeFamily:
     @classmethod
     def general_for(cls, signature: CallSignature) -> "ShapeFamily":
         """The general kernel for calls like ``signature`` (not yet compiled):
-        every dim dynamic but a dim of size 1 that broadcasts (tried on meta
-        tensors): the op refuses it at 2, or gives the same shapes at 2. A
+        every dim dynamic but those its kernels compile in and a dim of size 1
+        that broadcasts (tried on meta tensors): the op refuses it at 2, or
+        gives the same shapes at 2. A
         kernel traced with it at 2 would add elementwise where the call
         broadcasts, and its guards refuse the call (BERT's embeddings: each
         such add cost a second compile, on the critical path of its first
@@ -221,7 +230,10 @@ class ShapeFamily:
         kept = set(ones)
         if ones and (shapes := _shapes_on_meta(signature, {})) is not None:
             kept = {one for one in ones if _shapes_on_meta(signature, {one: 2}) in (None, shapes)}
-        return cls(tuple(tuple(d for d in range(len(t.sizes)) if (i, d) not in kept) for i, t in enumerate(tensors)), general=True)
+        dims = tuple(tuple(d for d in range(len(t.sizes)) if (i, d) not in kept) for i, t in enumerate(tensors))
+        movable = _movable(signature, dims)
+        # With sizes compiled in, strides are the call's too: no padded example.
+        return cls(movable, general=movable == dims)
 
     @property
     def dim_bits(self) -> list[int]:

@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 
 from aoti_eager import settings
 from aoti_eager.cache.entry_store import Entry, EntryStore
-from aoti_eager.kernels import quiet
+from aoti_eager.kernels import matmul, quiet
 from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily
 from aoti_eager.kernels.compile import Artifact, CompileError, call_op, compile_call, compile_options, sidecar_files
 from aoti_eager.kernels.seam import Seam
@@ -199,7 +199,8 @@ def _compile(
     ``family`` with the guards it was compiled with. Raises CompileError or
     NotDynamic."""
     artifact = compiler.compile(
-        example, expected, compile_options(signature.device.type), shared_dir=store.shared_directory(),
+        example, expected, {**compile_options(signature.device.type), **matmul.inductor_options(signature)},
+        shared_dir=store.shared_directory(),
         vec_isas=usable_vec_isas(), dynamic_shapes=family.export_shapes(example) if family else None,
     )
     if family is None:

@@ -339,6 +339,11 @@ def kernel_inputs(args: Sequence[Any], described: Sequence[Arg]) -> Iterator[tup
             yield from kernel_inputs(value, d.items)
 
 
+def tensor_args(signature: "CallSignature") -> list[TensorArg]:
+    """The call's tensor arguments in the order the C++ key meets them (lists included)."""
+    return [d for _, d in kernel_inputs(signature.args, signature.described) if isinstance(d, TensorArg)]
+
+
 # Where an int is in a call: an argument's index, or (an int list argument's
 # index, the item's index).
 Position = Union[int, tuple[int, int]]
