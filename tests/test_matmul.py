@@ -8,9 +8,10 @@ import dataclasses
 
 import pytest
 import torch
+from test_planner import compiled
 
 from aoti_eager._planner import Planner
-from aoti_eager.kernels import CallSignature, CompileRequest
+from aoti_eager.kernels import CallSignature
 from aoti_eager.kernels.dynamic import ShapeFamily, family_key
 from aoti_eager.kernels.matmul import fixed_dims, inductor_options, is_template_matmul
 from aoti_eager.kernels.signature import TensorArg
@@ -31,13 +32,6 @@ def on_cuda(op: torch._ops.OpOverload, *args) -> CallSignature:
 def linear(rows: int, inner: int = 64, columns: int = 32, dtype: torch.dtype = torch.bfloat16) -> CallSignature:
     bias, x, weight = torch.randn(columns, dtype=dtype), torch.randn(rows, inner, dtype=dtype), torch.randn(inner, columns, dtype=dtype)
     return on_cuda(A.addmm.default, bias, x, weight)
-
-
-def compiled(planner: Planner, signature: CallSignature) -> CompileRequest:
-    request = planner.to_compile(signature)
-    assert isinstance(request, CompileRequest), request
-    planner.compiled(signature, None, kernel=True)
-    return request
 
 
 def test_16_bit_cuda_matmuls_compile_as_autotuned_triton_templates():
