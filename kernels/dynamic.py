@@ -105,12 +105,15 @@ def family_key(signature: CallSignature) -> str:
     """What calls of one shape family share: everything but tensor sizes and
     strides (of these, only the order of dims in memory), and the sizes its
     kernels compile in (kernels/matmul.py)."""
-    form = [str(signature.op._schema), [_form(d, None) for d in signature.described]]
+    return _digest([str(signature.op._schema), [_form(d, None) for d in signature.described], *_fixed_sizes(signature)])
+
+
+def _fixed_sizes(signature: CallSignature) -> list[list[list[int]]]:
+    """The sizes ``signature``'s kernels compile in (kernels/matmul.py), as
+    ``[tensor, dim, size]`` in a list of its own; no list where there are none."""
     fixed = fixed_dims(signature)
-    if fixed:
-        tensors = tensor_args(signature)
-        form.append(sorted([i, d, tensors[i].sizes[d]] for i, d in fixed))
-    return _digest(form)
+    tensors = tensor_args(signature)
+    return [sorted([i, d, tensors[i].sizes[d]] for i, d in fixed)] if fixed else []
 
 
 def family_limit_key(signature: CallSignature) -> str:
@@ -133,10 +136,11 @@ def ints_key(signature: CallSignature) -> str:
 
 
 def kinds_key(signature: CallSignature) -> str:
-    """The op and each tensor argument's dtype and rank: what calls of
-    several shape families share, whose kernels may be alike (a model's
-    embeddings with and without ``padding_idx``, a tensor and its slice)."""
-    return _digest([str(signature.op._schema), [[t.dtype, len(t.sizes)] for t in tensor_args(signature)]])
+    """The op and each tensor argument's dtype and rank, and the sizes its
+    kernels compile in: what calls of several shape families share, whose
+    kernels may be alike (a model's embeddings with and without
+    ``padding_idx``, a tensor and its slice)."""
+    return _digest([str(signature.op._schema), [[t.dtype, len(t.sizes)] for t in tensor_args(signature)], *_fixed_sizes(signature)])
 
 
 def tensor_sizes(signature: list[dict[str, Any]]) -> list[tuple[int, ...]]:

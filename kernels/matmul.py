@@ -13,8 +13,8 @@ match without TF32.
 A template's tiles are chosen for its reduction and column sizes, and a
 kernel of those at run time is several times slower than one tuned for
 them. So they stay compiled in: they are part of the call's shape family
-(kernels/dynamic.py), and a dynamic kernel takes only rows, and a ``bmm``'s
-batch, at any size.
+(kernels/dynamic.py), whose first kernel is static, and a dynamic kernel
+takes only rows, and a ``bmm``'s batch, at any size.
 
 Example::
 
