@@ -224,11 +224,10 @@ class ShapeFamily:
         """The general kernel for calls like ``signature`` (not yet compiled):
         every dim dynamic but those its kernels compile in and a dim of size 1
         that broadcasts (tried on meta tensors): the op refuses it at 2, or
-        gives the same shapes at 2. A
-        kernel traced with it at 2 would add elementwise where the call
-        broadcasts, and its guards refuse the call (BERT's embeddings: each
-        such add cost a second compile, on the critical path of its first
-        forward's background compiles)."""
+        gives the same shapes at 2. A kernel traced with it at 2 would add
+        elementwise where the call broadcasts, and its guards refuse the call
+        (BERT's embeddings: each such add cost a second compile, on the
+        critical path of its first forward's background compiles)."""
         tensors = tensor_args(signature)
         ones = [(i, d) for i, t in enumerate(tensors) for d, n in enumerate(t.sizes) if n == 1]
         kept = set(ones)
