@@ -215,9 +215,10 @@ class ShapeFamily:
 
     @classmethod
     def any_shape(cls, signature: CallSignature) -> "ShapeFamily":
-        """Every dim of every tensor dynamic, unguarded: the whole family of
-        ``signature``, for a decision that holds for all of it."""
-        return cls(tuple(tuple(range(len(t.sizes))) for t in tensor_args(signature)))
+        """Every dim of every tensor dynamic but those its family fixes,
+        unguarded: the whole family of ``signature``, for a decision that
+        holds for all of it."""
+        return cls(_movable(signature, tuple(tuple(range(len(t.sizes))) for t in tensor_args(signature))))
 
     @classmethod
     def general_for(cls, signature: CallSignature) -> "ShapeFamily":

@@ -76,6 +76,11 @@ def test_another_weights_first_kernel_is_static():
     assert compiled(planner, linear(8, inner=128)).family is None
 
 
+def test_a_verdict_for_a_whole_family_leaves_other_weights_alone():
+    assert ShapeFamily.any_shape(linear(8)) == ShapeFamily(((), (0,), ()))
+    assert ShapeFamily.any_shape(linear(8, dtype=torch.float32)) == ShapeFamily(((0,), (0, 1), (0, 1)))
+
+
 def test_a_bmm_takes_its_batch_and_rows_at_any_size():
     x, w = torch.randn(2, 4, 16, dtype=torch.bfloat16), torch.randn(2, 16, 8, dtype=torch.bfloat16)
     call = on_cuda(A.bmm.default, x, w)
