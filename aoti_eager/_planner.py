@@ -17,7 +17,8 @@ The policy, in the order a miss meets it:
   family starts a new family with a general kernel.
 - Limits: past ``max_value_variants`` compiles for new values of a call's
   numbers, further values run eagerly; past ``max_shape_compiles`` compiles
-  for a family, its further shapes do.
+  for a family, its further shapes do; past ``max_matmul_sizes`` families of
+  a template matmul's sizes (kernels/matmul.py), further sizes do.
 - Speed: a dynamic kernel is judged against eager once in each range of
   sizes (:meth:`ShapeFamily.size_range`), and eager kept where it is faster.
 """
@@ -32,6 +33,7 @@ from aoti_eager import settings
 from aoti_eager._decisions import Decision, RunEagerly, UseKernel
 from aoti_eager.kernels import CallSignature, CompileRequest
 from aoti_eager.kernels.dynamic import ShapeFamily, changed_dims, family_key, family_limit_key, ints_key, kinds_key, tensor_args
+from aoti_eager.kernels.matmul import fixed_dims
 from aoti_eager.kernels.signature import Position, qualified_name
 
 
@@ -137,6 +139,8 @@ class Planner:
     compiled_kinds: set[tuple[str, str]] = field(default_factory=set)
     # CallSignature.decision_key of signatures kept eager because eager is faster.
     eager_faster: set[tuple[str, str]] = field(default_factory=set)
+    # (device, dtypes) -> the family keys of a template matmul's sizes that compiled (kernels/matmul.py).
+    matmul_sizes: dict[tuple[str, tuple[str, ...]], set[str]] = field(default_factory=dict)
 
     # A call's first miss looks for kernels taking its ints at run time only
     # where it has this many ints at most (every subset is a cache key).
@@ -241,7 +245,7 @@ class Planner:
     def to_compile(self, signature: CallSignature) -> CompileRequest | Eager:
         """The request a compile of ``signature`` makes now, counted against
         the limits; or eager, past one of them."""
-        limited = self.count_variant(signature)
+        limited = self.count_variant(signature) or self.count_matmul_sizes(signature)
         if limited is not None:
             return limited
         family = self.family(signature)
@@ -268,6 +272,24 @@ class Planner:
             )
             return Eager(reason, "values", record=signature.values_key)
         self.value_variants[signature.shape_key] = variants + 1
+        return None
+
+    def count_matmul_sizes(self, signature: CallSignature) -> Eager | None:
+        """Counts a template matmul's new reduction and column sizes, each a
+        family of its own (kernels/matmul.py), so that a length that moves
+        them (a weight gradient's tokens) does not compile forever; eager,
+        for every shape of a further family, past the limit."""
+        if not fixed_dims(signature):
+            return None
+        seen = self.matmul_sizes.setdefault((str(signature.device), tuple(t.dtype for t in tensor_args(signature))), set())
+        key, limit = family_key(signature), settings.max_matmul_sizes.get()
+        if key not in seen and len(seen) >= limit:
+            reason = (
+                f"{len(seen)} reduction and column sizes already compiled "
+                f"({settings.max_matmul_sizes.name}={limit}); further sizes run eagerly"
+            )
+            return Eager(reason, "family", record=family_limit_key(signature))
+        seen.add(key)
         return None
 
     def compiled(self, signature: CallSignature, dynamic_failed: str | None, kernel: bool) -> None:

@@ -173,6 +173,9 @@ max_value_variants = Setting("AOTI_EAGER_MAX_VALUE_VARIANTS", COUNT, "8",
 max_shape_compiles = Setting("AOTI_EAGER_MAX_SHAPE_COMPILES", COUNT, "4",
                              "compiles of one op and shape family (calls that differ only in tensor sizes), static "
                              "and dynamic-shape kernels together; further shapes run eagerly")
+max_matmul_sizes = Setting("AOTI_EAGER_MAX_MATMUL_SIZES", COUNT, "8",
+                           "reduction and column sizes of one 16-bit CUDA matmul op that compile Triton kernels "
+                           "(each its own shape family); further sizes run eagerly, on cuBLAS")
 dynamic_shapes = Setting("AOTI_EAGER_DYNAMIC_SHAPES", BOOLEAN, "1",
                          "compile a dynamic-shape kernel when a second shape of a family arrives; 0: every shape "
                          "compiles its own kernel")

@@ -10,9 +10,10 @@ import pytest
 import torch
 from test_planner import compiled
 
-from aoti_eager._planner import Planner
+from aoti_eager import settings
+from aoti_eager._planner import Eager, Planner
 from aoti_eager.kernels import CallSignature
-from aoti_eager.kernels.dynamic import ShapeFamily, family_key
+from aoti_eager.kernels.dynamic import ShapeFamily, family_key, family_limit_key
 from aoti_eager.kernels.matmul import fixed_dims, inductor_options, is_template_matmul
 from aoti_eager.kernels.signature import TensorArg
 
@@ -79,6 +80,20 @@ def test_another_weights_first_kernel_is_static():
 def test_a_verdict_for_a_whole_family_leaves_other_weights_alone():
     assert ShapeFamily.any_shape(linear(8)) == ShapeFamily(((), (0,), ()))
     assert ShapeFamily.any_shape(linear(8, dtype=torch.float32)) == ShapeFamily(((0,), (0, 1), (0, 1)))
+
+
+def test_past_the_matmul_size_limit_further_sizes_run_eagerly():
+    # A weight gradient's reduction is the tokens: each length would be a family.
+    planner = Planner()
+    with settings.max_matmul_sizes.set_to("2"):
+        compiled(planner, linear(8, inner=64))
+        compiled(planner, linear(8, inner=128))
+        compiled(planner, linear(16, inner=128))  # a size seen: not counted again
+        third = linear(8, inner=256)
+        verdict = planner.to_compile(third)
+    assert verdict == Eager(verdict.reason, "family", record=family_limit_key(third))
+    assert "AOTI_EAGER_MAX_MATMUL_SIZES=2" in verdict.reason
+    assert planner.eager(third, verdict).dynamic == ShapeFamily.any_shape(third)
 
 
 def test_a_bmm_takes_its_batch_and_rows_at_any_size():
