@@ -1,20 +1,22 @@
 """CUDA matmuls in 16-bit floats compile to Triton kernels.
 
 Left to its defaults, Inductor lowers a matmul to a call of ATen's, which
-calls cuBLAS: the kernel is eager's, and so is its cost on the host, about
-twice that of a Triton launch (``addmm`` asks cuBLASLt for a heuristic on
-every call). A model whose layers are op-sized is bound by its host on a
-GPU, so a 16-bit ``mm``, ``addmm`` (with a bias per column) or ``bmm`` on
+calls cuBLAS: the kernel is eager's, and so is its cost on the host, more
+than a Triton launch's (``addmm`` asks cuBLASLt for a heuristic on every
+call; BENCHMARKS.md, "Models at real sizes"). A model whose layers are
+op-sized is bound by its host on a GPU, so a 16-bit ``mm``, ``addmm`` (with a bias per column) or ``bmm`` on
 CUDA compiles with Inductor's Triton templates instead, each autotuned at
 the call's sizes. The speed verdict (kernels/speed.py) keeps eager where
 cuBLAS is still faster; float32 is left to cuBLAS, which Triton does not
 match without TF32.
 
 A template's tiles are chosen for its reduction and column sizes, and a
-kernel of those at run time is several times slower than one tuned for
-them. So they stay compiled in: they are part of the call's shape family
+kernel that reads those at run time loses to one tuned for them. So they
+stay compiled in: they are part of the call's shape family
 (kernels/dynamic.py), whose first kernel is static, and a dynamic kernel
-takes only rows, and a ``bmm``'s batch, at any size.
+takes only rows, and a ``bmm``'s batch, at any size. Past
+``AOTI_EAGER_MAX_MATMUL_SIZES`` such families of one op, further sizes
+run eagerly (aoti_eager/_planner.py).
 
 Example::
 
