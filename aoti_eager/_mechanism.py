@@ -155,7 +155,11 @@ def load_library(
     where none of its environment has loaded yet), checked to take the
     ``inputs`` tensors that the call ``call`` gives it."""
     check_loads(cache.directory.name, library, str(device), output_counts, known_good)
-    kernel = _extension.load().CompiledKernel(str(library), str(device), output_counts, runtime_arguments)
+    extension = _extension.load()
+    if device.type == "cpu":
+        # Its outputs come from the pool of freed blocks (csrc/cpu_output_pool.h), held as the setting says now.
+        extension.set_cpu_pool_limit(settings.cpu_pool.get())
+    kernel = extension.CompiledKernel(str(library), str(device), output_counts, runtime_arguments)
     if kernel.num_inputs != inputs:
         raise DamagedEntry(f"its library takes {kernel.num_inputs} inputs, a call ({call}) gives {inputs}")
     return kernel

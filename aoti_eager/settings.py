@@ -176,6 +176,9 @@ max_shape_compiles = Setting("AOTI_EAGER_MAX_SHAPE_COMPILES", COUNT, "4",
 max_matmul_sizes = Setting("AOTI_EAGER_MAX_MATMUL_SIZES", COUNT, "8",
                            "reduction and column sizes of one 16-bit CUDA matmul op that compile Triton kernels "
                            "(each its own shape family); further sizes run eagerly, on cuBLAS")
+cpu_pool = Setting("AOTI_EAGER_CPU_POOL", SIZE, "512MiB",
+                   "freed outputs of CPU kernels above 64 KiB kept for the next output of their size, as CUDA's "
+                   "caching allocator keeps blocks (eager maps each large output afresh); 0: none kept")
 dynamic_shapes = Setting("AOTI_EAGER_DYNAMIC_SHAPES", BOOLEAN, "1",
                          "compile a dynamic-shape kernel when a second shape of a family arrives; 0: every shape "
                          "compiles its own kernel")

@@ -186,6 +186,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("from_cpu_output_pool", [](const at::Tensor& t) {
     return t.has_storage() && from_cpu_output_pool(t.storage().data_ptr());
   });
+  m.def("set_cpu_pool_limit", &set_cpu_pool_limit);
+  m.def("cpu_pool_held_bytes", &cpu_pool_held_bytes);
   // For scripts/profile_hit_path.py: ns per call, each in its own loop, of
   // the stages of the hit path for one call of `name.overload` with `args`
   // (in schema order): keying the arguments, the compiled kernel alone on its

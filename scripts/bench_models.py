@@ -17,7 +17,9 @@ compiling now; the first steps compile (counted), then eager, aoti_eager and
 steps, each after one untimed step (median seconds a step). Outputs (losses, for training, step by step from one initial state)
 are compared with eager's; misses are counted over a warm step. A
 ``torch.profiler`` step of eager and of aoti_eager gives each op's self time
-(CPU time, and device time on CUDA) side by side.
+(CPU time, and device time on CUDA) side by side. On CPU it also tells what
+the pool of CPU kernels' freed outputs holds after the timed rounds
+(``AOTI_EAGER_CPU_POOL``): the memory the speed costs.
 
     python scripts/bench_models.py [--device cpu|cuda] [--workloads gpt2,train] [--rounds 5] [--calls 10] [--steps 3]
         [--cache-dir DIR] [--top 8]
@@ -37,6 +39,7 @@ import transformers
 from torch.profiler import ProfilerActivity, profile
 
 import aoti_eager
+from aoti_eager import _extension
 from timing import machine, per_call_seconds, total_compiles
 
 # (layers, width, heads, batch, tokens) per device.
@@ -170,6 +173,8 @@ def run(name: str, device: str, rounds: int, calls: int, steps: int, cache_dir: 
         for side in list(sides)[i % 3:] + list(sides)[:i % 3]:  # each side goes first in turn
             times[side].append(sides[side]())
     medians = {side: statistics.median(t) for side, t in times.items()}
+    # What the speed costs in memory: CPU kernels' freed outputs kept for the next step.
+    pool_mib = _extension.load().cpu_pool_held_bytes() / 2**20
     eager_ops = self_times(work.step, device)
     aoti_eager.enable(ops, devices=[device], cache_dir=cache_dir)
     work.step()
@@ -179,7 +184,7 @@ def run(name: str, device: str, rounds: int, calls: int, steps: int, cache_dir: 
     names = sorted(set(eager_ops) | set(aoti_ops), key=lambda n: -max(eager_ops.get(n, none)[0], aoti_ops.get(n, none)[0]))[:top]
     return dict(
         name=name, ops=len(ops), compiles=compiles, kept_eager=kept_eager, misses=misses,
-        difference=max_difference(results, expected), **medians,
+        difference=max_difference(results, expected), pool_mib=pool_mib, **medians,
         breakdown=[(n, eager_ops.get(n, none), aoti_ops.get(n, none)) for n in names],
     )
 
@@ -209,6 +214,8 @@ def main() -> None:
                 continue
             # Each workload as it ends: a run cut short keeps what it measured.
             print(f"\n{header}\n{table_row(rows[-1])}")
+            if args.device == "cpu":
+                print(f"\n{name}: the pool of CPU kernels' freed outputs holds {rows[-1]['pool_mib']:.0f} MiB after the timed rounds")
             units = ["device", "CPU"] if args.device == "cuda" else ["CPU"]
             columns = " | ".join(f"{side} {unit}" for unit in units for side in ("eager", "aoti_eager"))
             print(f"\n{name}: self ms in one step, top {args.top} by {units[0]} time\n\n| op | {columns} |\n|" + " --- |" * (1 + 2 * len(units)))

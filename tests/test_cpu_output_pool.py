@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import aoti_eager
-from aoti_eager import _extension
+from aoti_eager import _extension, settings
 from helpers import assert_same_as_eager
 
 
@@ -45,19 +45,72 @@ def test_a_freed_output_is_reused_for_the_next_of_its_size(a, b, add_enabled):
         assert_same_as_eager(out, expected)
 
 
-def test_an_output_above_the_pools_sizes_comes_from_c10(add_enabled):
-    x, y = torch.randn(256, 128), torch.randn(256, 128)  # 128 KiB
+LARGE = 256, 128  # float32: 128 KiB, a size class of its own
+
+
+@pytest.fixture
+def pool_limit():
+    """Sets the pool's limit on large blocks for the test; the setting's after."""
+    extension = _extension.load()
+    yield extension.set_cpu_pool_limit
+    extension.set_cpu_pool_limit(settings.cpu_pool.get())
+
+
+def held() -> int:
+    return _extension.load().cpu_pool_held_bytes()
+
+
+def test_a_freed_large_output_is_reused_for_the_next_of_its_size(add_enabled, pool_limit):
+    x, y = torch.randn(LARGE), torch.randn(LARGE)
     torch.add(x, y)  # compiled or loaded
+    pool_limit(1 << 20)
     out = torch.add(x, y)
-    assert aoti_eager.stats()["aten::add.Tensor"]["hits"] >= 1
-    assert not pooled(out)
-    assert_same_as_eager(out, x.clone().add_(y))
+    assert aoti_eager.stats()["aten::add.Tensor"]["hits"] >= 1 and pooled(out)
+    freed = out.data_ptr()
+    del out
+    assert held() >= 128 << 10
+    again = torch.add(x, y)
+    assert again.data_ptr() == freed
+    assert_same_as_eager(again, x.clone().add_(y))
+
+
+def test_the_pool_holds_large_blocks_up_to_its_limit_the_oldest_out_first(add_enabled, pool_limit):
+    x = torch.randn(LARGE)
+    torch.add(x, x)  # compiled or loaded
+    pool_limit(0)
+    assert held() == 0
+    pool_limit(3 * (128 << 10))
+    live = [torch.add(x, x) for _ in range(4)]
+    addresses = [out.data_ptr() for out in live]
+    while live:
+        live.pop(0)  # the first freed is the oldest: back to c10 when the fourth comes in
+    assert held() == 3 * (128 << 10)
+    again = [torch.add(x, x) for _ in range(3)]
+    assert {out.data_ptr() for out in again} == set(addresses[1:])
+    assert held() == 0
+    for out in again:
+        assert_same_as_eager(out, x + x)
+
+
+def test_the_setting_sizes_the_pool_as_a_cpu_kernel_loads(shared_cache, pool_limit, monkeypatch):
+    x = torch.randn(LARGE)
+    pool_limit(0)
+    monkeypatch.setenv("AOTI_EAGER_CPU_POOL", "128KiB")
+    with aoti_eager.enabled(["aten::add.Tensor"], devices=["cpu"], cache_dir=shared_cache):
+        torch.add(x, x)  # compiled or loaded: the pool takes the setting's limit
+        torch.add(x, x)  # freed at once, and kept
+    assert held() == 128 << 10  # after disable() too
+    monkeypatch.setenv("AOTI_EAGER_CPU_POOL", "0")
+    aoti_eager._runtime.forget()  # the kernel loads again, as in a new process
+    with aoti_eager.enabled(["aten::add.Tensor"], devices=["cpu"], cache_dir=shared_cache):
+        assert_same_as_eager(torch.add(x, x), x + x)
+    assert held() == 0
 
 
 def test_a_pooled_output_resizes_as_eager_s_does(a, b, add_enabled):
     out = torch.add(a, b)
     kept = a.clone().add_(b).flatten()
-    for rows in (80, 1024):  # within the pool's sizes, then above them
+    for rows in (80, 1024):  # within the small blocks' sizes, then above them
         out.resize_(rows, 64)
         assert out.shape == (rows, 64) and out.stride() == (64, 1)
         torch.testing.assert_close(out.flatten()[:kept.numel()], kept)
