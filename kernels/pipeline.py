@@ -299,16 +299,17 @@ def _entry(
         timing=timing.to_json() if timing is not None else None,
         dynamic=family.to_json() if family is not None else None,
     )
-    entry.reason = speed_verdict(timing, artifact)
+    entry.reason = speed_verdict(timing, artifact, signature.device)
     if entry.reason is None:
         entry.output_counts, entry.library = artifact.output_counts, artifact.library
     return entry
 
 
-def speed_verdict(timing: Timing | None, artifact: Artifact) -> str | None:
-    """Why the calls of a kernel timed so stay eager; None where the kernel is kept."""
-    if timing is not None and artifact.generated_kernels == 0:
-        # The same kernels as eager's, behind AOTInductor's runner: never faster where a model is bound by the host.
+def speed_verdict(timing: Timing | None, artifact: Artifact, device: torch.device) -> str | None:
+    """Why the calls of a kernel timed so on ``device`` stay eager; None where the kernel is kept."""
+    if timing is not None and artifact.generated_kernels == 0 and not (device.type == "cpu" and timing.clearly_faster):
+        # The same kernels as eager's, behind AOTInductor's runner: on CUDA never faster where a model is bound
+        # by the host; on CPU faster only by where its outputs' memory comes from (Timing.clearly_faster).
         return f"eager is faster: Inductor generated no kernel of its own, only calls of eager's ({timing.ratio:.2f}x eager's time)"
     if timing is not None and timing.eager_faster:
         return f"eager is faster: kernel {timing.ratio:.2f}x eager's time (measured at compile)"

@@ -453,7 +453,7 @@ def _compile_region(instance: torch.nn.Module, call: RegionCall, store: EntrySto
         seconds = time.perf_counter() - start
         timing = timed(call.name, call.short(), lambda: _measured(kernel, instance, call))
         entry = Entry(op=call.name, signature=call.to_json(), compile_seconds=round(seconds, 3),
-                      timing=timing.to_json() if timing is not None else None, reason=speed_verdict(timing, artifact))
+                      timing=timing.to_json() if timing is not None else None, reason=speed_verdict(timing, artifact, call.device))
         if entry.reason is None:
             entry.output_counts, entry.library = artifact.output_counts, artifact.library
             entry.result_structure = outputs.to_json()

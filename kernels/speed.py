@@ -35,6 +35,12 @@ MAX_CALLS_PER_ROUND = 2000
 # measurement must not flip a verdict. A tie keeps the kernel, but a kernel a
 # few percent slower does not stay: its loss adds up over a whole workload.
 SLOWER_THAN_EAGER = 1.0
+# A kernel that only calls eager's own kernels (an extern matmul) is kept on
+# CPU only where it saves a clear share of a long call: its one gain there is
+# its outputs' memory (csrc/cpu_output_pool.h), and the Python binding's few
+# microseconds of bias toward the kernel must not decide.
+CLEAR_SAVING_SHARE = 0.1
+CLEAR_SAVING_SECONDS = 50e-6
 
 # Times a kernel against eager: (kernel, signature, op) -> Timing.
 Timer = Callable[[Any, CallSignature, torch._ops.OpOverload], "Timing"]
@@ -50,6 +56,11 @@ class Timing:
     @property
     def eager_faster(self) -> bool:
         return self.ratio > SLOWER_THAN_EAGER
+
+    @property
+    def clearly_faster(self) -> bool:
+        saving = self.eager_seconds - self.kernel_seconds
+        return saving >= CLEAR_SAVING_SHARE * self.eager_seconds and saving >= CLEAR_SAVING_SECONDS
 
     @property
     def ratio(self) -> float:

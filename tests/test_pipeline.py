@@ -113,17 +113,27 @@ def test_a_lasting_compile_error_is_recorded_and_a_compilers_is_not(store, swap_
     assert list(store.entries()) == []
 
 
-def test_a_kernel_that_only_calls_eagers_kernels_keeps_eager(store, monkeypatch):
-    # mm's library calls eager's matmul: AOTInductor's runner on top of it is never faster.
+@pytest.mark.parametrize("timing, mm_kept", [(Timing(0.5e-6, 1e-6), False), (Timing(1e-3, 2e-3), True)],
+                         ids=["faster by microseconds", "clearly faster"])
+def test_a_kernel_that_only_calls_eagers_kernels_keeps_eager_unless_clearly_faster(store, monkeypatch, timing, mm_kept):
+    # mm's library calls eager's matmul: only its outputs' memory (the CPU pool's) can make it faster.
     monkeypatch.setenv("AOTI_EAGER_KEEP_FASTER", "1")
-    faster = lambda kernel, signature, op: Timing(0.5e-6, 1e-6)  # noqa: E731
-    for op, args, kept in ((A.mm.default, [torch.randn(4, 8), torch.randn(8, 3)], False), (A.abs.default, [torch.randn(16)], True)):
+    faster = lambda kernel, signature, op: timing  # noqa: E731
+    for op, args, kept in ((A.mm.default, [torch.randn(4, 8), torch.randn(8, 3)], mm_kept), (A.abs.default, [torch.randn(16)], True)):
         signature = CallSignature.of(op, "cpu", args)
         assert isinstance(pipeline.compile_signature(op, signature, store, load(signature), timer=faster), pipeline.Published)
         entry = store.lookup(qualified_name(op), signature.key)
         assert (entry.library is not None) == kept, entry.reason
         if not kept:
             assert entry.reason.startswith("eager is faster: Inductor generated no kernel of its own"), entry.reason
+
+
+def test_on_cuda_a_kernel_that_only_calls_eagers_kernels_keeps_eager_however_fast():
+    # The caching allocator serves eager's outputs as it does the kernel's: the runner only adds.
+    extern_only = Artifact(Path("kernel.so"), [1], generated_kernels=0)
+    clearly = Timing(1e-3, 2e-3)
+    assert pipeline.speed_verdict(clearly, extern_only, torch.device("cpu")) is None
+    assert pipeline.speed_verdict(clearly, extern_only, torch.device("cuda")).startswith("eager is faster: Inductor generated no kernel")
 
 
 @pytest.mark.parametrize("second, kept", [(1.5e-6, False), (0.99e-6, True)], ids=["slower twice", "slower once"])
