@@ -46,7 +46,7 @@ struct RunnerInternals : AOTIModelContainerRunner {
 // (BENCHMARKS.md, "Per-call dispatch"). Eager's CUDA kernels take their
 // outputs straight from the caching allocator, and so does this, as
 // at::detail::empty_strided_cuda does. A CPU tensor comes from the pool of
-// small blocks (csrc/cpu_output_pool.h), as at::detail::empty_strided_cpu
+// freed blocks (csrc/cpu_output_pool.h), as at::detail::empty_strided_cpu
 // makes it otherwise. Every other case is the
 // shim's, as is deterministic mode, which fills new memory.
 AOTITorchError empty_strided(

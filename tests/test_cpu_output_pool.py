@@ -1,4 +1,4 @@
-"""CPU kernels take their outputs from a pool of small blocks (csrc/cpu_output_pool.cpp)."""
+"""CPU kernels take their outputs from a pool of freed blocks (csrc/cpu_output_pool.cpp)."""
 
 from __future__ import annotations
 
