@@ -127,7 +127,9 @@ def test_a_pooled_output_clones_lazily(a, b, add_enabled):
     torch.testing.assert_close(clone, expected * 2)
 
 
-def test_outputs_freed_on_other_threads(a, b, add_enabled):
+@pytest.mark.parametrize("size", [(64, 64), LARGE], ids=["small", "large"])
+def test_outputs_freed_on_other_threads(size, add_enabled):
+    a, b = torch.randn(size), torch.randn(size)
     expected = a.clone().add_(b)
     made: queue.Queue = queue.Queue(maxsize=8)
     errors: list[BaseException] = []
