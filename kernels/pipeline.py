@@ -184,9 +184,8 @@ def _compile_signature(
             return _publish_eager(store, name, signature, failed)
         seconds = time.perf_counter() - start
         timing = time_kernel(kernel, signature, op, compiler.timer)
-        if timing is not None and signature.device.type == "cpu" and artifact.generated_kernels == 0 and timing.clearly_faster:
-            # Eager's own kernels win over eager on two measurements, as eager wins over a kernel (speed.measured);
-            # on CUDA they never do (speed_verdict).
+        if _eager_kernels_kept(timing, artifact, signature.device):
+            # On two measurements, as eager wins over a kernel (speed.measured).
             again = time_kernel(kernel, signature, op, compiler.timer)
             timing = max(timing, again or timing, key=lambda t: t.ratio)
         entry = _entry(name, signature, artifact, seconds, timing, family)
@@ -310,11 +309,17 @@ def _entry(
     return entry
 
 
+def _eager_kernels_kept(timing: Timing | None, artifact: Artifact, device: torch.device) -> bool:
+    """Whether a kernel that only calls eager's kernels, timed so, is kept:
+    behind AOTInductor's runner they are never faster on CUDA, where a model
+    is bound by the host; on CPU, faster only by where their outputs' memory
+    comes from, so only where clearly faster (Timing.clearly_faster)."""
+    return timing is not None and artifact.generated_kernels == 0 and device.type == "cpu" and timing.clearly_faster
+
+
 def speed_verdict(timing: Timing | None, artifact: Artifact, device: torch.device) -> str | None:
     """Why the calls of a kernel timed so on ``device`` stay eager; None where the kernel is kept."""
-    if timing is not None and artifact.generated_kernels == 0 and not (device.type == "cpu" and timing.clearly_faster):
-        # The same kernels as eager's, behind AOTInductor's runner: on CUDA never faster where a model is bound
-        # by the host; on CPU faster only by where its outputs' memory comes from (Timing.clearly_faster).
+    if timing is not None and artifact.generated_kernels == 0 and not _eager_kernels_kept(timing, artifact, device):
         return f"eager is faster: Inductor generated no kernel of its own, only calls of eager's ({timing.ratio:.2f}x eager's time)"
     if timing is not None and timing.eager_faster:
         return f"eager is faster: kernel {timing.ratio:.2f}x eager's time (measured at compile)"
