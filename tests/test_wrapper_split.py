@@ -373,6 +373,10 @@ def test_one_process_at_a_time_builds_the_op_part_header(tmp_path):
         header.start(tmp_path)  # another process builds it: this one does not wait
         assert header._build is None and not header.header.exists() and killed.exists()
     header.finish()
+    header._build_command = ["sh", "-c", "echo 'cannot write PCH file: No space left on device'; exit 1"]
+    header.start(tmp_path)
+    header.finish()
+    assert not header.header.with_suffix(".failed").exists()  # a full disk may have room next time
     header._build_command = ["false"]  # a build under the lock clears what a killed one left
     header.start(tmp_path)
     assert not killed.exists()

@@ -296,7 +296,8 @@ class _OpPartHeader:
     by its text and the command without a compile's file names. Built beside
     a compile's parts by one process at a time; until it is there, op's parts
     use Inductor's header. A build that fails is recorded and not tried again,
-    unless its compiler was killed (that may go better next time)."""
+    unless its compiler was killed or the disk was full (that may go better
+    next time)."""
 
     def __init__(self, tokens: list[str], device_header: str, shared_dir: Path):
         self.tokens = tokens
@@ -351,7 +352,8 @@ class _OpPartHeader:
                 os.replace(self._building, f"{self.header}.gch")
                 return
             self._building.unlink(missing_ok=True)
-            if self._build.returncode > 0:
+            # A full disk may have room next time, as a killed compiler may.
+            if self._build.returncode > 0 and "No space left on device" not in output:
                 self.header.with_suffix(".failed").write_text(output[-4000:])
             log.debug("aoti_eager: the op's part's precompiled header failed to build: %s", output[-2000:])
         finally:
