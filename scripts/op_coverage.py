@@ -305,7 +305,9 @@ def _tail(path: Path, lines: int = 8) -> str:
         return ""
     fault = next((i for i, line in enumerate(text) if line.startswith("Fatal Python error")), None)
     if fault is not None:
-        text = text[fault : fault + lines]
+        # faulthandler lists every thread; the one that faulted is marked "Current thread".
+        current = next((i for i, line in enumerate(text) if line.startswith("Current thread")), fault + 1)
+        text = [text[fault], *text[current : current + lines - 1]]
     return " | ".join(line.strip() for line in text[-lines:])[-1000:]
 
 
