@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -70,6 +71,8 @@ def _fake_run_unit(unit, samples, layouts):
     """Stands in for op_coverage.run_unit: the unit's op says how it ends."""
     os.write(1, f"running {unit.op}\n".encode())  # fd 1: the worker's log, whatever sys.stdout is
     if unit.op == "abort":
+        # faulthandler lists this idle thread first (newest first); the tail shows the one that faulted.
+        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
         os.abort()
     if unit.op == "hang":
         time.sleep(60)
