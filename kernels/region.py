@@ -406,7 +406,9 @@ def compile_region(
     instance: torch.nn.Module, call: RegionCall, store: EntryStore, load: Loader, in_background: bool = False
 ) -> tuple[Outcome, Outputs | None]:
     """Compiles, validates and publishes the kernel of ``call`` (under the
-    caller's lock), with the structure of its result. What it all prints is
+    caller's lock), with the structure of its result; a kernel that disagrees
+    with eager is refused unrecorded (it was measured on this instance's
+    weights, which the key does not hold). What it all prints is
     logged at DEBUG level, not shown; ``in_background``: what this thread
     prints, while the process's other threads print as usual."""
     output: list[str] = []
@@ -448,8 +450,11 @@ def _compile_region(instance: torch.nn.Module, call: RegionCall, store: EntrySto
             check_region(kernel, call, outputs.tensors(expected), lambda: _float64_result(instance, call, outputs))
         except Exception as e:  # noqa: BLE001
             said = (str(e).strip().splitlines() or [""])[0][:300]
-            failed = f"compiled kernel disagrees with eager: {said}" if isinstance(e, Mismatch) else f"compiled kernel failed to run: {type(e).__name__}: {said}"
-            return _publish_eager(store, call, failed), outputs
+            if isinstance(e, Mismatch):
+                # Measured with this instance's weights and this call's values, which the key does not hold: another
+                # block of the structure may agree, so the verdict is not recorded (the caller keeps it for the key).
+                return NotCompiled(f"compiled kernel disagrees with eager: {said}"), outputs
+            return _publish_eager(store, call, f"compiled kernel failed to run: {type(e).__name__}: {said}"), outputs
         seconds = time.perf_counter() - start
         timing = timed(call.name, call.short(), lambda: _measured(kernel, instance, call))
         entry = Entry(op=call.name, signature=call.to_json(), compile_seconds=round(seconds, 3),
@@ -478,8 +483,8 @@ def _measured(kernel: Any, instance: torch.nn.Module, call: RegionCall) -> Timin
 def check_region(kernel: Any, call: RegionCall, expected: list[torch.Tensor],
                  reference: Callable[[], list[torch.Tensor] | None] | None = None) -> None:
     """Runs ``kernel`` on fresh copies of the call's inputs and compares its
-    tensors with eager's ``expected`` (raises Mismatch); in low precision,
-    against ``reference`` too where they differ (see :func:`compare`)."""
+    tensors with eager's ``expected`` (raises Mismatch); out of their dtype's
+    tolerance, against ``reference`` too (see :func:`compare`)."""
     inputs = clone_args(call.inputs())
     fresh = kernel.run(inputs)
     check_fresh_memory(inputs, fresh)

@@ -92,31 +92,36 @@ def test_the_kernel_runs_on_copies_of_the_call():
     assert seen and not called & {t.untyped_storage().data_ptr() for t in seen}
 
 
-def _bf16_pair(skew: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(actual, expected, float64 reference): eager's result rounded to bf16 from a float64 one with
+def _rounded_pair(dtype: torch.dtype, skew: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(actual, expected, float64 reference): eager's result rounded to ``dtype`` from a float64 one with
     rounding noise of its own, and a kernel's rounded at other points, ``skew`` times too large."""
     g = torch.Generator().manual_seed(0)
     exact = torch.randn(64, 64, dtype=torch.float64, generator=g)
     noise = lambda: exact * (1 + 4e-3 * torch.randn(exact.shape, dtype=torch.float64, generator=g))  # noqa: E731
-    return (noise() * skew).to(torch.bfloat16), noise().to(torch.bfloat16), exact
+    return (noise() * skew).to(dtype), noise().to(dtype), exact
 
 
-def test_a_low_precision_result_is_judged_against_a_float64_reference():
-    actual, expected, exact = _bf16_pair(skew=1.0)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_result_out_of_its_dtypes_tolerance_is_judged_against_a_float64_reference(dtype):
+    actual, expected, exact = _rounded_pair(dtype, skew=1.0)
     with pytest.raises(Mismatch, match="not close"):
-        compare("out", actual, expected)  # one op's bf16 tolerance
+        compare("out", actual, expected)  # one op's tolerance
     compare("out", [actual], [expected], lambda: [exact])  # as near float64 as eager: accepted
-    skewed, expected, exact = _bf16_pair(skew=1.03)
+    skewed, expected, exact = _rounded_pair(dtype, skew=1.03)
     with pytest.raises(Mismatch, match=r"against a float64 run of the forward: RMSE \(res-fp64\)"):
         compare("out", [skewed], [expected], lambda: [exact])
     with pytest.raises(Mismatch, match="no float64 run of the forward"):
         compare("out", [actual], [expected], lambda: None)  # the forward did not run in float64
 
 
-def test_a_float32_result_keeps_its_dtypes_tolerance_with_a_reference():
-    actual, expected, exact = (t.float() for t in _bf16_pair(skew=1.0))
-    with pytest.raises(Mismatch, match="not close"):
-        compare("out", [actual], [expected], lambda: [exact])
+def test_the_float64_reference_is_made_once_and_only_for_a_result_out_of_tolerance():
+    actual, expected, exact = _rounded_pair(torch.float32, skew=1.0)
+    made = []
+    reference = lambda: made.append(1) or [exact, exact]  # noqa: E731
+    compare("out", [expected.clone(), expected.clone()], [expected, expected], reference)
+    assert made == []
+    compare("out", [actual, actual], [expected, expected], reference)
+    assert made == [1]
 
 
 def _mm_in_halves(inputs: list[torch.Tensor], skew: float = 1.0) -> list[torch.Tensor]:
