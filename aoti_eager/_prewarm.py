@@ -242,14 +242,14 @@ def _prewarm_regions(entries: list[RegionRequest], model: torch.nn.Module | None
         return
     instances = _regions.fused_instances(model) if entries else {}
     for entry in entries:
-        instance = instances.get((entry.region, entry.structure))
+        matching = instances.get((entry.region, entry.structure))
         device = torch.device(entry.device).type
         if device not in wanted or device not in _available_devices():
             report.skipped_regions.append(SkippedRegion(entry, f"device {entry.device} not asked for or not here"))
-        elif instance is None:
+        elif not matching:
             report.skipped_regions.append(SkippedRegion(entry, _unmatched(entry, instances)))
         else:
-            status, reason, seconds = _regions.prewarm(instance, entry)
+            status, reason, seconds = _regions.prewarm(matching, entry)
             report.results.append(Result(entry, _worker.Outcome(status, reason, seconds)))
 
 

@@ -31,6 +31,7 @@ class RegionFamily:
     decided: dict[str, Any] = field(default_factory=dict)
     # Why its shapes compile alone (its dynamic kernel failed), or None.
     static: str | None = None
+    compiles: int = 0  # kernels compiled here for its shapes, static and dynamic together
 
     SEEN = 8
 
@@ -42,6 +43,16 @@ class RegionFamily:
         """Its dynamic kernels, narrowest first."""
         known = [(key, family) for key, family in self.published.items() if family is not None]
         return sorted(known, key=lambda item: sum(map(len, item[1].dims)))
+
+    def over_limit(self) -> str | None:
+        """Why a new shape of the family runs eagerly instead of compiling
+        (``max_shape_compiles`` reached), or None: the compile is counted."""
+        limit = settings.max_shape_compiles.get()
+        if self.compiles >= limit:
+            return (f"{self.compiles} kernels already compiled for shapes of this family "
+                    f"({settings.max_shape_compiles.name}={limit}); further shapes run eagerly")
+        self.compiles += 1
+        return None
 
     def to_compile(self, sizes: list[tuple[int, ...]]) -> ShapeFamily | None:
         """The dynamic kernel a miss of a call with tensors of ``sizes``

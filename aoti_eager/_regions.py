@@ -27,11 +27,11 @@ from aoti_eager import _background, _extension, _mechanism, settings
 from aoti_eager._region_families import RegionFamily
 from aoti_eager.cache import DamagedEntry, UntrustedEntry
 from aoti_eager.cache.entry_store import EntryStore
-from aoti_eager.kernels import region_shapes
+from aoti_eager.kernels import region_shapes, region_values
 from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad
 from aoti_eager.kernels.pipeline import Published
 from aoti_eager.kernels.region import (
-    NotARegion, Outputs, RegionCall, RegionRequest, bypassed, code_digest, compile_region, region_name, state_of,
+    NotARegion, Outputs, ReadsMore, RegionCall, RegionRequest, bypassed, code_digest, compile_region, region_name, state_of,
     state_structure,
 )
 from aoti_eager.manifest import Recorder
@@ -85,6 +85,7 @@ class _Prepared:
     native: Any  # _C.RegionState: the check, and the kernel run on these tensors then a call's
     structure: str
     assignments: int
+    hooked: str | None  # why hooks keep its calls from a kernel (region_values.hooked)
     # The calls decided with this state: their key (_keyed) -> where their decision is in _decided.
     memo: dict[Any, tuple[str, str, str]] = field(default_factory=dict)
 
@@ -171,6 +172,10 @@ class _Instance:
             return self.original(*args, **kwargs)
         return _call(self, args, kwargs)
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # A copy of a fused module (copy.deepcopy, pickle, torch.save) is fused alike, with its own state.
+        return _fused_again, (self.module, self.name, self.root, self.compile, self.refused, self.replaced, self.remote)
+
     def valid(self) -> _Prepared | None:
         """The prepared state where nothing it depends on changed, else None."""
         p = self.prepared
@@ -184,9 +189,22 @@ class _Instance:
         if p is None:
             module = self.module
             names, tensors = state_of(module)
-            native = _native()(list(tensors), list(module.modules())[1:], module)
-            p = self.prepared = _Prepared(names, tensors, native, state_structure(module, names, tensors), _assignments)
+            native = _native()(list(tensors), list(module.modules())[1:], module, region_values.watched(module),
+                               list(region_values.hook_dicts(module)))
+            p = self.prepared = _Prepared(names, tensors, native, state_structure(module, names, tensors), _assignments,
+                                          region_values.hooked(module))
         return p
+
+
+def _fused_again(module: torch.nn.Module, name: str, root: Path, compile: str, refused: str | None,
+                 replaced: Any, remote: str | None) -> _Instance:
+    """The instance of a copy of a fused module (see :meth:`_Instance.__reduce__`),
+    made before the copy's attributes are set."""
+    _hook_assignments()
+    instance = _Instance(weakref.ref(module), name, root, compile, _stats_of(name), refused=refused,
+                         replaced=replaced, remote=remote)
+    _live[name].add(module)
+    return instance
 
 
 def _stats_of(name: str) -> RegionStats:
@@ -200,9 +218,11 @@ def _call(instance: _Instance, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     decided = _memoized(instance, key)
     if decided is None:
         try:
-            decided, leaves, named = _decide(instance, args, kwargs, key)
+            decided, leaves, named, ran = _decide(instance, args, kwargs, key)
         except NotARegion as e:
             return _eagerly(instance, stats, str(e), args, kwargs)
+        if ran is not _NOT_RUN:
+            return ran  # the original forward ran, to learn what it reads
     if decided.kernel is None:
         return _eagerly(instance, stats, decided.reason or "decided eager", args, kwargs)
     if decided.outputs is None:
@@ -263,22 +283,47 @@ def _log_once(name: str, said: str, level: int = logging.WARNING) -> None:
 
 def _decide(
     instance: _Instance, args: tuple[Any, ...], kwargs: dict[str, Any], key: Any
-) -> tuple[_Decided, tuple[Any, ...], dict[str, Any]]:
-    """What this call runs, and the arguments its kernel's tensors are taken
-    from; raises NotARegion where no kernel may serve it. A lasting decision
-    is kept in the state's memo under ``key``."""
+) -> tuple[_Decided, tuple[Any, ...], dict[str, Any], Any]:
+    """What this call runs, the arguments its kernel's tensors are taken
+    from, and the original forward's result where it ran to learn what it
+    reads (else _NOT_RUN); raises NotARegion where no kernel may serve it. A
+    lasting decision is kept in the state's memo under ``key``."""
     if instance.refused is not None:
         raise NotARegion(instance.refused)
     state = instance.state()
+    if state.hooked is not None:
+        raise NotARegion(state.hooked)
     call = RegionCall.of(instance.name, state.names, state.tensors, state.structure, args, kwargs)
     if torch.is_grad_enabled() and any(t.requires_grad for t in call.inputs()):
         raise NotARegion("grad is enabled and its parameters or inputs require grad (regions run without autograd)")
     if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
         raise NotARegion("autocast is on (regions are compiled without it)")
+    call, ran = _valued(instance, call, lambda: instance.original(*args, **kwargs))
     decided, where = _decision(instance, call)
     if decided.lasting and key is not None:
         state.memo[key] = where
-    return decided, call.leaves, _NO_KWARGS
+    return decided, call.leaves, _NO_KWARGS, ran
+
+
+# The result of a call that did not run the original forward.
+_NOT_RUN = object()
+# A state's structure (state_structure) -> the attributes its forwards were seen to read in this process:
+# its calls' keys hold their values. A superset of what one call reads keys it soundly, so it only grows.
+_reads: dict[str, frozenset] = {}
+
+
+def _valued(instance: _Instance, call: RegionCall, run: Any) -> tuple[RegionCall, Any]:
+    """``call`` keyed with the values its forward reads (kernels/region_values.py),
+    and the result of ``run`` (the original forward) where it ran to learn
+    them (the state's first call here), else _NOT_RUN. Raises NotARegion for values no key holds."""
+    reads, ran = _reads.get(call.structure), _NOT_RUN
+    if reads is None:
+        try:
+            ran, reads = region_values.recorded(instance.module, run)
+        except region_values.UnkeyedValue as e:
+            raise NotARegion(str(e)) from None
+        reads = _reads[call.structure] = reads | _reads.get(call.structure, frozenset())
+    return call.valued(instance.module, reads), ran
 
 
 def _decision(instance: _Instance, call: RegionCall, compile: str | None = None) -> tuple[_Decided, tuple[str, str, str]]:
@@ -314,7 +359,7 @@ def _miss(instance: _Instance, cache: EntryStore, call: RegionCall, compile: str
             _record(instance.recorder, call)
         if found is not None or compile == "never":
             return found or _Decided(reason="compile='never' and no kernel in the cache")
-        if (why := _mechanism.cannot_compile(cache)) is not None:
+        if (why := _mechanism.cannot_compile(cache) or _over_limit(cache, call)) is not None:
             return _Decided(reason=why)
         if compile == "background":
             return _compile_apart(instance, cache, call)
@@ -325,6 +370,25 @@ def _miss(instance: _Instance, cache: EntryStore, call: RegionCall, compile: str
         return _Decided(reason=_mechanism.waited_for(e), lasting=False)
     except (UntrustedEntry, UnsafeToLoad, OSError) as e:
         return _Decided(reason=f"{type(e).__name__}: {e}")
+
+
+# (cache directory of the environment, region_shapes.values_key) -> kernels compiled here for those calls' numbers.
+_value_variants: collections.Counter = collections.Counter()
+
+
+def _over_limit(cache: EntryStore, call: RegionCall) -> str | None:
+    """Why ``call`` runs eagerly instead of compiling, past a limit on the
+    compiles of its numbers' values or of its family's shapes; else None,
+    the compile counted. As dynamo's cache size limit: never compiling forever."""
+    values = (str(cache.directory), region_shapes.values_key(call))
+    limit = settings.max_value_variants.get()
+    if _value_variants[values] >= limit:
+        return (f"{_value_variants[values]} kernels already compiled for new values of the numbers in its call "
+                f"({settings.max_value_variants.name}={limit}); further values run eagerly")
+    why = _family_of(cache, call).over_limit()
+    if why is None:
+        _value_variants[values] += 1
+    return why
 
 
 def _record(recorder: Recorder, call: RegionCall) -> None:
@@ -416,15 +480,17 @@ def compiling(name: str) -> int:
 
 
 def _sharing_state(module: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``module`` that shares its parameters and buffers (no tensor
-    is copied) and runs its class's forward: a compile in another thread
-    traces it (``functional_call`` swaps its tensors for the trace's while
-    it runs) while this thread's calls run ``module``."""
-    memo: dict[int, Any] = {id(t): t for t in (*module.parameters(), *module.buffers())}
-    if (fused := module.__dict__.get("forward")) is not None:
-        memo[id(fused)] = None  # not copied: popped below
-    apart = copy.deepcopy(module, memo)
-    apart.__dict__.pop("forward", None)
+    """A copy of ``module``'s tree that runs its class's forward: new module
+    objects with dicts of their own holding the same parameters, buffers and
+    other values (nothing deep-copied, which a lock or a file would refuse).
+    A compile traces it (the trace swaps its tensors for its own while it
+    runs, and the recording of what it reads swaps its classes) while calls
+    of other threads run ``module``."""
+    apart = copy.copy(module)
+    state = apart.__dict__
+    state.pop("forward", None)
+    state["_parameters"], state["_buffers"] = dict(module._parameters), dict(module._buffers)
+    state["_modules"] = {name: None if m is None else _sharing_state(m) for name, m in module._modules.items()}
     return apart
 
 
@@ -435,8 +501,15 @@ def _compile(instance: _Instance, cache: EntryStore, call: RegionCall, apart: to
         return _mechanism.load_library(cache, call.device, library, output_counts, len(call.inputs()), call.short(),
                                        known_good=False)
 
-    with _mechanism.own_work():
-        outcome, outputs = compile_region(apart or instance.module, call, cache, load, in_background=apart is not None)
+    # A copy is traced: the module's own tensors stay real for calls of other threads meanwhile.
+    try:
+        with _mechanism.own_work():
+            outcome, outputs = compile_region(apart or _sharing_state(instance.module), call, cache, load,
+                                              in_background=apart is not None)
+    except ReadsMore as e:
+        # Its next call is keyed with these values too.
+        _reads[call.base] = _reads.get(call.base, frozenset()) | e.reads
+        return _Decided(reason=str(e), lasting=False)
     stats = _stats_of(instance.name)
     if not isinstance(outcome, Published):
         if outcome.compiler_error is not None:
@@ -502,7 +575,7 @@ def _compile_family(instance: _Instance, cache: EntryStore, call: RegionCall) ->
         return None
     load = _loader(cache, call)
     with _mechanism.own_work():
-        outcome, outputs = region_shapes.compile_family(instance.module, call, dims, family.seen, cache, load)
+        outcome, outputs = region_shapes.compile_family(_sharing_state(instance.module), call, dims, family.seen, cache, load)
     if not isinstance(outcome, Published):
         if not outcome.eager_raised:
             family.static = outcome.reason
@@ -592,8 +665,6 @@ def _refusal(module: torch.nn.Module) -> str | None:
     """Why no call of ``module`` is compiled, or None."""
     if "forward" in module.__dict__:
         return "its forward is replaced on the instance, which its class's code does not describe"
-    if module._forward_hooks or module._forward_pre_hooks:
-        return "it has forward hooks, which would run inside and around its kernel"
     try:
         code_digest(module)
     except NotARegion as e:
@@ -614,37 +685,39 @@ def stats() -> dict[str, dict[str, Any]]:
     return {name: {**vars(s), "compiling": compiling(name)} for name, s in _stats.items() if _live[name]}
 
 
-def fused_instances(model: torch.nn.Module) -> dict[tuple[str, str], _Instance]:
-    """The fused instances of ``model`` whose calls may compile, one per
-    (region name, state structure): what a recorded region request is matched with."""
-    found: dict[tuple[str, str], _Instance] = {}
+def fused_instances(model: torch.nn.Module) -> dict[tuple[str, str], list[_Instance]]:
+    """The fused instances of ``model`` whose calls may compile, by (region
+    name, state structure): what a recorded region request is matched with
+    (the values their forwards read tell them apart, :func:`prewarm`)."""
+    found: dict[tuple[str, str], list[_Instance]] = {}
     for module in model.modules():
         instance = _fused(module)
         if instance is None or instance.refused is not None:
             continue
         try:
-            found.setdefault((instance.name, instance.state().structure), instance)
+            found.setdefault((instance.name, instance.state().structure), []).append(instance)
         except NotARegion:
             continue
     return found
 
 
-def prewarm(instance: _Instance, request: RegionRequest) -> tuple[str, str | None, float]:
+def prewarm(instances: list[_Instance], request: RegionRequest) -> tuple[str, str | None, float]:
     """Compiles the kernel of the call ``request`` recorded, rebuilt with
-    example tensors, for ``instance``, unless the cache has it: as a miss
+    example tensors, for the first of ``instances`` whose call it keys
+    (their values may differ), unless the cache has it: as a miss
     with ``compile="now"`` does (checked against eager, timed, published),
     its decision kept for this process's calls. Returns the status
     (``compiled``, ``cached``, ``eager`` or ``failed``), its reason and the compile's seconds."""
-    stats = instance.stats
+    stats = instances[0].stats
     compiles, seconds = stats.compiles, stats.compile_seconds
     before = torch.get_default_dtype()
     try:
         # The call's key holds the default dtype, which a forward's new tensors take.
         torch.set_default_dtype(getattr(torch, request.default_dtype))
-        decided = _prewarm_call(instance, request)
+        decided = _prewarm_any(instances, request)
         if not decided.lasting and (decided.reason or "").startswith("eager raised"):
             # Random integers can index past a short table (an embedding of 2 rows); zeros index any.
-            decided = _prewarm_call(instance, request, zero_integers=True)
+            decided = _prewarm_any(instances, request, zero_integers=True)
     except (NotARegion, TypeError, AttributeError) as e:
         return "failed", str(e), 0.0
     finally:
@@ -655,14 +728,29 @@ def prewarm(instance: _Instance, request: RegionRequest) -> tuple[str, str | Non
     return ("compiled" if stats.compiles > compiles else "cached"), None, spent
 
 
-def _prewarm_call(instance: _Instance, request: RegionRequest, zero_integers: bool = False) -> _Decided:
-    """What the call ``request`` recorded, rebuilt for ``instance``, runs; a miss compiles it now."""
+def _prewarm_any(instances: list[_Instance], request: RegionRequest, zero_integers: bool = False) -> _Decided:
+    """What the call ``request`` recorded runs, for the first of ``instances`` it keys."""
+    for instance in instances:
+        decided = _prewarm_call(instance, request, zero_integers)
+        if decided is not None:
+            return decided
+    raise NotARegion("its call rebuilt here is keyed differently from the recorded one (the values its forward "
+                     "reads, or its code, differ)")
+
+
+def _prewarm_call(instance: _Instance, request: RegionRequest, zero_integers: bool = False) -> _Decided | None:
+    """What the call ``request`` recorded, rebuilt for ``instance``, runs (a
+    miss compiles it now); None where the call is keyed otherwise for it."""
     state = instance.state()
     # The device of the instance's state: the model may have moved since (cuda:1).
     device = state.tensors[0].device if state.tensors else torch.device(request.device)
     args, kwargs = request.arguments(device, zero_integers)
     call = RegionCall.of(instance.name, state.names, state.tensors, state.structure, args, kwargs)
-    if call.key != request.key:
-        raise NotARegion("its call rebuilt here is keyed differently from the recorded one")
     with torch.no_grad():
-        return _decision(instance, call, "now")[0]
+        try:
+            call, _ = _valued(instance, call, lambda: instance.original(*args, **kwargs))
+        except NotARegion:
+            raise
+        except Exception as e:  # noqa: BLE001 - the example's values, as a compile's eager run would say
+            return _Decided(reason=f"eager raised {type(e).__name__}", lasting=False)
+        return _decision(instance, call, "now")[0] if call.key == request.key else None

@@ -92,12 +92,19 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // aoti_eager/_regions.py's hit path: see csrc/region_state.h.
   py::class_<RegionState, std::shared_ptr<RegionState>>(m, "RegionState")
       .def(
-          py::init([](std::vector<at::Tensor> tensors, std::vector<py::object> modules, py::handle root) {
-            return std::make_shared<RegionState>(std::move(tensors), std::move(modules), root);
+          py::init([](std::vector<at::Tensor> tensors,
+                      std::vector<py::object> modules,
+                      py::handle root,
+                      std::vector<std::tuple<py::dict, py::str, py::object>> values,
+                      std::vector<py::dict> hooks) {
+            return std::make_shared<RegionState>(
+                std::move(tensors), std::move(modules), root, std::move(values), std::move(hooks));
           }),
           py::arg("tensors"),
           py::arg("modules"),
-          py::arg("root"))
+          py::arg("root"),
+          py::arg("values"),
+          py::arg("hooks"))
       .def("unchanged", &RegionState::unchanged, py::arg("root"))
       .def_static(
           "key",

@@ -142,8 +142,17 @@ bool fingerprint(const std::vector<at::Tensor>& tensors, std::string& key) {
 
 } // namespace
 
-RegionState::RegionState(std::vector<at::Tensor> tensors, std::vector<py::object> modules, py::handle root)
-    : tensors_(std::move(tensors)), modules_(std::move(modules)) {
+RegionState::RegionState(
+    std::vector<at::Tensor> tensors,
+    std::vector<py::object> modules,
+    py::handle root,
+    std::vector<std::tuple<py::dict, py::str, py::object>> values,
+    std::vector<py::dict> hooks)
+    : tensors_(std::move(tensors)), modules_(std::move(modules)), values_(std::move(values)) {
+  for (py::dict& d : hooks) {
+    const Py_ssize_t size = PyDict_Size(d.ptr());
+    hooks_.emplace_back(std::move(d), size);
+  }
   std::string key;
   if (fingerprint(tensors_, key)) {
     fingerprint_ = std::move(key);
@@ -160,6 +169,18 @@ bool RegionState::unchanged(py::handle root) const {
   }
   for (size_t i = 0; i < modules_.size(); ++i) {
     if (training_[i + 1] < 0 || training(modules_[i]) != training_[i + 1]) {
+      return false;
+    }
+  }
+  for (const auto& [mapping, name, value] : values_) {
+    // Borrowed, compared by identity: a value assigned anew is another object.
+    if (PyDict_GetItemWithError(mapping.ptr(), name.ptr()) != value.ptr()) {
+      PyErr_Clear();
+      return false;
+    }
+  }
+  for (const auto& [hooks, size] : hooks_) {
+    if (PyDict_Size(hooks.ptr()) != size) {
       return false;
     }
   }

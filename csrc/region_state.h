@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace aoti_eager {
@@ -22,12 +24,20 @@ class RegionState {
   // `tensors`: the instance's parameters then buffers, as its kernel takes
   // them. `modules`: its submodules (not the instance itself: the caller
   // passes it to each call, as the instance is held weakly).
-  RegionState(std::vector<at::Tensor> tensors, std::vector<pybind11::object> modules, pybind11::handle root);
+  // `values`: (mapping, name, value) of each Python value a forward may
+  // read (kernels/region_values.py), each still the same object while the
+  // state is unchanged. `hooks`: dicts whose sizes stay as they are now.
+  RegionState(
+      std::vector<at::Tensor> tensors,
+      std::vector<pybind11::object> modules,
+      pybind11::handle root,
+      std::vector<std::tuple<pybind11::dict, pybind11::str, pybind11::object>> values,
+      std::vector<pybind11::dict> hooks);
 
   // Whether the state is as when it was prepared: each tensor's data pointer,
   // dtype, device, sizes, strides and requires_grad (.to(), `.data =` and
-  // requires_grad_() change them on the same objects), and the training flag
-  // of `root` and of each submodule.
+  // requires_grad_() change them on the same objects), the training flag
+  // of `root` and of each submodule, its Python values and hook dicts' sizes.
   bool unchanged(pybind11::handle root) const;
 
   // The key of a call in this process: grad mode, autocast, the default
@@ -48,6 +58,8 @@ class RegionState {
   std::optional<std::string> fingerprint_; // nullopt: never unchanged (see unchanged())
   std::vector<pybind11::object> modules_;
   std::vector<int> training_; // the root's, then each of modules_' (1, 0; -1: not a bool)
+  std::vector<std::tuple<pybind11::dict, pybind11::str, pybind11::object>> values_;
+  std::vector<std::pair<pybind11::dict, Py_ssize_t>> hooks_; // each dict and its size when prepared
 };
 
 } // namespace aoti_eager

@@ -33,12 +33,14 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils._pytree as pytree
+from torch.nn.utils.stateless import _reparametrize_module
 
 from aoti_eager import settings
 from aoti_eager.cache.entry_store import Entry, EntryStore
-from aoti_eager.kernels import quiet
+from aoti_eager.kernels import quiet, region_values
 from aoti_eager.kernels.compile import CompileError, dense_order, in_order, compile_module, compile_options, sidecar_files
 from aoti_eager.kernels.examples import example_value
+from aoti_eager.kernels.region_values import Read
 from aoti_eager.kernels.pipeline import Loader, NotCompiled, Outcome, Published, current, speed_verdict, timed
 from aoti_eager.kernels.speed import Timing, measured
 from aoti_eager.kernels.signature import (
@@ -57,6 +59,15 @@ _VALUES = (bool, int, float, str, type(None))
 
 class NotARegion(Exception):
     """A module, or one call of it, that no region kernel serves; the message says why."""
+
+
+class ReadsMore(NotARegion):
+    """The forward, traced for a call, read attributes whose values the call's key does not hold."""
+
+    def __init__(self, reads: frozenset[Read], unkeyed: frozenset[Read]):
+        named = ", ".join(f"{path}.{name}".lstrip(".") for path, name in sorted(unkeyed))
+        super().__init__(f"its forward read attributes here that its key does not hold yet ({named})")
+        self.reads = reads
 
 
 def region_name(module: torch.nn.Module) -> str:
@@ -135,10 +146,12 @@ class RegionCall:
     device: torch.device
     names: tuple[str, ...]
     tensors: tuple[torch.Tensor, ...]
-    structure: str  # state_structure() of the instance
+    structure: str  # state_structure() of the instance, with the values its forward reads (valued())
     leaves: tuple[Any, ...]
     spec: pytree.TreeSpec
     described: tuple[tuple[str, Arg], ...]  # (path, description) of each leaf
+    base: str = ""  # state_structure() alone, where valued() added values
+    reads: frozenset[Read] = frozenset()  # the attributes whose values the structure holds
 
     @classmethod
     def of(cls, name: str, names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], structure: str,
@@ -149,6 +162,21 @@ class RegionCall:
         device = _device(tensors, leaves)
         described = tuple((_path_name(path), _leaf(v, device)) for path, v in with_paths)
         return cls(name, device, names, tensors, structure, leaves, spec, described)
+
+    def valued(self, module: torch.nn.Module, reads: frozenset[Read]) -> "RegionCall":
+        """The call with the values of ``reads`` in ``module``'s tree in its
+        structure (kernels/region_values.py). Raises NotARegion for a value no key holds."""
+        try:
+            values = region_values.described(module, reads)
+        except region_values.UnkeyedValue as e:
+            raise NotARegion(f"its forward reads {e}") from None
+        base = self.base or self.structure
+        return dataclasses.replace(self, structure=_digest([base, values]), base=base, reads=reads)
+
+    def with_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> "RegionCall":
+        """A call of the same state with other arguments."""
+        call = RegionCall.of(self.name, self.names, self.tensors, self.structure, args, kwargs)
+        return dataclasses.replace(call, base=self.base, reads=self.reads)
 
     @property
     def key(self) -> str:
@@ -203,7 +231,8 @@ class RegionRequest:
         except Exception as e:  # noqa: BLE001 - pytree raises NotImplementedError, json TypeError
             raise NotARegion(f"its arguments' structure cannot be written down ({type(e).__name__}: {e})") from None
         dtype = str(torch.get_default_dtype()).removeprefix("torch.")
-        return cls(call.name, call.structure, str(call.device), call.key, call.to_json(), spec, dtype)
+        # The state's structure alone: what an instance is matched with (its values are in the key).
+        return cls(call.name, call.base or call.structure, str(call.device), call.key, call.to_json(), spec, dtype)
 
     @property
     def id(self) -> tuple[str, str, str]:
@@ -391,14 +420,17 @@ class RegionModule(torch.nn.Module):
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         n = len(self.call.names)
         args, kwargs = self.call.arguments(iter(flat[n:]))
-        with original_forward():
-            result = torch.func.functional_call(self._instance, dict(zip(self.call.names, flat[:n])), tuple(args), kwargs)
+        instance = self._instance
+        with original_forward(), _reparametrize_module(instance, dict(zip(self.call.names, flat[:n])), tie_weights=True):
+            # Its class's forward, not the module's __call__: the instance's own hooks run around the kernel, not in it.
+            result = type(instance).forward(instance, *args, **kwargs)
         if self.outputs is None:
             return result
         for value in pytree.tree_leaves(result):
             if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
                 # A number the kernel does not return: eager's value would be kept for every call.
-                raise NotARegion("its result holds a number computed from its tensors' data")
+                raise NotARegion("its result holds a number computed from its tensors (their data or sizes), "
+                                 "which a kernel does not return")
         return tuple(in_order(t, order) for t, order in zip(self.outputs.tensors(result), self.outputs.orders))
 
 
@@ -412,8 +444,10 @@ def compile_region(
     logged at DEBUG level, not shown; ``in_background``: what this thread
     prints, while the process's other threads print as usual."""
     output: list[str] = []
+    # Eager's reference and the checks draw random numbers (dropout in training): the caller's stream stays as it was.
+    devices = [call.device.index or 0] if call.device.type == "cuda" else []
     try:
-        with quiet.captured(output, this_thread_only=in_background), torch.no_grad():
+        with quiet.captured(output, this_thread_only=in_background), torch.no_grad(), torch.random.fork_rng(devices):
             return _compile_region(instance, call, store, load)
     finally:
         if output:
@@ -424,11 +458,16 @@ def _compile_region(instance: torch.nn.Module, call: RegionCall, store: EntrySto
     # Eager's reference on copies: a forward that writes into its state or inputs leaves the caller's alone.
     reference = clone_args(call.inputs())
     try:
-        expected = RegionModule(instance, call)(*reference)
+        expected, reads = region_values.recorded(instance, lambda: RegionModule(instance, call)(*reference))
+    except region_values.UnkeyedValue as e:
+        return NotCompiled(str(e)), None
     except Exception as e:  # noqa: BLE001 - the original forward raises it again for the caller
         return NotCompiled(f"eager raised {type(e).__name__}", eager_raised=True), None
+    if not reads <= call.reads:
+        raise ReadsMore(reads, reads - call.reads)  # nothing published: the caller keys its next call with them
     try:
         outputs = Outputs.of(expected)
+        aliased(outputs.tensors(expected), reference)
     except NotARegion as e:
         return _publish_eager(store, call, str(e)), None
     if not settings.keep_faster.get():
@@ -468,6 +507,22 @@ def _compile_region(instance: torch.nn.Module, call: RegionCall, store: EntrySto
     return Published(seconds, artifact.seconds, call.key), outputs
 
 
+def aliased(result: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
+    """Raises NotARegion where a tensor of ``result`` shares memory with one
+    of ``inputs`` (the state, then the call's tensors) or with another of
+    ``result``: a kernel returns fresh tensors, and a write into the result
+    would no longer reach what eager's aliases."""
+    owners = {t.untyped_storage().data_ptr(): f"its input {i}" for i, t in enumerate(inputs) if t.numel()}
+    for i, t in enumerate(result):
+        if not t.numel():
+            continue
+        storage = t.untyped_storage().data_ptr()
+        if storage in owners:
+            raise NotARegion(f"its result's tensor {i} shares memory with {owners[storage]} (the tensor itself or a view), "
+                             "which a kernel's fresh outputs would not")
+        owners[storage] = f"its result's tensor {i}"
+
+
 def _measured(kernel: Any, instance: torch.nn.Module, call: RegionCall) -> Timing:
     """The region's kernel timed against the instance's original forward, both on copies of the call's tensors."""
     inputs = [*call.tensors, *clone_args(call.inputs()[len(call.tensors):])]
@@ -475,7 +530,7 @@ def _measured(kernel: Any, instance: torch.nn.Module, call: RegionCall) -> Timin
 
     def eager() -> Any:
         with original_forward():
-            return instance(*args, **kwargs)
+            return type(instance).forward(instance, *args, **kwargs)
 
     return measured(kernel, inputs, eager, current().region_timer)
 

@@ -31,7 +31,7 @@ from aoti_eager.kernels.compile import Artifact, CompileError, compile_module, c
 from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily, _form
 from aoti_eager.kernels.pipeline import Loader, NotCompiled, Outcome, Published
 from aoti_eager.kernels.region import Outputs, RegionCall, RegionModule, _digest, check_region
-from aoti_eager.kernels.signature import TensorArg, clone_args
+from aoti_eager.kernels.signature import NumberArg, TensorArg, clone_args
 from aoti_eager.kernels.toolchain import usable_vec_isas
 from aoti_eager.kernels.validate import Mismatch
 
@@ -52,6 +52,13 @@ def family_key(call: RegionCall) -> str:
     the sizes and strides of the call's tensors (of these, the order of their
     dims in memory)."""
     return _digest([call.structure, str(torch.get_default_dtype()), str(call.spec), [[p, _form(d, None)] for p, d in call.described]])
+
+
+def values_key(call: RegionCall) -> str:
+    """What calls that differ only in the numbers of their arguments share:
+    :attr:`RegionCall.key` with each number's type instead of its value."""
+    described = [[p, type(d.value).__name__ if isinstance(d, NumberArg) else d.to_json()] for p, d in call.described]
+    return _digest([call.structure, str(torch.get_default_dtype()), str(call.spec), described])
 
 
 def static_key(call: RegionCall) -> str:
@@ -110,7 +117,7 @@ def resized(call: RegionCall, family: ShapeFamily, values: dict[int, int]) -> Re
         leaves = [family.resized_tensor(next(index), v, d, shapes) if isinstance(d, TensorArg) else v
                   for v, (_, d) in zip(call.leaves, call.described)]
         args, kwargs = pytree.tree_unflatten(leaves, call.spec)
-        return RegionCall.of(call.name, call.names, call.tensors, call.structure, args, kwargs)
+        return call.with_arguments(args, kwargs)
     except Exception:  # noqa: BLE001 - a call that cannot be rebuilt is not checked
         return None
 

@@ -184,7 +184,8 @@ def test_repeated_blocks_share_one_compile(tmp_path):
     with torch.no_grad():
         expected, actual = reference(x), model(x)
     torch.testing.assert_close(actual, expected)
-    assert _delta(before, Block) == {"calls": 3, "hits": 3, "fallbacks": 0, "compiles": 1, "cache_loads": 0}
+    # The first call runs the original forward, which records what it reads of its modules (region_values.py).
+    assert _delta(before, Block) == {"calls": 3, "hits": 2, "fallbacks": 0, "compiles": 1, "cache_loads": 0}
     assert [key for op, key in _cache_entries(tmp_path)] and {op for op, _ in _cache_entries(tmp_path)} == {
         f"region::{Block.__module__}.Block"}
 
@@ -291,16 +292,16 @@ def test_the_kept_structure_is_under_the_entrys_integrity_check(tmp_path):
 def test_a_new_process_loads_the_region_from_the_cache(tmp_path, block):
     _compiled(tmp_path, block)
     row = _child(tmp_path, block)
-    # Loaded once, the result's structure read from the entry: every call a hit, the original forward never run.
-    assert (row["compiles"], row["cache_loads"], row["calls"], row["hits"], row["eager_calls"]) == (0, 1, 2, 2, 0)
+    # Loaded once, the result's structure read from the entry: the original forward runs once, to record what it
+    # reads (its values are in the key), then every call is a hit.
+    assert (row["compiles"], row["cache_loads"], row["calls"], row["hits"], row["eager_calls"]) == (0, 1, 2, 1, 1)
 
 
-def test_a_result_type_not_registered_in_the_new_process_is_learnt_from_eager(tmp_path):
+def test_a_result_type_that_the_forward_registers_is_usable_after_its_first_call(tmp_path):
     _compiled(tmp_path, LazyBlock)
     row = _child(tmp_path, LazyBlock)  # Lazy is registered by the first forward that returns one
+    # The first call, which records what the forward reads, registers Lazy: the kept structure is then usable.
     assert (row["compiles"], row["cache_loads"], row["calls"], row["hits"], row["eager_calls"]) == (0, 1, 2, 1, 1)
-    assert "the structure of its result in the cache cannot be used here" in row["stderr"]
-    assert f"Deserializing {Lazy.__module__}.Lazy in pytree is not registered" in row["stderr"]
 
 
 def test_a_region_that_does_not_export_runs_eagerly_with_its_reason(tmp_path, caplog):
@@ -313,7 +314,7 @@ def test_a_region_that_does_not_export_runs_eagerly_with_its_reason(tmp_path, ca
         for x in (torch.randn(4, 16), torch.randn(4, 16).abs(), -torch.randn(4, 16).abs()):
             torch.testing.assert_close(model(x), reference(x))
     delta = _delta(before, Gate)
-    assert (delta["compiles"], delta["hits"], delta["fallbacks"]) == (0, 0, 6)
+    assert (delta["compiles"], delta["hits"], delta["fallbacks"]) == (0, 0, 5)  # and the call that recorded its reads
     assert _row(Gate)["fallback_reason"].startswith("torch.export failed")
     lines = [r.getMessage() for r in caplog.records if "Gate" in r.getMessage()]
     assert len(lines) == 1 and "runs eagerly: torch.export failed" in lines[0]
@@ -330,7 +331,7 @@ def test_a_region_that_mutates_its_state_runs_eagerly(tmp_path):
         for _ in range(2):
             torch.testing.assert_close(blocks(x), reference(x))
     assert [int(b.calls) for b in blocks] == [2, 2]
-    assert _delta(before, Counting)["fallbacks"] == 4 and "writes into its input 6" in _row(Counting)["fallback_reason"]
+    assert _delta(before, Counting)["fallbacks"] == 3 and "writes into its input 6" in _row(Counting)["fallback_reason"]
 
 
 def test_a_kernel_that_disagrees_with_eager_is_not_used(tmp_path, monkeypatch):
@@ -388,7 +389,7 @@ def test_a_bf16_block_compiled_whole_is_judged_against_float64(tmp_path):
     before = _row(Deep)
     with torch.no_grad():
         actual, expected, exact = blocks(x), reference(x), float64(x.double())
-    assert _delta(before, Deep) == {"calls": 2, "hits": 2, "fallbacks": 0, "compiles": 1, "cache_loads": 0}, _row(Deep)["fallback_reason"]
+    assert _delta(before, Deep) == {"calls": 2, "hits": 1, "fallbacks": 0, "compiles": 1, "cache_loads": 0}, _row(Deep)["fallback_reason"]
     assert (actual.dtype, actual.shape, actual.stride()) == (expected.dtype, expected.shape, expected.stride())
     with pytest.raises(AssertionError):
         torch.testing.assert_close(actual, expected)  # what one op's tolerance would refuse
@@ -494,7 +495,7 @@ def test_a_number_read_from_the_data_keeps_eager(tmp_path):
             y, total = blocks[0](x)
             assert total == y.sum().item()
     assert _delta(before, Scoring)["hits"] == 0
-    assert "computed from its tensors' data" in _row(Scoring)["fallback_reason"]
+    assert "computed from its tensors (their data or sizes)" in _row(Scoring)["fallback_reason"]
 
 
 def test_a_kernel_that_fails_to_run_falls_back_with_one_line(shared_cache, monkeypatch, caplog):
@@ -530,21 +531,22 @@ def test_eager_error_reaches_the_caller_and_the_next_call_compiles(tmp_path):
             lookups[0](torch.tensor([[11]]))
         ids = torch.tensor([[1]])
         torch.testing.assert_close(lookups[1](ids), reference[1](ids))
-    assert _delta(before, Lookup) == {"calls": 2, "hits": 1, "fallbacks": 1, "compiles": 1, "cache_loads": 0}
+    # Eager's error comes from the call that records what the forward reads; the next records again, then compiles.
+    assert _delta(before, Lookup) == {"calls": 2, "hits": 0, "fallbacks": 0, "compiles": 1, "cache_loads": 0}
 
 
-def test_an_instance_with_forward_hooks_runs_eagerly(shared_cache):
+def test_an_instance_with_forward_hooks_runs_them_around_its_kernel(shared_cache):
     model, x = _model(), torch.randn(4, 16)
     seen = []
     model.blocks[1].register_forward_hook(lambda module, args, result: seen.append(result.shape))
     reference = copy.deepcopy(model)
     aoti_eager.fuse(model, cache_dir=shared_cache)
+    _warm(model, x)
     before = _row(Block)
     with torch.no_grad():
         torch.testing.assert_close(model(x), reference(x))
-    assert seen == [torch.Size([4, 16])] * 2  # once for each model, not twice in the fused one
-    assert _delta(before, Block)["hits"] == 2 and _delta(before, Block)["fallbacks"] == 1
-    assert "forward hooks" in _row(Block)["fallback_reason"]
+    assert seen == [torch.Size([4, 16])] * 4  # once a call of each model, not twice in the fused one
+    assert _delta(before, Block)["hits"] == 3 and _delta(before, Block)["fallbacks"] == 0
 
 
 def test_a_region_compiles_beside_enabled_ops(tmp_path):
@@ -596,7 +598,8 @@ def test_output_pytrees(shared_cache, block):
                     assert a.stride() == e.stride()
                 else:
                     assert a == e
-    assert _delta(before, block)["hits"] == 2
+    # 1: the first call records what its forward reads, unless an earlier test of this process did.
+    assert _delta(before, block)["hits"] in (1, 2)
 
 
 def test_unfuse_restores_the_original_forward(shared_cache):
@@ -719,7 +722,8 @@ def test_gpt2_blocks(shared_cache):
         expected = reference(ids, use_cache=False).logits
     torch.testing.assert_close(actual, expected)
     delta = _delta(before, block)
-    assert (delta["compiles"], delta["hits"]) == (1, 2), _row(block)["fallback_reason"]
+    # 1 hit: the first call records what its forward reads, unless an earlier test of this process did.
+    assert delta["compiles"] == 1 and delta["hits"] in (1, 2), _row(block)["fallback_reason"]
 
 
 def test_gpt2_generate_with_its_kv_cache_runs_the_blocks_eagerly(shared_cache):
@@ -797,7 +801,7 @@ def test_to_dtype_prepares_the_state_again(shared_cache):
         actual, expected = blocks(x), reference(x)
     assert actual.dtype == torch.float64
     torch.testing.assert_close(actual, expected)
-    assert _delta(before, Casting)["hits"] == 2
+    assert _delta(before, Casting)["hits"] == 1  # a new structure: its first call records what its forward reads
 
 
 def test_data_assigned_with_other_strides_prepares_the_state_again(shared_cache):
@@ -869,7 +873,8 @@ def test_the_default_dtype_is_seen_by_the_hit_path(shared_cache):
     finally:
         torch.set_default_dtype(default)
     assert actual.dtype == expected.dtype == torch.float64
-    torch.testing.assert_close(actual, expected)
+    # Its float32 part computed whole: within float32's rounding of eager, as near float64 as eager (validate.py).
+    torch.testing.assert_close(actual, expected, rtol=1.3e-6, atol=1e-5)
 
 
 def test_grad_mode_and_requires_grad_are_seen_by_the_hit_path(shared_cache):
@@ -957,3 +962,42 @@ def test_nested_arguments_are_keyed_by_their_pytree(shared_cache, monkeypatch):
             for args in calls:
                 torch.testing.assert_close(blocks[0](*args), reference[0](*args))
     assert described == [] and _row(Nested)["fallbacks"] == 0, _row(Nested)["fallback_reason"]
+
+
+def test_new_values_of_a_number_compile_up_to_the_limit_then_run_eagerly(tmp_path):
+    from aoti_eager import settings
+
+    blocks = torch.nn.ModuleList(TupleBlock() for _ in range(2)).eval()
+    reference = copy.deepcopy(blocks)
+    aoti_eager.fuse(blocks, cache_dir=tmp_path)
+    before = _row(TupleBlock)
+    x = torch.randn(4, 16)
+    with settings.max_value_variants.set_to("2"), torch.no_grad():
+        for scale in (0.5, 1.5, 2.5, 3.5):
+            torch.testing.assert_close(blocks[0](x, scale)[0], reference[0](x, scale)[0])
+    assert _delta(before, TupleBlock)["compiles"] == 2
+    assert "AOTI_EAGER_MAX_VALUE_VARIANTS=2" in _row(TupleBlock)["fallback_reason"]
+
+
+class Measuring(Block):
+    """Returns a size read off its input: no dynamic kernel, a static one per length."""
+
+    def forward(self, x):
+        return super().forward(x), x.shape[0]
+
+
+def test_new_shapes_compile_up_to_the_limit_then_run_eagerly(tmp_path):
+    from aoti_eager import settings
+
+    blocks = torch.nn.ModuleList(Measuring() for _ in range(2)).eval()
+    reference = copy.deepcopy(blocks)
+    aoti_eager.fuse(blocks, cache_dir=tmp_path)
+    before = _row(Measuring)
+    with settings.max_shape_compiles.set_to("3"), torch.no_grad():
+        for batch in range(1, 8):
+            x = torch.randn(batch, 16)
+            actual, expected = blocks[0](x), reference[0](x)
+            torch.testing.assert_close(actual[0], expected[0])
+            assert actual[1] == expected[1]
+    assert _delta(before, Measuring)["compiles"] <= 3
+    assert "AOTI_EAGER_MAX_SHAPE_COMPILES=3" in _row(Measuring)["fallback_reason"]
