@@ -168,7 +168,8 @@ class _Instance:
         return type(self.module).forward(self.module, *args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if bypassed() or torch.compiler.is_exporting():
+        # Traced (by the region's own compile, torch.export, torch.compile or torch.jit.trace): the code, not a kernel.
+        if bypassed() or torch.compiler.is_exporting() or torch.compiler.is_compiling() or torch.jit.is_tracing():
             return self.original(*args, **kwargs)
         return _call(self, args, kwargs)
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import hashlib
 import threading
 import types
 from typing import Any, Callable, Iterator, TypeVar
@@ -133,7 +132,8 @@ def _describe(value: Any, where: str, depth: int) -> Any:
     if isinstance(value, dict):
         return ["dict", [[repr(k), _describe(v, f"{where}[{k!r}]", depth)] for k, v in value.items()]]
     if isinstance(value, torch.Tensor):
-        return _tensor(value)
+        # A constant of the kernel, whose in-place changes no check on a call would see.
+        raise UnkeyedValue(f"{where} holds a tensor that is not a parameter or buffer (register it as a buffer)")
     if isinstance(value, torch.nn.Module):
         raise UnkeyedValue(f"{where} holds a module that is not a submodule: its tensors would be constants of the kernel")
     if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type, functools.partial)):
@@ -143,13 +143,6 @@ def _describe(value: Any, where: str, depth: int) -> Any:
         return ["object", _qualified(type(value)),
                 [[k, _describe(v, f"{where}.{k}", depth + 1)] for k, v in sorted(vars(value).items())]]
     raise UnkeyedValue(f"{where} holds a {type(value).__qualname__}, whose value a kernel's key cannot hold")
-
-
-def _tensor(t: torch.Tensor) -> list[Any]:
-    # A tensor that is no parameter or buffer is a constant of the kernel: its values are keyed.
-    data = t.detach().cpu().contiguous()
-    digest = hashlib.sha256(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"").hexdigest()
-    return ["tensor", str(t.dtype), list(t.shape), str(t.device), digest]
 
 
 def _callable(value: Any, where: str, depth: int) -> list[Any]:

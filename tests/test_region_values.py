@@ -193,10 +193,16 @@ def test_a_global_hook_keeps_regions_eager(tmp_path):
     aoti_eager.fuse(model, cache_dir=tmp_path)
     handle = torch.nn.modules.module.register_module_forward_hook(
         lambda module, args, out: out + 1 if isinstance(module, torch.nn.Linear) else None)
+    x = torch.randn(4, 8)
     try:
-        _same(model, reference, torch.randn(4, 8))
+        _same(model, reference, x)
     finally:
         handle.remove()
+    # Nothing compiled with the hook inside serves a later model.
+    fresh = _stack(Scaled(), Scaled())
+    fresh_reference = copy.deepcopy(fresh)
+    aoti_eager.fuse(fresh, cache_dir=tmp_path)
+    _same(fresh, fresh_reference, x)
 
 
 class Pausing(Scaled):
@@ -340,3 +346,44 @@ def test_recorded_reads_name_the_attributes_read():
     assert ("", "config") in reads and ("act", "beta") in reads and ("", "fc") not in reads
     described = dict(region_values.described(block, reads))
     assert described["config"][0] == "object" and ["slope", ["float", "2.0"]] in described["config"][2]
+
+
+class Offset(Scaled):
+    """Reads a tensor that is no parameter or buffer: a constant its kernel would keep."""
+
+    def __init__(self):
+        super().__init__()
+        self.offset = torch.zeros(8)
+
+    def forward(self, x):
+        return super().forward(x) + self.offset
+
+
+def test_a_plain_tensor_attribute_keeps_the_region_eager(tmp_path):
+    model = _stack(Offset(), Offset())
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=tmp_path)
+    x = torch.randn(4, 8)
+    _same(model, reference, x)
+    for m in (model, reference):
+        m.blocks[0].offset.fill_(3.0)  # in place
+    _same(model, reference, x)
+    assert "register it as a buffer" in aoti_eager.stats()[f"region::{Offset.__module__}.Offset"]["fallback_reason"]
+
+
+@pytest.mark.parametrize("trace", ["torch.compile", "torch.jit.trace", "torch.export"])
+def test_a_fused_model_traced_whole_traces_its_blocks_forwards(tmp_path, trace):
+    model = _stack(Scaled(0.5), Scaled(2.0))
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=tmp_path)
+    x = torch.randn(4, 8)
+    _same(model, reference, x)
+    with torch.no_grad():
+        if trace == "torch.compile":
+            traced = torch.compile(model, backend="eager")
+        elif trace == "torch.jit.trace":
+            traced = torch.jit.trace(model, (x,), check_trace=False)
+        else:
+            traced = torch.export.export(model, (x,)).module()
+        for y in (x, torch.randn(4, 8)):
+            torch.testing.assert_close(traced(y), reference(y))
