@@ -391,6 +391,7 @@ def install(
             _registry.handler_set = True
         override = Override(op, device, root, next(_registry.tokens), recorder=recorder, compile=compile, remote=remote)
         override.handle = C.Override(op._schema.name, op._schema.overload_name, DISPATCH_KEYS[device], override.token)
+        _kernels_changed(op)
         _registry.by_token[override.token] = override
         _registry.installed[key] = override
         return override
@@ -411,6 +412,7 @@ def _restore(
         return None
     override.stats = OpStats()
     override.handle.restore()
+    _kernels_changed(override.op)
     _registry.by_token[override.token] = override
     _registry.installed[key] = override
     return override
@@ -423,8 +425,20 @@ def uninstall(op: OpOverload | None = None, device: str | None = None) -> None:
         for key in [k for k in _registry.installed if op in (None, k[0]) and device in (None, k[1])]:
             override = _registry.installed.pop(key)
             override.handle.remove()
+            _kernels_changed(override.op)
             _registry.by_token.pop(override.token, None)
             _registry.removed[key] = override
+
+
+def _kernels_changed(op: OpOverload) -> None:
+    """Forgets which kernel the Python dispatcher (export and Dynamo trace
+    under it) found for each dispatch key of ``op``: it caches the key whose
+    kernel serves a call. For an op with no kernel of its own at the
+    overridden key (``clone``: CompositeExplicitAutograd's only), that is the
+    key itself while the override is installed; after it is removed, that key
+    has no kernel, and the next traced call (export's own ``torch.clone`` of
+    the RNG state) jumps to a null one. PyTorch's ``py_impl`` clears it so."""
+    op._dispatch_cache.clear()
 
 
 def forget() -> None:

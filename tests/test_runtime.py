@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 
 import pytest
 import torch
+from torch._dispatch.python import enable_python_dispatcher
 
 import aoti_eager
 from aoti_eager import _runtime
@@ -337,6 +340,41 @@ def test_compiling_never_recurses_into_overrides(tmp_path):
     assert_same_as_eager(y, x.abs())
     assert stats["aten::abs"]["compiles"] == 1 and stats["aten::abs"]["hits"] == 1
     assert all(row["calls"] == 0 for name, row in stats.items() if name != "aten::abs"), stats
+
+
+# Calls traced under the Python dispatcher while argv[2] is overridden, then
+# after disable(), as export traces its own torch.clone of the RNG state.
+TRACED_CALLS_AFTER_DISABLE = """
+import sys, torch, aoti_eager
+from aoti_eager import _runtime
+from torch._dispatch.python import enable_python_dispatcher
+def traced_calls():
+    with enable_python_dispatcher():
+        torch.empty(4).copy_(torch.clone(torch.randn(4)))
+with aoti_eager.enabled([sys.argv[2]], devices=["cpu"], cache_dir=sys.argv[1]), _runtime.misses_held_back():
+    traced_calls()
+traced_calls()
+"""
+
+
+@pytest.mark.parametrize("op", ["aten::clone", "aten::copy_"])
+def test_a_traced_call_after_disable_reaches_the_original_kernel(op, tmp_path):
+    # Neither op has a CPU kernel but the override: the Python dispatcher kept
+    # the override's key for it, and after disable() called that key's kernel,
+    # none (SIGSEGV in the next compile's export). In a child: it would kill pytest.
+    child = subprocess.run([sys.executable, "-c", TRACED_CALLS_AFTER_DISABLE, str(tmp_path), op], capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, f"exit code {child.returncode}: {child.stderr[-3000:]}"
+
+
+def test_an_op_enabled_after_a_traced_call_is_overridden_there_too(tmp_path):
+    x = torch.randn(4)
+    with enable_python_dispatcher():
+        torch.clone(x)  # resolves clone's CPU key to CompositeExplicitAutograd's kernel
+    with aoti_eager.enabled(["aten::clone"], devices=["cpu"], cache_dir=tmp_path), _runtime.misses_held_back():
+        with enable_python_dispatcher():
+            torch.clone(x)
+        stats = aoti_eager.stats()["aten::clone"]
+    assert stats["calls"] == 1, stats
 
 
 def test_concurrent_calls_from_threads(shared_cache):
