@@ -84,11 +84,6 @@ DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 _UNANNOTATED_VIEWS = {"aten::_unsafe_view", "aten::unsafe_split", "aten::unsafe_split_with_sizes", "aten::unsafe_chunk"}
 
 
-# The compiler itself runs copy_ (functionalization's write-backs, saving the
-# RNG state): after a copy_ kernel has been compiled and the override removed,
-# the process's next compile crashes in a copy_ (seen with torch 2.13).
-_BREAKS_COMPILER = {"aten::copy_"}
-
 # Their outputs are uninitialized memory: a kernel would only allocate, as eager
 # does, and no check against eager's values could pass or mean anything.
 _UNINITIALIZED = {
@@ -100,8 +95,6 @@ _UNINITIALIZED = {
 def refusal(op: OpOverload) -> str | None:
     """Why ``op`` cannot be overridden safely, or None if it can."""
     schema = op._schema
-    if schema.name in _BREAKS_COMPILER:
-        return "the compiler uses it itself, and overriding it crashes later compiles in the process"
     if any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns) or schema.name in _UNANNOTATED_VIEWS:
         return "it is a view or aliasing op (its output shares storage with an input)"
     if schema.name in _UNINITIALIZED:

@@ -64,7 +64,6 @@ def test_unknown_op_and_overload():
         ("aten::_unique2", "depends on the input data"),
         ("aten::item", "depends on the input data"),
         ("aten::softmax.int", "composite op"),
-        ("aten::copy_", "crashes later compiles"),
     ],
 )
 def test_refusals_name_the_op_and_the_reason(spec, reason):
