@@ -90,7 +90,7 @@ def measure(case: str, model: torch.nn.Module, block: torch.nn.Module, args: tup
     with torch.no_grad():
         block(*args, **kwargs)  # compiles
         instance = _regions._fused(block)
-        decided, leaves, _ = _regions._decide(instance, args, kwargs, None)
+        decided, leaves, _, _ = _regions._decide(instance, args, kwargs, None)
         assert decided.kernel is not None, decided.reason
         kernel = decided.kernel
         inputs = [*instance.state().tensors, *(v for v in leaves if isinstance(v, torch.Tensor))]
