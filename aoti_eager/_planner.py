@@ -32,7 +32,9 @@ from typing import Any, Callable
 from aoti_eager import settings
 from aoti_eager._decisions import Decision, RunEagerly, UseKernel
 from aoti_eager.kernels import CallSignature, CompileRequest
-from aoti_eager.kernels.dynamic import ShapeFamily, changed_dims, family_key, family_limit_key, ints_key, kinds_key, tensor_args
+from aoti_eager.kernels.dynamic import (
+    ShapeFamily, changed_dims, family_key, family_limit_key, grew_from_one, ints_key, kinds_key, tensor_args,
+)
 from aoti_eager.kernels.matmul import fixed_dims
 from aoti_eager.kernels.signature import Position, qualified_name
 
@@ -337,5 +339,8 @@ class Planner:
         if signature.key in family.keys:
             return None
         changed = changed_dims(signature, family.seen)
-        # Where only strides changed, or a size to 1, a general kernel (a broadcast, a slice, a batch of one).
-        return ShapeFamily(changed) if any(changed) else general()
+        # Where only strides changed, or a size to or from 1, a general kernel (a broadcast, a slice, a
+        # batch of one): export fixes a dim that grew from 1 to the size of its partner, which did not move.
+        if not any(changed) or grew_from_one(signature, family.seen):
+            return general()
+        return ShapeFamily(changed)

@@ -181,6 +181,17 @@ def changed_sizes(mine: list[tuple[int, ...]], seen: list[list[tuple[int, ...]]]
     return tuple(tuple(sorted(c)) for c in changed)
 
 
+def grew_from_one(signature: CallSignature, seen: list[list[tuple[int, ...]]]) -> bool:
+    """Whether a dim of size 1 in one of the ``seen`` calls has a size of 2 or
+    more here: a broadcast dim that now meets its partner, which may not move.
+
+        >>> grew_from_one(CallSignature.of(torch.ops.aten.add.Tensor, "cpu", [torch.randn(4, 8), torch.randn(4, 8)]), [[(4, 8), (1, 8)]])
+        True
+    """
+    mine = [t.sizes for t in tensor_args(signature)]
+    return any(m == 1 and n >= 2 for sizes in seen for a, b in zip(mine, sizes) for n, m in zip(a, b))
+
+
 # An entry's "dynamic" JSON of another format is not read: its guards meant something else.
 FORMAT = 2
 

@@ -278,6 +278,15 @@ def test_a_dim_of_one_that_broadcasts_against_two_stays_one_in_the_general_kerne
     assert compiles == [1, 1, 0, 0] and stats["fallbacks"] == 0
 
 
+def test_a_dim_of_one_that_grows_to_its_partners_size_makes_the_kernel_general(tmp_path):
+    # GPT-2's embeddings, then BERT's residual adds: a dynamic kernel of y's dim 0 alone
+    # would not export (x's dim 0 did not move, so broadcasting fixes y's).
+    shapes = [(4, 1), (4, 4), (6, 6), (9, 9)]
+    compiles, stats = run_shapes("aten::add.Tensor", tmp_path, torch.add, shapes,
+                                 lambda s: (torch.randn(s[0], 5, 8), torch.randn(s[1], 5, 8)))
+    assert compiles == [1, 1, 0, 0] and stats["fallbacks"] == 0
+
+
 def test_strides_the_general_kernel_was_not_compiled_for_take_the_miss_path(tmp_path):
     # Compiled for rows in order (a slice included); a transposed input has eager's
     # other output layout, and an innermost stride of 2 another kernel.

@@ -72,6 +72,13 @@ def test_where_only_strides_moved_the_kernel_is_general():
     assert request.family is not None and request.family.general and request.family.dims == ((0, 1),)
 
 
+def test_a_broadcast_dim_that_grew_from_one_makes_the_kernel_general():
+    planner = Planner()
+    compiled(planner, CallSignature.of(A.add.Tensor, "cpu", [torch.randn(4, 8), torch.randn(1, 8)]))
+    request = compiled(planner, CallSignature.of(A.add.Tensor, "cpu", [torch.randn(4, 8), torch.randn(4, 8)]))
+    assert request.family.general and request.family.dims == ((0, 1), (0, 1))
+
+
 def test_after_a_dynamic_kernel_a_further_widening_is_general():
     planner = Planner()
     compiled(planner, abs_of(8, 4))
