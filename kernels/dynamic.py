@@ -5,11 +5,12 @@ family* (:func:`family_key`: the same op, dtypes, devices, ranks, order of
 dims in memory (:func:`layout_order`), alignment and other arguments). The
 first shape of a family compiles a static kernel. When a second shape
 arrives, the dims that changed are compiled as symbols (``torch.export`` with
-``Dim.DYNAMIC``) into one kernel that serves every later shape its guards
-admit. A shape that kernel does not admit widens it, once: a *general*
-kernel, every dim a symbol and every stride but the innermost read at run
-time, serves the family's every shape its guards admit (a model's linear
-layers of every width, a slice of a batch and the batch itself).
+``Dim.AUTO``: a dim the op fixes, as ``layer_norm``'s normalized dims, stays
+fixed) into one kernel that serves every later shape its guards admit. A
+shape that kernel does not admit widens it, once: a *general* kernel, every
+dim a symbol and every stride but the innermost read at run time, serves the
+family's every shape its guards admit (a model's linear layers of every
+width, a slice of a batch and the batch itself).
 
 A dynamic kernel's guards are what the exported program says of its inputs
 (:class:`ShapeFamily`): each dynamic dim is a symbol within its range, dims of
@@ -325,7 +326,7 @@ class ShapeFamily:
 
         def shape() -> dict[int, Any] | None:
             sizes = next(tensors).sizes
-            return {d: torch.export.Dim.DYNAMIC for d in next(dims) if sizes[d] > 1} or None
+            return {d: torch.export.Dim.AUTO for d in next(dims) if sizes[d] > 1} or None
 
         return (tuple(shape() if is_tensor else None for is_tensor in _flat_kinds(signature)),)
 
@@ -388,6 +389,8 @@ class ShapeFamily:
         for tensor, (dims, shape) in enumerate(zip(self.dims, shapes)):
             for dim in dims:
                 size = shape[dim]
+                if isinstance(size, torch.SymInt) and size.node.expr.is_number:
+                    size = int(size.node.expr)  # export fixed it (Dim.AUTO): a list of ints compiled in
                 if isinstance(size, int):
                     guards.append((tensor, dim, -1, size))
                 elif isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):

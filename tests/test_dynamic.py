@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import aoti_eager
 from aoti_eager import _runtime
 from aoti_eager.cli import main
 from aoti_eager.cache import KernelCache
@@ -15,7 +16,7 @@ from aoti_eager.kernels.dynamic import MAX_NUMEL, UNBOUNDED, ShapeFamily, change
 from aoti_eager.kernels.signature import CallSignature
 from aoti_eager.kernels.toolchain import environment_name
 from conftest import DEVICES
-from helpers import run_shapes
+from helpers import assert_same_as_eager, run_shapes
 
 A = torch.ops.aten
 
@@ -285,6 +286,25 @@ def test_a_dim_of_one_that_grows_to_its_partners_size_makes_the_kernel_general(t
     compiles, stats = run_shapes("aten::add.Tensor", tmp_path, torch.add, shapes,
                                  lambda s: (torch.randn(s[0], 5, 8), torch.randn(s[1], 5, 8)))
     assert compiles == [1, 1, 0, 0] and stats["fallbacks"] == 0
+
+
+def test_a_dim_a_list_of_ints_fixes_stays_that_size_in_the_general_kernel(tmp_path):
+    # GPT-2's layer norms, then BERT's (another eps: a family of its own, so general):
+    # normalized_shape is compiled in and fixes the last dim; the others move.
+    weight, bias = torch.randn(16), torch.randn(16)
+    calls = [((4, 8, 16), 1e-5), ((4, 8, 16), 1e-12), ((4, 11, 16), 1e-12), ((2, 5, 16), 1e-12), ((3, 5, 32), 1e-12)]
+    compiles, results = [], []
+    with aoti_eager.enabled(["aten::native_layer_norm"], devices=["cpu"], cache_dir=tmp_path):
+        for shape, eps in calls:
+            x = torch.randn(shape)
+            w, b = (torch.randn(shape[-1]), torch.randn(shape[-1])) if shape[-1] != 16 else (weight, bias)
+            before = aoti_eager.stats()["aten::native_layer_norm"]["compiles"]
+            results.append((A.native_layer_norm(x, [shape[-1]], w, b, eps), (x, [shape[-1]], w, b, eps)))
+            compiles.append(aoti_eager.stats()["aten::native_layer_norm"]["compiles"] - before)
+    assert compiles == [1, 1, 0, 0, 1]  # 32 wide: a size the general kernel was not compiled for
+    for outputs, args in results:
+        for output, expected in zip(outputs, A.native_layer_norm(*args)):
+            assert_same_as_eager(output, expected)
 
 
 def test_strides_the_general_kernel_was_not_compiled_for_take_the_miss_path(tmp_path):
