@@ -75,6 +75,9 @@ def _near_as_eager(actual: torch.Tensor, expected: torch.Tensor, reference: Any)
     ``expected`` is, within ``same``'s multiple; else why not."""
     if not isinstance(reference, torch.Tensor) or reference.dtype != torch.float64 or reference.shape != expected.shape:
         return "no float64 run of the forward to judge it by"
+    # same() accepts any result where the reference holds a NaN (a mean of nothing): a NaN is no rounding.
+    if not torch.equal(actual.isnan(), expected.isnan()):
+        return "a NaN where eager has a number, or a number where eager has NaN"
     from torch._dynamo.utils import same
 
     said: list[str] = []

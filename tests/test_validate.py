@@ -114,6 +114,13 @@ def test_a_result_out_of_its_dtypes_tolerance_is_judged_against_a_float64_refere
         compare("out", [actual], [expected], lambda: None)  # the forward did not run in float64
 
 
+def test_a_number_where_eager_has_nan_is_refused_though_float64_has_nan_too():
+    # var_mean's mean of an empty input: a kernel's 0.0 against eager's NaN.
+    expected = torch.tensor(float("nan"))
+    with pytest.raises(Mismatch, match="a NaN where eager has a number, or a number where eager has NaN"):
+        compare("out", [torch.tensor(0.0)], [expected], lambda: [expected.double()])
+
+
 def test_the_float64_reference_is_made_once_and_only_for_a_result_out_of_tolerance():
     actual, expected, exact = _rounded_pair(torch.float32, skew=1.0)
     made = []
