@@ -166,11 +166,17 @@ def load_library(
 
 
 def load_entry(cache: EntryStore, signature: CallSignature, entry: Entry) -> Any:
-    """The kernel of a published ``entry`` of ``cache`` for ``signature``.
-    Raises UnsafeToLoad where kernels of the cache's environment crash this
+    """The kernel of a published ``entry`` of ``cache`` for ``signature``
+    (see :func:`entry_kernel`)."""
+    return entry_kernel(loader(cache, signature, known_good=True), entry)
+
+
+def entry_kernel(load: Loader, entry: Entry) -> Any:
+    """The kernel of a published ``entry``, loaded by ``load``. Raises
+    UnsafeToLoad where kernels of its cache's environment crash this
     process, and DamagedEntry where this entry's does not load."""
     try:
-        return loader(cache, signature, known_good=True)(entry.library, entry.output_counts)
+        return load(entry.library, entry.output_counts)
     except (UnsafeToLoad, DamagedEntry):
         raise
     except Exception as e:  # noqa: BLE001 - the entry's problem, not the environment's

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import json
 import logging
 import threading
 import weakref
@@ -60,6 +61,18 @@ class _Decided:
     reason: str | None = None
     # False: this call's own (eager raised on its values): the next call with the key decides again.
     lasting: bool = True
+    # A kernel loaded from the cache: its entry, which eager's first result in this process checks (_learnt).
+    loaded: _Loaded | None = None
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    """The entry a kernel was loaded from, and the structure of the result that it keeps."""
+
+    cache: EntryStore
+    name: str
+    key: str
+    structure: dict[str, Any] | None
 
 
 log = logging.getLogger("aoti_eager")
@@ -223,7 +236,8 @@ def _call(instance: _Instance, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
         except NotARegion as e:
             return _eagerly(instance, stats, str(e), args, kwargs)
         if ran is not _NOT_RUN:
-            return ran  # the original forward ran, to learn what it reads
+            # The original forward ran, to learn what it reads: its result checks a kernel loaded from the cache.
+            return _learnt(decided, ran)
     if decided.kernel is None:
         return _eagerly(instance, stats, decided.reason or "decided eager", args, kwargs)
     if decided.outputs is None:
@@ -247,17 +261,61 @@ def _memoized(instance: _Instance, key: Any) -> _Decided | None:
 
 
 def _learn_outputs(instance: _Instance, decided: _Decided, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The result of a kernel loaded from the cache, whose structure is learnt
-    from one eager call in this process."""
-    result = instance.original(*args, **kwargs)
+    """The result of the original forward, from which a kernel loaded from
+    the cache learns the structure of its results (see :func:`_learnt`)."""
+    return _learnt(decided, instance.original(*args, **kwargs))
+
+
+def _learnt(decided: _Decided, result: Any) -> Any:
+    """``result``, eager's, whose structure a kernel loaded from the cache
+    gives its results in this process where it fits the kernel and the
+    structure its entry keeps. Else the entry is damaged in a way its
+    digests, recorded again, do not show: it is set aside, the calls of its
+    key run eagerly here, and a new process compiles it again."""
+    if decided.kernel is None or decided.outputs is not None:
+        return result
     try:
         outputs = Outputs.of(result)
-        if len(outputs.orders) != decided.kernel.num_outputs:
-            raise NotARegion(f"its result has {len(outputs.orders)} tensors, its kernel {decided.kernel.num_outputs}")
-        decided.outputs = outputs
     except NotARegion as e:
         decided.kernel, decided.reason = None, str(e)
+        return result
+    misfit = _misfit(decided, outputs)
+    if misfit is None:
+        decided.outputs = outputs
+        return result
+    loaded = decided.loaded
+    loaded.cache.set_aside(loaded.name, loaded.key, misfit)
+    decided.kernel = None
+    decided.reason = f"its cache entry was set aside as damaged ({misfit}); a new process compiles it again"
     return result
+
+
+def _misfit(decided: _Decided, outputs: Outputs) -> str | None:
+    """How eager's result, of structure ``outputs``, does not fit the kernel
+    loaded from the cache or the structure its entry keeps; None where it
+    fits (or where a type it holds has no name to compare by)."""
+    tensors = decided.kernel.num_outputs
+    if len(outputs.orders) != tensors:
+        return f"its library returns {tensors} tensors, eager's result holds {len(outputs.orders)}"
+    kept, eager = decided.loaded.structure, _kept_form(outputs)
+    if kept is None or eager is None:
+        return None
+    try:
+        kept = _kept_form(Outputs.from_json(kept, tensors))
+    except NotARegion as e:
+        return f"the structure of its result cannot be eager's: {e}"
+    return None if kept[0] == eager[0] else f"the structure of its result, {kept[1]}, is not eager's, {eager[1]}"
+
+
+def _kept_form(outputs: Outputs) -> tuple[str, str] | None:
+    """``outputs`` as a cache entry keeps them, less their tensors' dims
+    orders (which follow the call's sizes): as JSON text to compare (where
+    True is not 1), and in words; None where pytree cannot name a type they hold."""
+    kept = outputs.to_json()
+    if kept is None:
+        return None
+    leaves = ["tensor" if "tensor" in leaf else json.dumps(leaf["value"]) for leaf in kept["leaves"]]
+    return json.dumps([kept["spec"], leaves]), f"{' '.join(str(outputs.spec).split())} of [{', '.join(leaves)}]"
 
 
 def _eagerly(instance: _Instance, stats: RegionStats, reason: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -402,34 +460,23 @@ def _record(recorder: Recorder, call: RegionCall) -> None:
 def _from_cache(instance: _Instance, cache: EntryStore, call: RegionCall, compiled: bool = False,
                 key: str | None = None) -> _Decided | None:
     """What the cache holds for ``call`` (under ``key``, else its own), its kernel loaded; None where it holds
-    nothing usable. ``compiled``: the entry was just published here (not counted as a load)."""
+    nothing usable (a damaged entry is set aside). ``compiled``: the entry was just published here (not counted
+    as a load)."""
+    key = key or call.key
     try:
-        with cache.hold(call.name, key or call.key) as entry:
+        with cache.hold(call.name, key) as entry:
             if entry is None:
                 return None
             if entry.library is None and entry.timing is not None and not settings.keep_faster.get():
                 return None  # a verdict on speed, which the timing's switch turned off: compile
             if entry.library is None:
                 return _Decided(reason=entry.reason or "decided eager")
-            kernel = _mechanism.load_library(cache, call.device, entry.library, entry.output_counts, len(call.inputs()),
-                                             call.short(), known_good=True)
+            kernel = _mechanism.entry_kernel(_loader(cache, call, known_good=True), entry)
     except DamagedEntry:
         return None
     _stats_of(instance.name).cache_loads += not compiled
-    return _Decided(kernel=kernel, outputs=_kept_outputs(instance.name, entry.result_structure, kernel.num_outputs))
-
-
-def _kept_outputs(name: str, kept: dict[str, Any] | None, tensors: int) -> Outputs | None:
-    """The structure of the result that the entry keeps; None where it keeps
-    none this process can rebuild: the first call then learns it from eager."""
-    if kept is None:
-        return None
-    try:
-        return Outputs.from_json(kept, tensors)
-    except NotARegion as e:
-        _log_once(name, f": the structure of its result in the cache cannot be used here ({e}); its first call "
-                        "in this process runs its forward to learn it")
-        return None
+    # The structure of its results: eager's, once its first result here fits what the entry keeps (_learnt).
+    return _Decided(kernel=kernel, loaded=_Loaded(cache, call.name, key, entry.result_structure))
 
 
 COMPILING = "its kernel is compiling in the background"
@@ -526,10 +573,10 @@ def _compile(instance: _Instance, cache: EntryStore, call: RegionCall, apart: to
     return decided
 
 
-def _loader(cache: EntryStore, call: RegionCall) -> Any:
+def _loader(cache: EntryStore, call: RegionCall, known_good: bool = False) -> Any:
     def load(library: Path, output_counts: list[int]) -> Any:
         return _mechanism.load_library(cache, call.device, library, output_counts, len(call.inputs()), call.short(),
-                                       known_good=False)
+                                       known_good=known_good)
 
     return load
 

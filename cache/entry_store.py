@@ -95,6 +95,10 @@ class EntryStore(Protocol):
         that its library can be loaded. A ``DamagedEntry`` raised in the block
         (its library does not load) sets the entry aside and propagates."""
 
+    def set_aside(self, op: str, signature_key: str, reason: str) -> None:
+        """Sets a published entry aside as damaged, for ``reason``: one whose
+        library loaded but whose kernel proved it damaged when it was used."""
+
     def publish(self, signature_key: str, entry: Entry, files: dict[str, Path] | None = None) -> Entry:
         """Publishes ``entry`` with ``files`` (name in the entry -> source
         path), atomically; returns the entry as published. The first

@@ -701,6 +701,10 @@ class KernelCache(EntryStore):
                 set_aside(self.root, self.entry_dir(op, signature_key), str(e))
                 raise
 
+    def set_aside(self, op: str, signature_key: str, reason: str) -> None:
+        """Moves the entry to the quarantine (see :func:`set_aside`)."""
+        set_aside(self.root, self.entry_dir(op, signature_key), reason)
+
     def lookup(self, op: str, signature_key: str, copy_as: Path | None = None) -> Entry | None:
         """The published entry, or None; a damaged entry is set aside.
         ``copy_as``: see :func:`read_entry`.

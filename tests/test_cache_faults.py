@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
 import aoti_eager
 from aoti_eager import _mechanism, _runtime, cli
@@ -25,6 +26,7 @@ from aoti_eager.kernels.inductor import load_probe
 from aoti_eager.kernels.compile import compile_options
 from aoti_eager.kernels.toolchain import environment_name
 from helpers import assert_same_as_eager, edit_entry_json
+from test_regions import CHILD, ROOT, Block, _compiled, _cpu_cache
 
 A = torch.ops.aten
 X = torch.linspace(-3, 3, 128)
@@ -169,11 +171,23 @@ torch.save({"results": results, "stats": stats}, saved)
 """
 
 
-def call_in_a_child(op, function, args, cache_dir, tmp_path):
+# Before a child's script: its load probe keeps its verdicts in the directory its last argument names,
+# not in the user's (a verdict that a test provokes is believed nowhere else).
+VERDICTS_IN_LAST_ARGUMENT = """
+import pathlib, sys
+from aoti_eager.kernels.inductor import load_probe
+load_probe.verdict_directory = lambda directory=pathlib.Path(sys.argv.pop()): directory
+"""
+
+
+def call_in_a_child(op, function, args, cache_dir, tmp_path, verdicts=None):
+    """CALL_IN_A_CHILD's stats and what it printed (with ``verdicts``: its load probe's verdicts kept there)."""
     saved = tmp_path / "call.pt"
     torch.save(args, saved)
-    child = subprocess.run([sys.executable, "-c", CALL_IN_A_CHILD, op, function, str(cache_dir), str(saved)],
-                           capture_output=True, text=True, timeout=300)
+    script, argv = CALL_IN_A_CHILD, [op, function, str(cache_dir), str(saved)]
+    if verdicts is not None:
+        script, argv = VERDICTS_IN_LAST_ARGUMENT + script, [*argv, str(verdicts)]
+    child = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, f"exit code {child.returncode}: {child.stderr[-3000:]}"
     outcome = torch.load(saved)
     expected = getattr(torch, function)(*args)
@@ -283,6 +297,89 @@ def test_a_crash_loading_a_known_good_kernel_keeps_its_environment_eager_until_c
         assert load_probe.recorded_verdicts() == {}
     cli.main(["--cache-dir", str(tmp_path), "doctor"])
     assert "load probe none yet" in capsys.readouterr().out
+
+
+def cut_library(entry, size):
+    """Cuts the entry's library to ``size`` bytes, its sha256 and digest recorded again as someone who knew
+    the format would: only the library's own headers tell (see load_probe.truncated)."""
+    os.truncate(entry / LIBRARY_FILE, size)
+    edit_entry_json(entry, redigest=True, sha256=sha256_of(entry / LIBRARY_FILE))
+
+
+@pytest.mark.parametrize("loaded_before", [True, False], ids=["environment-known", "environment-new"])
+def test_a_cut_library_whose_sha256_was_recorded_again_is_set_aside_unloaded(
+        loaded_before, entry, compiled_entry, load_verdicts, tmp_path):
+    # Loading it killed the process (SIGBUS) where the environment's kernels had loaded before, and else
+    # crashed the probe's child, which kept every kernel of the environment eager.
+    cut_library(entry, (entry / LIBRARY_FILE).stat().st_size // 2)
+    environment = entry.parents[1].name
+    if loaded_before:
+        load_probe._remember(environment, compiled_entry / LIBRARY_FILE, None)
+    stats, stderr = call_in_a_child("aten::abs.default", "abs", [X], tmp_path, tmp_path, verdicts=load_verdicts)
+    assert "set aside" in stderr and "cut short" in stderr, stderr
+    assert (stats["hits"], stats["cache_loads"]) == (0, 0), stats
+    assert len(inventory.quarantined(tmp_path)) == 1
+    assert load_probe.recorded_verdicts() == ({environment: None} if loaded_before else {})
+
+
+@pytest.fixture(scope="module")
+def compiled_region_entry(tmp_path_factory):
+    """The entry of test_regions' Block region for a call on a (4, 16) tensor, compiled once."""
+    root = tmp_path_factory.mktemp("region-cache")
+    _compiled(root, Block)
+    [(op, key)] = _cpu_cache(root).entries()
+    return _cpu_cache(root).entry_dir(op, key)
+
+
+def call_regions_in_a_child(cache_dir, verdicts):
+    """test_regions' CHILD (two fused Blocks called, each result compared with eager's, its type and
+    structure too), its load probe's verdicts kept in ``verdicts``: its region's stats and what it printed."""
+    argv = [str(cache_dir), str(ROOT), str(ROOT / "tests"), Block.__module__, Block.__name__, str(verdicts)]
+    child = subprocess.run([sys.executable, "-c", VERDICTS_IN_LAST_ARGUMENT + CHILD, *argv], capture_output=True,
+                           text=True, timeout=600)
+    assert child.returncode == 0, f"exit code {child.returncode}: {child.stderr[-3000:]}"
+    return json.loads(child.stdout.strip().splitlines()[-1]), child.stderr
+
+
+def test_a_cut_region_library_is_set_aside_unloaded(compiled_region_entry, load_verdicts, tmp_path):
+    entry = copy_entry(compiled_region_entry, tmp_path)
+    cut_library(entry, (entry / LIBRARY_FILE).stat().st_size // 2)
+    # The environment's kernels loaded before: the child loads it itself, which killed it (SIGBUS).
+    load_probe._remember(entry.parents[1].name, compiled_region_entry / LIBRARY_FILE, None)
+    row, stderr = call_regions_in_a_child(tmp_path, load_verdicts)
+    assert "set aside" in stderr and "cut short" in stderr, stderr
+    assert len(inventory.quarantined(tmp_path)) == 1 and row["compiles"] == 1, row
+
+
+def _result_spec(example):
+    """The pytree spec of a result like ``example``, as an entry keeps it."""
+    return pytree.treespec_dumps(pytree.tree_structure(example))
+
+
+# Edits of a region entry of one tensor's result, its digest recorded again, and what the child says of them:
+# only its library's answer, or eager's result, tells.
+REGION_EDITS = {
+    "output_counts-too-long": (lambda kept: dict(output_counts=[-1, -1]), "describes 2 outputs, its library returns 1"),
+    "result_structure-a-tuple": (lambda kept: dict(result_structure={**kept, "spec": _result_spec((0,))}),
+                                 "is not eager's"),
+    "result_structure-of-two-tensors": (lambda kept: dict(result_structure={"spec": _result_spec((0, 0)),
+                                                                            "leaves": kept["leaves"] * 2}),
+                                        "does not fit a kernel of 1 outputs"),
+}
+
+
+@pytest.mark.parametrize("edit", REGION_EDITS)
+def test_a_region_entry_whose_outputs_were_edited_and_redigested_is_set_aside(
+        edit, compiled_region_entry, load_verdicts, tmp_path):
+    # They made every call raise, or handed the caller a tuple for eager's tensor.
+    entry = copy_entry(compiled_region_entry, tmp_path)
+    change, problem = REGION_EDITS[edit]
+    edit_entry_json(entry, redigest=True, **change(json.loads((entry / ENTRY_FILE).read_text())["result_structure"]))
+    row, stderr = call_regions_in_a_child(tmp_path, load_verdicts)
+    assert "set aside" in stderr and problem in stderr, stderr
+    assert len(inventory.quarantined(tmp_path)) == 1
+    # Found loading it: compiled again; found by eager's result: the later call runs eagerly.
+    assert (row["compiles"], row["fallbacks"]) == ((1, 0) if edit.startswith("output_counts") else (0, 1)), row
 
 
 def misplace_paths(root, entry):

@@ -77,6 +77,26 @@ def test_a_file_that_does_not_load_is_no_verdict_on_its_environment(load_verdict
     assert list(load_verdicts.iterdir()) == []
 
 
+# Where a library is cut: in its ELF header, its program headers, half way, its section headers (its last bytes).
+CUTS = {"header": lambda size: 40, "program-headers": lambda size: 100, "half": lambda size: size // 2,
+        "section-headers": lambda size: size - 1}
+
+
+@pytest.mark.parametrize("cut", CUTS)
+def test_a_library_shorter_than_its_headers_say_is_refused_before_any_process_loads_it(
+        crashing_library, load_verdicts, tmp_path, monkeypatch, cut):
+    # The loader maps what the headers name whatever the file's size: a page past its end kills whoever
+    # touches it (SIGBUS), the probe's child here, which would blame the environment's runtime for it.
+    data = crashing_library.read_bytes()
+    library = tmp_path / "kernel.so"
+    library.write_bytes(data[:CUTS[cut](len(data))])
+    no_probe(monkeypatch)
+    with pytest.raises(LibraryDoesNotLoad, match="cut short"):
+        load_probe.check_loads(ENVIRONMENT, library, "cpu", [-1], known_good=True)
+    assert list(load_verdicts.iterdir()) == []
+    assert load_probe.truncated(crashing_library) is None
+
+
 def test_once_a_kernel_has_loaded_the_environment_is_not_probed_again(tmp_path, monkeypatch):
     monkeypatch.setattr(load_probe, "_CHILD", "pass")  # a load that succeeds, without a kernel to load
     load_probe.check_loads(ENVIRONMENT, tmp_path / "kernel.so", "cpu", [-1], known_good=False)

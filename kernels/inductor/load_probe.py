@@ -39,9 +39,12 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -81,8 +84,67 @@ def check_loads(environment: str, library: Path, device: str, output_counts: lis
     crash = runtime_crashes(environment)
     if crash is not None:
         raise UnsafeToLoad(crash)
+    # Before any process loads it: a cut library kills the one that does (SIGBUS), and the probe's
+    # child dying so would be taken for the runtime's crash.
+    cut = truncated(library)
+    if cut is not None:
+        raise LibraryDoesNotLoad(cut)
     if environment not in _verdicts:
         _probe(environment, library, device, output_counts, known_good)
+
+
+# A 64-bit ELF file: its identification (little- or big-endian), then its header's fields up to the section
+# headers' count; of a program header, its type, flags, offset, addresses and size in the file.
+_ELF64 = b"\x7fELF\x02"
+_ELF_HEADER = "HHIQQQIHHHHHH"
+_ELF_HEADER_SIZE = struct.calcsize("<" + _ELF_HEADER)
+_PROGRAM_HEADER = "IIQQQQ"
+_PROGRAM_HEADER_SIZE = 56
+_PT_LOAD = 1
+
+
+def truncated(library: Path) -> str | None:
+    """Why the 64-bit ELF file ``library`` is shorter than its headers say,
+    or None. The loader maps the segments its program headers name whatever
+    the file's size; the first touch of a page past the file's end then
+    kills the process (SIGBUS), which no check of the bytes against a
+    recorded sha256 prevents where that sha256 was recorded again. Any
+    other file, or one that cannot be read, is the loader's to refuse (with
+    an error, not a crash)."""
+    try:
+        with open(library, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            ends = _elf_ends(f)
+    except OSError:
+        return None
+    what, end = max(ends.items(), key=lambda item: item[1], default=("", 0))
+    return None if end <= size else f"the library is {size} bytes, {what} is at byte {end}: it was cut short"
+
+
+def _elf_ends(f: BinaryIO) -> dict[str, int]:
+    """Where what the headers of the 64-bit ELF file ``f`` describe ends, by
+    what it is; empty for another file."""
+    ident = f.read(16)
+    if not ident.startswith(_ELF64) or ident[5] not in (1, 2):
+        return {}
+    order = "<" if ident[5] == 1 else ">"
+    header = f.read(_ELF_HEADER_SIZE)
+    if len(header) < _ELF_HEADER_SIZE:
+        return {"the end of its ELF header": len(ident) + _ELF_HEADER_SIZE}
+    _, _, _, _, phoff, shoff, _, _, phentsize, phnum, shentsize, shnum, _ = struct.unpack(order + _ELF_HEADER, header)
+    ends = {"the end of its section headers": shoff + shnum * shentsize,
+            "the end of its program headers": phoff + phnum * phentsize}
+    if phentsize != _PROGRAM_HEADER_SIZE:
+        return ends  # program headers of another size: the loader refuses them
+    f.seek(phoff)
+    table = f.read(phnum * phentsize)
+    if len(table) < phnum * phentsize:
+        return ends  # cut short in its program headers
+    for i in range(phnum):
+        kind, _, offset, _, _, filesz = struct.unpack_from(order + _PROGRAM_HEADER, table, i * phentsize)
+        if kind == _PT_LOAD:
+            ends[f"the end of its loaded segment {i}"] = offset + filesz
+    return ends
 
 
 def runtime_crashes(environment: str) -> str | None:
