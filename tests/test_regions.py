@@ -184,8 +184,10 @@ def test_repeated_blocks_share_one_compile(tmp_path):
     with torch.no_grad():
         expected, actual = reference(x), model(x)
     torch.testing.assert_close(actual, expected)
-    # The first call runs the original forward, which records what it reads of its modules (region_values.py).
-    assert _delta(before, Block) == {"calls": 3, "hits": 2, "fallbacks": 0, "compiles": 1, "cache_loads": 0}
+    # The first call runs the original forward, which records what it reads of its modules (region_values.py),
+    # unless an earlier test of this process did.
+    delta = _delta(before, Block)
+    assert delta["hits"] in (2, 3) and delta == {"calls": 3, "hits": delta["hits"], "fallbacks": 0, "compiles": 1, "cache_loads": 0}
     assert [key for op, key in _cache_entries(tmp_path)] and {op for op, _ in _cache_entries(tmp_path)} == {
         f"region::{Block.__module__}.Block"}
 
