@@ -544,11 +544,7 @@ def _sharing_state(module: torch.nn.Module) -> torch.nn.Module:
 
 def _compile(instance: _Instance, cache: EntryStore, call: RegionCall, apart: torch.nn.Module | None = None) -> _Decided:
     """Compiles ``call``'s kernel (from ``apart``, a copy of the instance's module, in the background)."""
-
-    def load(library: Path, output_counts: list[int]) -> Any:
-        return _mechanism.load_library(cache, call.device, library, output_counts, len(call.inputs()), call.short(),
-                                       known_good=False)
-
+    load = _loader(cache, call)
     # A copy is traced: the module's own tensors stay real for calls of other threads meanwhile.
     try:
         with _mechanism.own_work():
@@ -558,14 +554,11 @@ def _compile(instance: _Instance, cache: EntryStore, call: RegionCall, apart: to
         # Its next call is keyed with these values too.
         _reads[call.base] = _reads.get(call.base, frozenset()) | e.reads
         return _Decided(reason=str(e), lasting=False)
-    stats = _stats_of(instance.name)
     if not isinstance(outcome, Published):
         if outcome.compiler_error is not None:
             _mechanism.compiler_failures.add(outcome.compiler_error)
         return _Decided(reason=outcome.reason, lasting=not outcome.eager_raised)
-    stats.compiles += 1
-    stats.compile_seconds = round(stats.compile_seconds + outcome.seconds, 3)
-    log.info("aoti_eager: compiled %s for (%s) in %.1f s", call.name, call.short(), outcome.seconds)
+    _count_compile(instance, call, outcome)
     decided = _from_cache(instance, cache, call, compiled=True)
     if decided is None or decided.kernel is None:
         return decided or _Decided(reason="its published kernel is not in the cache")
