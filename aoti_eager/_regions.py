@@ -90,38 +90,18 @@ _lock = threading.RLock()
 @dataclass
 class _Prepared:
     """An instance's state as its kernel takes it, prepared once: valid while
-    no parameter, buffer or submodule was assigned anew (:data:`_assignments`)
-    and ``native`` finds its tensors and training flags unchanged."""
+    ``native`` finds its tree as it was (kernels/region_values.py: the
+    modules, parameters, buffers and values it holds, their tensors'
+    metadata, its training flags and hooks). What is assigned outside the
+    tree does not concern it."""
 
     names: tuple[str, ...]
     tensors: tuple[torch.Tensor, ...]
     native: Any  # _C.RegionState: the check, and the kernel run on these tensors then a call's
     structure: str
-    assignments: int
     hooked: str | None  # why hooks keep its calls from a kernel (region_values.hooked)
-    # The calls decided with this state: their key (_keyed) -> where their decision is in _decided.
-    memo: dict[Any, tuple[str, str, str]] = field(default_factory=dict)
-
-
-# Parameters, buffers and submodules assigned to any module (counted by global hooks).
-_assignments = 0
-
-
-def _assigned(*_: Any) -> None:
-    global _assignments
-    _assignments += 1
-
-
-_hooked = False
-
-
-def _hook_assignments() -> None:
-    global _hooked
-    if not _hooked:
-        torch.nn.modules.module.register_module_parameter_registration_hook(_assigned)
-        torch.nn.modules.module.register_module_buffer_registration_hook(_assigned)
-        torch.nn.modules.module.register_module_module_registration_hook(_assigned)
-        _hooked = True
+    # The calls decided with this state: their key (_keyed) -> their decision (shared through _decided).
+    memo: dict[Any, _Decided] = field(default_factory=dict)
 
 
 _RegionState: Any = None
@@ -136,19 +116,20 @@ def _native() -> Any:
 
 
 _NO_KWARGS: dict[str, Any] = {}
+# The types pytree flattens (registered ones may be added later: the dict itself, not a copy).
+_NODES = pytree.SUPPORTED_NODES
 
 
 def _keyed(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
     """The memo key of a call (None where it has none) and the arguments its
     kernel's tensors are taken from: ``args`` and ``kwargs`` themselves where
-    they hold only tensors, numbers, strings and None, else the leaves of
-    their pytree, keyed with its spec."""
+    the C++ side keys them whole, else the leaves of their pytree, keyed with its spec."""
     native = _RegionState or _native()
-    key = native.key(args, kwargs)
+    key = native.key(args, kwargs, _NODES)
     if key is not None:
         return key, args, kwargs
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    key = native.key(tuple(leaves), _NO_KWARGS)
+    key = native.key(tuple(leaves), _NO_KWARGS, _NODES)
     return (None if key is None else (spec, key)), tuple(leaves), _NO_KWARGS
 
 
@@ -178,7 +159,8 @@ class _Instance:
     def original(self, *args: Any, **kwargs: Any) -> Any:
         if self.replaced is not None:
             return self.replaced(*args, **kwargs)
-        return type(self.module).forward(self.module, *args, **kwargs)
+        module = self.module_ref()
+        return type(module).forward(module, *args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Traced (by the region's own compile, torch.export, torch.compile or torch.jit.trace): the code, not a kernel.
@@ -193,9 +175,7 @@ class _Instance:
     def valid(self) -> _Prepared | None:
         """The prepared state where nothing it depends on changed, else None."""
         p = self.prepared
-        if p is None or p.assignments != _assignments or not p.native.unchanged(self.module):
-            return None
-        return p
+        return p if p is not None and p.native.unchanged() else None
 
     def state(self) -> _Prepared:
         """The prepared state, prepared again where it changed. Raises NotARegion."""
@@ -203,9 +183,8 @@ class _Instance:
         if p is None:
             module = self.module
             names, tensors = state_of(module)
-            native = _native()(list(tensors), list(module.modules())[1:], module, region_values.watched(module),
-                               list(region_values.hook_dicts(module)))
-            p = self.prepared = _Prepared(names, tensors, native, state_structure(module, names, tensors), _assignments,
+            native = _native()(list(tensors), region_values.watched(module), list(region_values.sized(module)))
+            p = self.prepared = _Prepared(names, tensors, native, state_structure(module, names, tensors),
                                           region_values.hooked(module))
         return p
 
@@ -214,7 +193,6 @@ def _fused_again(module: torch.nn.Module, name: str, root: Path, compile: str, r
                  replaced: Any, remote: str | None) -> _Instance:
     """The instance of a copy of a fused module (see :meth:`_Instance.__reduce__`),
     made before the copy's attributes are set."""
-    _hook_assignments()
     instance = _Instance(weakref.ref(module), name, root, compile, _stats_of(name), refused=refused,
                          replaced=replaced, remote=remote)
     _live[name].add(module)
@@ -228,13 +206,19 @@ def _stats_of(name: str) -> RegionStats:
 def _call(instance: _Instance, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     stats = instance.stats
     stats.calls += 1
-    key, leaves, named = _keyed(args, kwargs)
-    decided = _memoized(instance, key)
+    if instance.refused is not None:
+        return _eagerly(instance, stats, instance.refused, args, kwargs)
+    p, leaves, named = instance.prepared, args, kwargs
+    # The C++ side keys the call and finds its decision at once, where its state and arguments allow.
+    decided = None if p is None else p.native.find(p.memo, args, kwargs, _NODES)
+    if decided is None:
+        key, leaves, named = _keyed(args, kwargs)
+        decided = _memoized(instance, key)
     if decided is None:
         try:
             decided, leaves, named, ran = _decide(instance, args, kwargs, key)
         except NotARegion as e:
-            return _eagerly(instance, stats, str(e), args, kwargs)
+            decided, ran = _refused(instance, key, str(e)), _NOT_RUN
         if ran is not _NOT_RUN:
             # The original forward ran, to learn what it reads: its result checks a kernel loaded from the cache.
             return _learnt(decided, ran)
@@ -256,8 +240,18 @@ def _memoized(instance: _Instance, key: Any) -> _Decided | None:
     """The decision of a call with ``key`` that this instance's state
     decided before, while nothing it depends on changed; else None."""
     p = instance.valid() if key is not None else None
-    where = None if p is None else p.memo.get(key)
-    return None if where is None else _decided.get(where)
+    return None if p is None else p.memo.get(key)
+
+
+def _refused(instance: _Instance, key: Any, reason: str) -> _Decided:
+    """Eager for ``reason``, which holds for the calls with ``key`` while the
+    instance's state is as it is (as every reason NotARegion gives does):
+    they run the original forward with no description of theirs again."""
+    decided = _Decided(reason=reason)
+    p = instance.valid() if key is not None else None
+    if p is not None:
+        p.memo[key] = decided
+    return decided
 
 
 def _learn_outputs(instance: _Instance, decided: _Decided, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -321,15 +315,18 @@ def _kept_form(outputs: Outputs) -> tuple[str, str] | None:
 def _eagerly(instance: _Instance, stats: RegionStats, reason: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     stats.fallbacks += 1
     stats.fallback_reason = reason
-    _log_eager_once(instance.name, reason)
+    if (instance.name, reason) not in _logged_eager:
+        _log_eager_once(instance.name, reason)
     return instance.original(*args, **kwargs)
 
 
-# (region, reason) already logged: one line per process, not per call.
+# (region, what was said) and (region, why it ran eagerly) already logged: one line per process, not per call.
 _logged: set[tuple[str, str]] = set()
+_logged_eager: set[tuple[str, str]] = set()
 
 
 def _log_eager_once(name: str, reason: str) -> None:
+    _logged_eager.add((name, reason))
     # Compiling in the background is what was asked for: no warning.
     _log_once(name, f" runs eagerly: {reason}", logging.INFO if reason == COMPILING else logging.WARNING)
 
@@ -358,9 +355,9 @@ def _decide(
     if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
         raise NotARegion("autocast is on (regions are compiled without it)")
     call, ran = _valued(instance, call, lambda: instance.original(*args, **kwargs))
-    decided, where = _decision(instance, call)
+    decided = _decision(instance, call)
     if decided.lasting and key is not None:
-        state.memo[key] = where
+        state.memo[key] = decided
     return decided, call.leaves, _NO_KWARGS, ran
 
 
@@ -385,9 +382,9 @@ def _valued(instance: _Instance, call: RegionCall, run: Any) -> tuple[RegionCall
     return call.valued(instance.module, reads), ran
 
 
-def _decision(instance: _Instance, call: RegionCall, compile: str | None = None) -> tuple[_Decided, tuple[str, str, str]]:
-    """What ``call`` runs (decided before in this process, else by a miss
-    compiling as ``compile`` says, default the instance's mode), and where the decision is kept."""
+def _decision(instance: _Instance, call: RegionCall, compile: str | None = None) -> _Decided:
+    """What ``call`` runs: decided before in this process, else by a miss
+    compiling as ``compile`` says (default the instance's mode)."""
     cache = _cache(instance, call.device)
     with _lock:
         where = (str(cache.directory), call.key, instance.compile)
@@ -396,7 +393,7 @@ def _decision(instance: _Instance, call: RegionCall, compile: str | None = None)
             decided = _miss(instance, cache, call, compile or instance.compile)
             if decided.lasting:
                 _decided[where] = decided
-    return decided, where
+    return decided
 
 
 def _cache(instance: _Instance, device: torch.device, wait: float = 0.0) -> EntryStore:
@@ -684,7 +681,6 @@ def fuse(model: torch.nn.Module, modules: Iterable[Any] | None, compile: str, ro
     """Makes regions of the instances :func:`chosen` picks, their kernels in
     the cache at ``root`` with the fleet cache at ``remote`` behind it, their
     misses recorded by ``recorder``; the regions' names."""
-    _hook_assignments()
     names = []
     for module in chosen(model, modules):
         if _fused(module) is not None:
@@ -794,4 +790,4 @@ def _prewarm_call(instance: _Instance, request: RegionRequest, zero_integers: bo
             raise
         except Exception as e:  # noqa: BLE001 - the example's values, as a compile's eager run would say
             return _Decided(reason=f"eager raised {type(e).__name__}", lasting=False)
-        return _decision(instance, call, "now")[0] if call.key == request.key else None
+        return _decision(instance, call, "now") if call.key == request.key else None

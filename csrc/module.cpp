@@ -93,27 +93,34 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<RegionState, std::shared_ptr<RegionState>>(m, "RegionState")
       .def(
           py::init([](std::vector<at::Tensor> tensors,
-                      std::vector<py::object> modules,
-                      py::handle root,
                       std::vector<std::tuple<py::dict, py::str, py::object>> values,
-                      std::vector<py::dict> hooks) {
-            return std::make_shared<RegionState>(
-                std::move(tensors), std::move(modules), root, std::move(values), std::move(hooks));
+                      std::vector<py::dict> sized) {
+            return std::make_shared<RegionState>(std::move(tensors), std::move(values), std::move(sized));
           }),
           py::arg("tensors"),
-          py::arg("modules"),
-          py::arg("root"),
           py::arg("values"),
-          py::arg("hooks"))
-      .def("unchanged", &RegionState::unchanged, py::arg("root"))
+          py::arg("sized"))
+      .def("unchanged", &RegionState::unchanged)
+      .def(
+          "find",
+          [](const RegionState& state, const py::dict& memo, const py::tuple& args, const py::dict& kwargs,
+             const py::dict& nodes) -> py::object {
+            PyObject* found = state.find(memo, args, kwargs, nodes);
+            return found == nullptr ? py::object(py::none()) : py::reinterpret_borrow<py::object>(found);
+          },
+          py::arg("memo"),
+          py::arg("args"),
+          py::arg("kwargs"),
+          py::arg("nodes"))
       .def_static(
           "key",
-          [](const py::tuple& args, const py::dict& kwargs) -> py::object {
-            std::optional<std::string> key = RegionState::key(args, kwargs);
+          [](const py::tuple& args, const py::dict& kwargs, const py::dict& nodes) -> py::object {
+            std::optional<std::string> key = RegionState::key(args, kwargs, nodes);
             return key.has_value() ? py::object(py::bytes(*key)) : py::object(py::none());
           },
           py::arg("args"),
-          py::arg("kwargs"))
+          py::arg("kwargs"),
+          py::arg("nodes"))
       .def(
           "run",
           [](const RegionState& state, const py::object& kernel, const py::tuple& args, const py::dict& kwargs) {

@@ -15,7 +15,10 @@ namespace aoti_eager {
 namespace {
 
 // The first word of each argument in a key.
-enum Tag : int64_t { kNone = 1, kFalse, kTrue, kInt, kFloat, kString, kTensor, kNames };
+enum Tag : int64_t { kNone = 1, kFalse, kTrue, kInt, kFloat, kString, kTensor, kTuple, kList, kDict, kOpaque };
+
+// How deep tuples, lists and dicts are keyed (a list may hold itself).
+constexpr int kMaxDepth = 8;
 
 void append(std::string& key, int64_t word) {
   key.append(reinterpret_cast<const char*>(&word), sizeof(word));
@@ -64,8 +67,51 @@ bool append_string(std::string& key, PyObject* s) {
   return true;
 }
 
-// One argument's words; false for a value the key does not take.
-bool append_value(std::string& key, PyObject* v) {
+// Whether no region call can take `v` (kernels/region.py's RegionCall
+// refuses it): a value that is none of a tensor, a number, a string or None,
+// and no pytree node that the slow path would flatten into such values.
+bool opaque(PyObject* v, PyObject* nodes) {
+  return v != Py_None && !PyLong_Check(v) && !PyFloat_Check(v) && !PyUnicode_Check(v) && !PyTuple_Check(v) &&
+      !THPVariable_Check(v) && PyDict_Contains(nodes, reinterpret_cast<PyObject*>(Py_TYPE(v))) == 0;
+}
+
+bool append_value(std::string& key, PyObject* v, PyObject* nodes, int depth);
+
+// A tuple's, list's or dict's words (tag, size, then each item; a dict's
+// keys must be strings), in the order pytree flattens them.
+bool append_container(std::string& key, PyObject* v, PyObject* nodes, int depth) {
+  if (depth >= kMaxDepth) {
+    return false;
+  }
+  if (PyTuple_CheckExact(v) || PyList_CheckExact(v)) {
+    const bool tuple = PyTuple_CheckExact(v);
+    const Py_ssize_t size = tuple ? PyTuple_GET_SIZE(v) : PyList_GET_SIZE(v);
+    append(key, tuple ? kTuple : kList);
+    append(key, size);
+    for (Py_ssize_t i = 0; i < size; ++i) {
+      if (!append_value(key, tuple ? PyTuple_GET_ITEM(v, i) : PyList_GET_ITEM(v, i), nodes, depth + 1)) {
+        return false;
+      }
+    }
+    return true;
+  }
+  append(key, kDict);
+  append(key, PyDict_GET_SIZE(v));
+  PyObject* name = nullptr;
+  PyObject* value = nullptr;
+  Py_ssize_t position = 0;
+  while (PyDict_Next(v, &position, &name, &value)) {
+    if (!PyUnicode_CheckExact(name) || !append_string(key, name) || !append_value(key, value, nodes, depth + 1)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// One argument's words; false for a value the key does not take (the slow
+// path flattens it). A value no region call takes is keyed by its type alone:
+// its calls all run eagerly, decided once.
+bool append_value(std::string& key, PyObject* v, PyObject* nodes, int depth) {
   if (v == Py_None) {
     append(key, kNone);
   } else if (PyBool_Check(v)) {
@@ -89,42 +135,45 @@ bool append_value(std::string& key, PyObject* v) {
     return append_string(key, v);
   } else if (THPVariable_CheckExact(v)) {
     return append_tensor(key, THPVariable_Unpack(v));
+  } else if (PyTuple_CheckExact(v) || PyList_CheckExact(v) || PyDict_CheckExact(v)) {
+    return append_container(key, v, nodes, depth);
+  } else if (opaque(v, nodes)) {
+    append(key, kOpaque);
+    append(key, reinterpret_cast<intptr_t>(Py_TYPE(v)));
   } else {
     return false;
   }
   return true;
 }
 
-// Calls `fn` with each argument of a call: `args`' items, then `kwargs`' values.
+// Calls `fn` with each tensor of `v`, in the order pytree flattens it.
+template <typename F>
+void for_each_tensor(PyObject* v, F&& fn) {
+  if (THPVariable_Check(v)) {
+    fn(v);
+  } else if (PyTuple_CheckExact(v)) {
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(v); ++i) {
+      for_each_tensor(PyTuple_GET_ITEM(v, i), fn);
+    }
+  } else if (PyList_CheckExact(v)) {
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(v); ++i) {
+      for_each_tensor(PyList_GET_ITEM(v, i), fn);
+    }
+  } else if (PyDict_CheckExact(v)) {
+    PyObject* name = nullptr;
+    PyObject* value = nullptr;
+    Py_ssize_t position = 0;
+    while (PyDict_Next(v, &position, &name, &value)) {
+      for_each_tensor(value, fn);
+    }
+  }
+}
+
+// Calls `fn` with each tensor of a call: `args`' items, then `kwargs`' values.
 template <typename F>
 void for_each_argument(py::handle args, py::handle kwargs, F&& fn) {
-  PyObject* tuple = args.ptr();
-  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tuple); ++i) {
-    fn(PyTuple_GET_ITEM(tuple, i));
-  }
-  PyObject* name = nullptr;
-  PyObject* value = nullptr;
-  Py_ssize_t position = 0;
-  while (PyDict_Next(kwargs.ptr(), &position, &name, &value)) {
-    fn(value);
-  }
-}
-
-PyObject* training_name() {
-  static PyObject* name = PyUnicode_InternFromString("training");
-  return name;
-}
-
-// A module's training flag: 1 or 0, else -1 (not a bool: the slow path reads it).
-int training(py::handle module) {
-  PyObject* flag = PyObject_GetAttr(module.ptr(), training_name());
-  if (flag == nullptr) {
-    PyErr_Clear();
-    return -1;
-  }
-  const int result = flag == Py_True ? 1 : flag == Py_False ? 0 : -1;
-  Py_DECREF(flag);
-  return result;
+  for_each_tensor(args.ptr(), fn);
+  for_each_tensor(kwargs.ptr(), fn);
 }
 
 // Writes the state's words and data pointers into `key`; false where a
@@ -144,33 +193,22 @@ bool fingerprint(const std::vector<at::Tensor>& tensors, std::string& key) {
 
 RegionState::RegionState(
     std::vector<at::Tensor> tensors,
-    std::vector<py::object> modules,
-    py::handle root,
     std::vector<std::tuple<py::dict, py::str, py::object>> values,
-    std::vector<py::dict> hooks)
-    : tensors_(std::move(tensors)), modules_(std::move(modules)), values_(std::move(values)) {
-  for (py::dict& d : hooks) {
+    std::vector<py::dict> sized)
+    : tensors_(std::move(tensors)), values_(std::move(values)) {
+  for (py::dict& d : sized) {
     const Py_ssize_t size = PyDict_Size(d.ptr());
-    hooks_.emplace_back(std::move(d), size);
+    sized_.emplace_back(std::move(d), size);
   }
   std::string key;
   if (fingerprint(tensors_, key)) {
     fingerprint_ = std::move(key);
   }
-  training_.push_back(training(root));
-  for (const py::object& m : modules_) {
-    training_.push_back(training(m));
-  }
 }
 
-bool RegionState::unchanged(py::handle root) const {
-  if (!fingerprint_.has_value() || training_[0] < 0 || training(root) != training_[0]) {
+bool RegionState::unchanged() const {
+  if (!fingerprint_.has_value()) {
     return false;
-  }
-  for (size_t i = 0; i < modules_.size(); ++i) {
-    if (training_[i + 1] < 0 || training(modules_[i]) != training_[i + 1]) {
-      return false;
-    }
   }
   for (const auto& [mapping, name, value] : values_) {
     // Borrowed, compared by identity: a value assigned anew is another object.
@@ -179,8 +217,8 @@ bool RegionState::unchanged(py::handle root) const {
       return false;
     }
   }
-  for (const auto& [hooks, size] : hooks_) {
-    if (PyDict_Size(hooks.ptr()) != size) {
+  for (const auto& [mapping, size] : sized_) {
+    if (PyDict_Size(mapping.ptr()) != size) {
       return false;
     }
   }
@@ -189,7 +227,7 @@ bool RegionState::unchanged(py::handle root) const {
   return fingerprint(tensors_, now) && now == *fingerprint_;
 }
 
-std::optional<std::string> RegionState::key(py::handle args, py::handle kwargs) {
+std::optional<std::string> RegionState::key(py::handle args, py::handle kwargs, py::handle nodes) {
   std::string key;
   key.reserve(256);
   const at::DeviceType autocast_devices[] = {at::kCPU, at::kCUDA};
@@ -199,32 +237,31 @@ std::optional<std::string> RegionState::key(py::handle args, py::handle kwargs) 
     header |= static_cast<int64_t>(at::autocast::is_autocast_enabled(autocast_devices[i])) << (1 + i);
   }
   append(key, header);
-  append(key, PyTuple_GET_SIZE(args.ptr()));
-  bool taken = true;
-  PyObject* tuple = args.ptr();
-  for (Py_ssize_t i = 0; taken && i < PyTuple_GET_SIZE(tuple); ++i) {
-    taken = append_value(key, PyTuple_GET_ITEM(tuple, i));
-  }
-  append(key, kNames);
-  PyObject* name = nullptr;
-  PyObject* value = nullptr;
-  Py_ssize_t position = 0;
-  while (taken && PyDict_Next(kwargs.ptr(), &position, &name, &value)) {
-    taken = PyUnicode_CheckExact(name) && append_string(key, name) && append_value(key, value);
-  }
-  if (!taken) {
+  if (!append_value(key, args.ptr(), nodes.ptr(), 0) || !append_value(key, kwargs.ptr(), nodes.ptr(), 0)) {
     return std::nullopt;
   }
   return key;
 }
 
+PyObject* RegionState::find(py::handle memo, py::handle args, py::handle kwargs, py::handle nodes) const {
+  if (!unchanged()) {
+    return nullptr;
+  }
+  const std::optional<std::string> called = key(args, kwargs, nodes);
+  if (!called.has_value()) {
+    return nullptr;
+  }
+  const py::bytes name(*called);
+  PyObject* found = PyDict_GetItemWithError(memo.ptr(), name.ptr()); // borrowed
+  if (found == nullptr) {
+    PyErr_Clear();
+  }
+  return found;
+}
+
 std::vector<at::Tensor> RegionState::inputs(py::handle args, py::handle kwargs) const {
   std::vector<at::Tensor> result(tensors_);
-  for_each_argument(args, kwargs, [&](PyObject* v) {
-    if (THPVariable_Check(v)) {
-      result.push_back(THPVariable_Unpack(v));
-    }
-  });
+  for_each_argument(args, kwargs, [&](PyObject* v) { result.push_back(THPVariable_Unpack(v)); });
   return result;
 }
 
@@ -234,11 +271,7 @@ std::vector<at::Tensor> RegionState::run(const CompiledKernel& kernel, py::handl
     inputs.push_back(&t);
   }
   // The call's tensors, which `args` and `kwargs` keep alive.
-  for_each_argument(args, kwargs, [&](PyObject* v) {
-    if (THPVariable_Check(v)) {
-      inputs.push_back(&THPVariable_Unpack(v));
-    }
-  });
+  for_each_argument(args, kwargs, [&](PyObject* v) { inputs.push_back(&THPVariable_Unpack(v)); });
   CompiledKernel::Outputs outputs;
   {
     py::gil_scoped_release no_gil;

@@ -22,44 +22,49 @@ namespace aoti_eager {
 class RegionState {
  public:
   // `tensors`: the instance's parameters then buffers, as its kernel takes
-  // them. `modules`: its submodules (not the instance itself: the caller
-  // passes it to each call, as the instance is held weakly).
-  // `values`: (mapping, name, value) of each Python value a forward may
-  // read (kernels/region_values.py), each still the same object while the
-  // state is unchanged. `hooks`: dicts whose sizes stay as they are now.
+  // them. `values`: (mapping, name, value) of each Python value the state
+  // depends on (kernels/region_values.py: the modules, parameters, buffers
+  // and training flags of its tree, the values a forward may read), each
+  // still the same object while the state is unchanged. `sized`: dicts whose
+  // sizes stay as they are now (hooks, and the parameters, buffers and
+  // submodules of each module of the tree).
   RegionState(
       std::vector<at::Tensor> tensors,
-      std::vector<pybind11::object> modules,
-      pybind11::handle root,
       std::vector<std::tuple<pybind11::dict, pybind11::str, pybind11::object>> values,
-      std::vector<pybind11::dict> hooks);
+      std::vector<pybind11::dict> sized);
 
   // Whether the state is as when it was prepared: each tensor's data pointer,
   // dtype, device, sizes, strides and requires_grad (.to(), `.data =` and
-  // requires_grad_() change them on the same objects), the training flag
-  // of `root` and of each submodule, its Python values and hook dicts' sizes.
-  bool unchanged(pybind11::handle root) const;
+  // requires_grad_() change them on the same objects), its values and the
+  // sizes of its dicts.
+  bool unchanged() const;
 
   // The key of a call in this process: grad mode, autocast, the default
-  // dtype, then each argument (kwargs with their names, in order): a
+  // dtype, then `args` and `kwargs` (its names, in order) as pytree
+  // flattens them, tuples, lists and dicts keyed with their sizes: a
   // tensor's dtype, device, sizes, strides, alignment and requires_grad; a
-  // None, bool, int, float or str by value. nullopt for any other value
-  // (the caller flattens the call with its pytree, or takes the slow path).
-  static std::optional<std::string> key(pybind11::handle args, pybind11::handle kwargs);
+  // None, bool, int, float or str by value; a value that is no pytree node
+  // in `nodes` (pytree's registered types) and no call of a region takes, by
+  // its type. nullopt for any other value (the caller flattens the call
+  // with its pytree, or takes the slow path).
+  static std::optional<std::string> key(pybind11::handle args, pybind11::handle kwargs, pybind11::handle nodes);
 
-  // A kernel's inputs: the state's tensors then the tensors among `args`
-  // and `kwargs`' values, in that order (the order of the call's pytree
-  // leaves); `run` runs `kernel` on them.
+  // What `memo` holds under the key of the call (`key()`'s, as bytes) where
+  // the state is unchanged; nullptr where it holds nothing, the state
+  // changed, or the call has no key here. The hit path's one lookup.
+  PyObject* find(pybind11::handle memo, pybind11::handle args, pybind11::handle kwargs, pybind11::handle nodes) const;
+
+  // A kernel's inputs: the state's tensors then the tensors in `args` and
+  // `kwargs`, in the order of the call's pytree leaves (tuples, lists and
+  // dicts entered); `run` runs `kernel` on them.
   std::vector<at::Tensor> inputs(pybind11::handle args, pybind11::handle kwargs) const;
   std::vector<at::Tensor> run(const CompiledKernel& kernel, pybind11::handle args, pybind11::handle kwargs) const;
 
  private:
   std::vector<at::Tensor> tensors_;
   std::optional<std::string> fingerprint_; // nullopt: never unchanged (see unchanged())
-  std::vector<pybind11::object> modules_;
-  std::vector<int> training_; // the root's, then each of modules_' (1, 0; -1: not a bool)
   std::vector<std::tuple<pybind11::dict, pybind11::str, pybind11::object>> values_;
-  std::vector<std::pair<pybind11::dict, Py_ssize_t>> hooks_; // each dict and its size when prepared
+  std::vector<std::pair<pybind11::dict, Py_ssize_t>> sized_; // each dict and its size when prepared
 };
 
 } // namespace aoti_eager

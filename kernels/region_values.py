@@ -39,6 +39,7 @@ Read = tuple[str, str]
 
 # A module's own bookkeeping in its __dict__ (parameters, buffers, hooks, training), keyed elsewhere.
 _INTERNAL = frozenset(torch.nn.Module().__dict__) | {"forward"}
+_TREE = ("_parameters", "_buffers", "_modules")
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
                  "_global_backward_pre_hooks")
@@ -162,8 +163,9 @@ def _qualified(value: Any) -> str:
 
 
 def watched(module: torch.nn.Module) -> list[tuple[dict, str, Any]]:
-    """(mapping, name, value) for each value a forward may read of
-    ``module``'s tree: each module's attributes, and one level into the
+    """(mapping, name, value) for each value of ``module``'s tree that its
+    state depends on: each module's training flag, parameters, buffers and
+    submodules, the attributes a forward may read, and one level into the
     objects they hold (a config's values). The hit path checks each still
     there, the same object."""
     result: list[tuple[dict, str, Any]] = []
@@ -183,15 +185,24 @@ def watched(module: torch.nn.Module) -> list[tuple[dict, str, Any]]:
 
     for m in module.modules():
         watch(vars(m), _INTERNAL)
+        # True and False are one object each; a training flag missing from the dict is never found the same.
+        result.append((vars(m), "training", vars(m).get("training")))
+        # Its parameters, buffers and submodules: one assigned anew is another object.
+        for name in _TREE:
+            result.append((vars(m), name, vars(m)[name]))
+            watch(vars(m)[name], frozenset())
     return result
 
 
-def hook_dicts(module: torch.nn.Module) -> Iterator[dict]:
-    """The hook dicts that must stay empty for a kernel to serve ``module``:
-    each submodule's (its own run around the kernel) and the global ones."""
-    for m in list(module.modules())[1:]:
-        for name in _HOOKS:
-            yield vars(m)[name]
+def sized(module: torch.nn.Module) -> Iterator[dict]:
+    """The dicts whose sizes must stay as they are for a kernel to serve
+    ``module``: each module's parameters, buffers and submodules (one
+    registered anew changes the state), each submodule's hooks (its own run
+    around the kernel) and the global ones."""
+    for i, m in enumerate(module.modules()):
+        yield from (vars(m)[name] for name in _TREE)
+        if i > 0:
+            yield from (vars(m)[name] for name in _HOOKS)
     for name in _GLOBAL_HOOKS:
         yield getattr(module_globals, name)
 

@@ -13,6 +13,12 @@ Sizes are tiny so that host cost shows; "over kernel" is forward - kernel.
 The table gives each one's fastest round (on a shared machine, load only adds
 to a call's cost), and the median rounds' difference beside it.
 
+Then a refused region's cost: the fused instance called where no kernel
+serves it, against an unfused copy called alike, for each way a call is
+refused: decided eager (``compile="never"`` on an empty cache), grad enabled
+with parameters that require it, and an input no kernel takes (an object, as
+a KV cache).
+
     OMP_NUM_THREADS=1 python scripts/bench_region_call.py [--calls N] [--json]
 """
 
@@ -43,7 +49,7 @@ class MLPBlock(torch.nn.Module):
         self.proj = torch.nn.Linear(width, width)
         self.norm2 = torch.nn.LayerNorm(width)
 
-    def forward(self, x):
+    def forward(self, x, cache=None):
         h = x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm1(x))))
         return self.norm2(h + self.proj(h))
 
@@ -109,6 +115,38 @@ def measure(case: str, model: torch.nn.Module, block: torch.nn.Module, args: tup
                 median_over_kernel_us=statistics.median(us["forward"]) - statistics.median(us["kernel"]))
 
 
+class Cache:
+    """An argument no kernel takes."""
+
+
+def refused(case: str, model: torch.nn.Module, block: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+            cache_dir: str, calls: int, repeats: int) -> list[dict[str, Any]]:
+    """The cost of calls of ``block`` that run its original forward, over an unfused copy's, per refusal."""
+    ways = {
+        "decided eager": (dict(compile="never"), kwargs, torch.no_grad),
+        "grad": ({}, kwargs, torch.enable_grad),
+    }
+    if isinstance(block, MLPBlock):
+        ways["input no kernel takes"] = ({}, {**kwargs, "cache": Cache()}, torch.no_grad)
+    rows = []
+    for why, (options, called, mode) in ways.items():
+        eager = copy.deepcopy(block).requires_grad_(why == "grad")
+        block.requires_grad_(why == "grad")
+        with tempfile.TemporaryDirectory(prefix="aoti_eager-bench-") as empty, mode():
+            aoti_eager.fuse(model, cache_dir=empty if options else cache_dir, **options)
+            block(*args, **called)  # decided
+            name = _regions.region_name(block)
+            before = aoti_eager.stats()[name]["fallbacks"]
+            us = rounds({"fused": lambda: block(*args, **called), "eager": lambda: eager(*args, **called)}, calls, repeats)
+            assert aoti_eager.stats()[name]["fallbacks"] - before == calls * repeats, "a timed call was no fallback"
+            aoti_eager.unfuse(model)
+        block.requires_grad_(False)
+        rows.append(dict(case=case, refused=why, fused_us=min(us["fused"]), eager_us=min(us["eager"]),
+                         over_eager_us=min(us["fused"]) - min(us["eager"]),
+                         median_over_eager_us=statistics.median(us["fused"]) - statistics.median(us["eager"])))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=1000)
@@ -121,14 +159,19 @@ def main() -> None:
         cases.append(("GPT-2 block, 1x8x32", gpt2))
     with tempfile.TemporaryDirectory(prefix="aoti_eager-bench-") as scratch:
         rows = [measure(name, *case, args.cache_dir or scratch, args.calls, args.rounds) for name, case in cases]
+        refusals = [r for name, case in cases for r in refused(name, *case, args.cache_dir or scratch, args.calls, args.rounds)]
     if args.json:
-        print(json.dumps(rows))
+        print(json.dumps({"hits": rows, "refused": refusals}))
         return
     print(f"{machine('cpu')}, {torch.get_num_threads()} thread(s)")
     print(f"{'case':<28}{'kernel us':>10}{'forward us':>12}{'call us':>9}{'eager us':>10}{'over kernel us':>16}{'(medians)':>11}")
     for r in rows:
         print(f"{r['case']:<28}{r['kernel_us']:>10.2f}{r['forward_us']:>12.2f}{r['call_us']:>9.2f}{r['eager_us']:>10.2f}"
               f"{r['over_kernel_us']:>16.2f}{r['median_over_kernel_us']:>11.2f}")
+    print(f"\n{'case':<28}{'refused':<24}{'fused us':>10}{'eager us':>10}{'over eager us':>15}{'(medians)':>11}")
+    for r in refusals:
+        print(f"{r['case']:<28}{r['refused']:<24}{r['fused_us']:>10.2f}{r['eager_us']:>10.2f}"
+              f"{r['over_eager_us']:>15.2f}{r['median_over_eager_us']:>11.2f}")
 
 
 if __name__ == "__main__":

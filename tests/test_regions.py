@@ -510,9 +510,9 @@ def test_a_kernel_that_fails_to_run_falls_back_with_one_line(shared_cache, monke
     aoti_eager.fuse(model, cache_dir=shared_cache)
     with torch.no_grad():
         model(x)  # decided: the kernel
-        for where, decided in list(_regions._decided.items()):
+        for decided in list(_regions._decided.values()):
             if decided.kernel is not None:
-                monkeypatch.setitem(_regions._decided, where, _regions._Decided(Failing(), decided.outputs))
+                monkeypatch.setattr(decided, "kernel", Failing())
         before = _row(Block)
         with caplog.at_level(logging.WARNING, logger="aoti_eager"):
             torch.testing.assert_close(model(x), reference(x))
@@ -754,7 +754,7 @@ def test_a_repeated_call_is_neither_described_nor_flattened(shared_cache, monkey
     reference = copy.deepcopy(model)
     aoti_eager.fuse(model, cache_dir=shared_cache)
     with torch.no_grad():
-        model(x), model(x)  # decided; states prepared after the compile's own modules registered
+        model(x), model(x)  # decided
         before = _row(Block)
         counted = {"described": 0, "pytree": 0}
 
@@ -1003,3 +1003,93 @@ def test_new_shapes_compile_up_to_the_limit_then_run_eagerly(tmp_path):
             assert actual[1] == expected[1]
     assert _delta(before, Measuring)["compiles"] <= 3
     assert "AOTI_EAGER_MAX_SHAPE_COMPILES=3" in _row(Measuring)["fallback_reason"]
+
+
+class Slicing(Model):
+    """Slices its block list on every call, as Llama's forward does: a new ModuleList registers each block."""
+
+    def forward(self, x):
+        for block in self.blocks[: len(self.blocks)]:
+            x = block(x)
+        return self.head(x)
+
+
+def _prepared(model) -> list:
+    return [_regions._fused(block).prepared for block in model.blocks]
+
+
+def test_an_assignment_outside_the_regions_keeps_their_prepared_state(shared_cache):
+    torch.manual_seed(0)
+    model, x = Slicing().eval(), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    _warm(model, x)
+    prepared = _prepared(model)
+    before = _row(Block)
+    model.head = torch.nn.Linear(16, 4)  # outside the regions, on their parent
+    reference.head = copy.deepcopy(model.head)
+    torch.nn.Linear(2, 2).weight = torch.nn.Parameter(torch.ones(2, 2))  # anywhere else
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(model(x), reference(x))
+    assert all(a is b for a, b in zip(_prepared(model), prepared))
+    assert _delta(before, Block) == {"calls": 9, "hits": 9, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
+
+
+@pytest.mark.parametrize("change", ["parameter", "submodule", "buffer", "deleted"])
+def test_an_assignment_inside_a_region_prepares_its_state_again(shared_cache, change):
+    model, x = _model(), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    _warm(model, x)
+    prepared = _prepared(model)
+    for m in (model, reference):
+        torch.manual_seed(3)
+        block = m.blocks[1]
+        if change == "parameter":
+            block.fc1.weight = torch.nn.Parameter(torch.randn(32, 16), requires_grad=False)
+        elif change == "submodule":
+            block.fc2 = torch.nn.Linear(32, 16).requires_grad_(False)
+        elif change == "buffer":
+            block.norm.register_buffer("unused", torch.zeros(2))
+        else:
+            block.fc1.bias = None
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x))
+    after = _prepared(model)
+    assert after[0] is prepared[0] and after[2] is prepared[2] and after[1] is not prepared[1]
+
+
+class Cache:
+    """A value no kernel takes, as a KV cache object a model passes its blocks."""
+
+
+class Cached(Block):
+    def forward(self, x, cache=None):
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("why", ["grad", "input", "hooks", "code"])
+def test_a_refused_call_is_decided_once(shared_cache, monkeypatch, why):
+    from aoti_eager.kernels import region
+
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(Cached(), Cached()).eval()
+    if why == "code":
+        blocks[0].forward = blocks[0].forward  # replaced on the instance: refused by fuse()
+    if why != "grad":
+        blocks.requires_grad_(False)
+    reference = copy.deepcopy(blocks)
+    aoti_eager.fuse(blocks, cache_dir=shared_cache)
+    if why == "hooks":
+        blocks[0].fc1.register_forward_hook(lambda *_: None)
+    x, kwargs = torch.randn(4, 16), {"cache": Cache()} if why == "input" else {}
+    blocks[0](x, **kwargs)  # decided
+    described = []
+    monkeypatch.setattr(region.RegionCall, "of", lambda *a, **k: described.append(a))
+    monkeypatch.setattr(_regions._Instance, "state", lambda *a: described.append(a))
+    before = _row(Cached)
+    for _ in range(3):
+        torch.testing.assert_close(blocks[0](x, **kwargs), reference[0](x))
+    assert described == []
+    assert _delta(before, Cached) == {"calls": 3, "hits": 0, "fallbacks": 3, "compiles": 0, "cache_loads": 0}
