@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import itertools
 import json
 import logging
 import threading
@@ -638,30 +639,40 @@ def _fused(module: torch.nn.Module) -> _Instance | None:
     return owner if isinstance(owner, _Instance) else None
 
 
-def _structure(module: torch.nn.Module) -> tuple[Any, ...]:
-    """What instances of one region share: class, parameters' and buffers' names and metadata."""
-    named = [*module.named_parameters(), *module.named_buffers()]
-    return (type(module), tuple((n, tuple(t.shape), t.dtype, t.device) for n, t in named))
-
-
 def _has_forward(module: torch.nn.Module) -> bool:
     return type(module).forward is not torch.nn.Module.forward
 
 
+def _is_block(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a block that a region is made of by default: a
+    forward of its own, of a class outside torch.nn or over two submodules or
+    more. A leaf of torch.nn (a Linear, a norm, an activation, a dropout)
+    gains little compiled alone, and is a region only where named."""
+    if not _has_forward(module):
+        return False
+    return not type(module).__module__.startswith("torch.nn.") or next(itertools.islice(module.modules(), 2, None), None) is not None
+
+
+def _listed(model: torch.nn.Module) -> set[type]:
+    """The classes of the modules that ``model``'s layer lists (ModuleList, Sequential, ModuleDict) hold."""
+    lists = (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)
+    return {type(c) for m in model.modules() if isinstance(m, lists) for c in m.children()}
+
+
 def chosen(model: torch.nn.Module, modules: Iterable[Any] | None) -> list[torch.nn.Module]:
     """The instances ``fuse`` makes regions of: those of ``modules`` (module
-    instances or classes), else those of the classes that repeat (two or more
-    instances of one structure outside each other); never one inside another
-    chosen one."""
+    instances or classes), else the blocks whose class repeats (two or more
+    instances outside each other, whatever their parameters: one kernel per
+    structure); never one inside another chosen one."""
     if modules is not None:
         wanted = list(modules)
         picks = lambda m: any(m is w or (isinstance(w, type) and isinstance(m, w)) for w in wanted)  # noqa: E731
     else:
-        counts: dict[tuple[Any, ...], int] = {}
-        for m in model.modules():
-            if m is not model and _has_forward(m):
-                counts[_structure(m)] = counts.get(_structure(m), 0) + 1
-        picks = lambda m: m is not model and _has_forward(m) and counts.get(_structure(m), 0) >= 2  # noqa: E731
+        counts = collections.Counter(type(m) for m in model.modules() if m is not model and _is_block(m))
+        repeated = {cls for cls, n in counts.items() if n >= 2}
+        # The unit of a layer list where there is one (T5's blocks, not its encoder and decoder stacks).
+        repeated = (repeated & _listed(model)) or repeated
+        picks = lambda m: m is not model and type(m) in repeated and _is_block(m)  # noqa: E731
     result: list[torch.nn.Module] = []
     inside: set[int] = set()
     for m in model.modules():  # outer modules first
@@ -670,9 +681,9 @@ def chosen(model: torch.nn.Module, modules: Iterable[Any] | None) -> list[torch.
         result.append(m)
         inside.update(id(sub) for sub in m.modules())
     if modules is None:
-        # A class that repeats only inside the regions (a final norm like the blocks' own) is no region of its own.
-        left = collections.Counter(_structure(m) for m in result)
-        result = [m for m in result if left[_structure(m)] >= 2]
+        # A class that repeats only inside the regions (a final block like the blocks' own) is no region of its own.
+        left = collections.Counter(type(m) for m in result)
+        result = [m for m in result if left[type(m)] >= 2]
     return result
 
 

@@ -29,7 +29,7 @@ class Other(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16)) for _ in range(2))
+        self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()) for _ in range(2))
 
     def forward(self, x):
         return self.blocks[1](self.blocks[0](x))

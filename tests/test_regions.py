@@ -1093,3 +1093,40 @@ def test_a_refused_call_is_decided_once(shared_cache, monkeypatch, why):
         torch.testing.assert_close(blocks[0](x, **kwargs), reference[0](x))
     assert described == []
     assert _delta(before, Cached) == {"calls": 3, "hits": 0, "fallbacks": 3, "compiles": 0, "cache_loads": 0}
+
+
+class Biased(Block):
+    """A block whose first instance holds a parameter the others lack (T5's relative attention bias)."""
+
+    def __init__(self, first: bool = False):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.randn(16)) if first else None
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y + self.bias if self.bias is not None else y
+
+
+def test_a_block_class_of_two_structures_is_fused_with_a_kernel_each(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Biased(first=True), Biased(), Biased(), torch.nn.ReLU(), torch.nn.ReLU()).eval()
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=tmp_path)
+    # The blocks, both structures; not the ReLUs nor the Linears, leaves that repeat.
+    assert [name for name, m in model.named_modules() if "forward" in m.__dict__] == ["0", "1", "2"]
+    x = torch.randn(4, 16)
+    before = _row(Biased)
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(model(x), reference(x))
+    delta = _delta(before, Biased)
+    assert delta["compiles"] == 2 and delta["fallbacks"] == 0 and delta["hits"] >= 3, _row(Biased)["fallback_reason"]
+
+
+def test_leaf_modules_are_regions_only_where_named(shared_cache):
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(inplace=True), torch.nn.Linear(16, 16),
+                                torch.nn.ReLU(inplace=True), torch.nn.Dropout(), torch.nn.Dropout()).eval()
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    assert not [m for m in model.modules() if "forward" in m.__dict__]
+    aoti_eager.fuse(model, [torch.nn.Linear], cache_dir=shared_cache)
+    assert [name for name, m in model.named_modules() if "forward" in m.__dict__] == ["0", "2"]
