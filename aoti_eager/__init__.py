@@ -402,7 +402,8 @@ def stats() -> dict[str, dict[str, Any]]:
         row["queued"] += override.stats.queued
         row["compiling"] += override.compiles_running()
         row["compile_seconds"] = round(row["compile_seconds"] + override.stats.compile_seconds, 3)
-        row["fallback_reason"] = override.stats.last_fallback_reason or row["fallback_reason"]
+        if counters["eager_calls"]:  # a reason kept from before the op was enabled again says nothing of these calls
+            row["fallback_reason"] = override.stats.last_fallback_reason or row["fallback_reason"]
     result.update(_regions.stats())
     return result
 

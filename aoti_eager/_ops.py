@@ -8,6 +8,8 @@ from typing import Union
 import torch
 from torch._ops import OpOverload, OpOverloadPacket
 
+from aoti_eager.kernels.compile import per_item_overload
+from aoti_eager.kernels.inductor import shims
 from aoti_eager.kernels.signature import qualified_name
 
 OpSpec = Union[str, OpOverload, OpOverloadPacket]
@@ -112,6 +114,8 @@ def refusal(op: OpOverload) -> str | None:
             return f"it returns a non-tensor value ({r.type})"
     if decomposes(op):
         return "it is a composite op that decomposes into other aten ops before reaching a device kernel; enable those ops instead"
+    if shims.proxy_only(per_item_overload(op) or op):  # what a kernel of the op traces
+        return f"AOTInductor has no C shim for {qualified_name(op)}: a kernel would only call the eager op through its proxy executor"
     return None
 
 

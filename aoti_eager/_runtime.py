@@ -144,8 +144,7 @@ class Override:
             except UntrustedEntry as e:
                 return self._eager(f"refused an untrusted cache entry: {e}", signature)
             except LockedElsewhere as e:
-                self.stats.last_fallback_reason = _mechanism.waited_for(e)
-                return RetryLater(self.stats.last_fallback_reason, retry_after=e.retry_after)
+                return RetryLater(_mechanism.waited_for(e), retry_after=e.retry_after)
             except TimeoutError as e:
                 reason = _mechanism.waited_for(e)
                 _mechanism.log_eager_once(self.name, self.device, reason)
@@ -153,7 +152,7 @@ class Override:
             except OSError as e:  # after TimeoutError, which is one
                 if e.errno not in _mechanism.DISK_FULL:
                     return self._eager(_mechanism.unusable_cache(self.root, e), signature)
-                self.stats.last_fallback_reason = reason = _mechanism.disk_full(self.root)
+                reason = _mechanism.disk_full(self.root)
                 _mechanism.log_eager_once(self.name, self.device, reason)
                 return RetryLater(reason, retry_after=_mechanism.DISK_FULL_RETRY_SECONDS)
 
@@ -225,8 +224,6 @@ class Override:
     def _use_dynamic(self, signature: CallSignature, key: str, dynamic: ShapeFamily, decision: Decision) -> Decision:
         """The dynamic kernel ``key``'s ``decision`` for ``signature``'s range of sizes."""
         in_range = self.planner.use_dynamic(signature, key, dynamic, decision, lambda k: _mechanism.slower_here(k, signature, self.op, self.timer))
-        if isinstance(in_range, RunEagerly) and in_range is not decision:
-            self.stats.last_fallback_reason = in_range.reason
         return self._remember(signature, in_range)
 
     def _compile(self, cache: EntryStore, signature: CallSignature) -> Decision:
@@ -289,7 +286,6 @@ class Override:
 
     def _keep_eager(self, signature: CallSignature, reason: str) -> RunEagerly:
         """Eager for good, where it was measured faster than the kernel."""
-        self.stats.last_fallback_reason = reason
         log.info("aoti_eager: %s on %s keeps eager for (%s): %s", self.name, self.device, signature.short(), reason)
         return self._remember(signature, self.planner.eager_is_faster(signature, reason))
 
@@ -302,7 +298,6 @@ class Override:
                 # Not final: decide() tries the call next with its numbers compiled in.
                 log.debug("aoti_eager: %s on %s takes no runtime numbers: %s", self.name, self.device, reason)
                 return decision
-        self.stats.last_fallback_reason = reason
         _mechanism.log_eager_once(self.name, self.device, reason)
         return decision
 
@@ -310,7 +305,6 @@ class Override:
         """Eager as the planner's ``verdict`` says, logged once, and recorded in the cache where it says so."""
         if verdict.record is not None:
             _record(self.cache(signature.device), signature, verdict)
-        self.stats.last_fallback_reason = verdict.reason
         _mechanism.log_eager_once(self.name, self.device, verdict.reason)
         return self._remember(signature, self.planner.eager(signature, verdict))
 
@@ -354,16 +348,20 @@ def _on_miss(token: int, args: list[Any], decide: bool) -> Decision:
     override = _registry.by_token.get(token)
     if override is None:
         return RetryLater("the override was removed")
-    if decide and getattr(_registry.holding_back, "depth", 0):
-        return RetryLater("misses are held back on this thread")
     try:
         if not decide:
-            override._eager(f"unsupported input: {_unkeyable(override, args)}")
-            return RetryLater("arguments the C++ call key does not cover")
-        return override.decide(args)
+            decision = RetryLater(override._eager(f"unsupported input: {_unkeyable(override, args)}").reason)
+        elif getattr(_registry.holding_back, "depth", 0):
+            decision = RetryLater("misses are held back on this thread")
+        else:
+            decision = override.decide(args)
     except Exception:  # noqa: BLE001 - never let a miss take the user's call down
         log.exception("aoti_eager: internal error while handling a call of %s; running it eagerly", override.name)
-        return RetryLater("internal error")
+        decision = RetryLater("internal error")
+    if decision.kernel is None:
+        # However it was decided (now, remembered, or read from the cache), the call runs eagerly: stats() says why.
+        override.stats.last_fallback_reason = decision.reason
+    return decision
 
 
 def install(
@@ -401,16 +399,17 @@ def _restore(
     key: tuple[OpOverload, str], root: Path, remote: str | None, recorder: Recorder | None, compile: str
 ) -> Override | None:
     """The override that uninstall() removed for ``key``, installed again with
-    its stats at zero, where it was enabled the same way (cache, compile mode,
-    manifest: a run that records its misses, or compiles them, starts from
-    the cache); else None."""
+    its stats at zero (but the last reason a call ran eagerly), where it was
+    enabled the same way (cache, compile mode, manifest: a run that records
+    its misses, or compiles them, starts from the cache); else None."""
     override = _registry.removed.pop(key, None)
     path = lambda r: None if r is None else r.path  # noqa: E731
     if override is None or (override.root, override.remote, override.compile, path(override.recorder)) != (
         root, remote, compile, path(recorder)
     ):
         return None
-    override.stats = OpStats()
+    # The C++ side keeps the decisions, and runs those for eager without asking: their reason stays.
+    override.stats = OpStats(last_fallback_reason=override.stats.last_fallback_reason)
     override.handle.restore()
     _kernels_changed(override.op)
     _registry.by_token[override.token] = override

@@ -173,7 +173,7 @@ def runtime_number_input(value: int | float | torch.Tensor) -> torch.Tensor:
     return torch.tensor(float(value), dtype=torch.float64)
 
 
-def _per_item_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
+def per_item_overload(op: torch._ops.OpOverload) -> torch._ops.OpOverload | None:
     """The ``.Scalar`` overload of a ``_foreach_*.ScalarList`` op, which
     Inductor lowers (it has no lowering of a list of scalars, and leaves
     such a call to a proxy executor that the runtime's kernels cannot call);
@@ -221,7 +221,7 @@ def traced_call(op: torch._ops.OpOverload, args: list[Any]) -> Any:
     """Calls ``op`` as a kernel traces it: a ``_foreach_*.ScalarList`` op as
     one call of its ``.Scalar`` overload per item, which computes what the
     op's own CPU and CUDA kernels do for tensors of one dtype and device."""
-    per_item = _per_item_overload(op)
+    per_item = per_item_overload(op)
     if per_item is None:
         padded = _padded_matmul(op, args)
         return call_op(op, args) if padded is None else padded

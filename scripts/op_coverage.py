@@ -238,6 +238,7 @@ def _serve(connection: Any, cache_dir: str | None, log_path: str) -> None:
     import torch._inductor.config
 
     import aoti_eager
+    from aoti_eager import _runtime
 
     # The jobs are the parallelism: a pool of Triton compile processes in each
     # worker would keep jobs x cores processes up on a GPU host.
@@ -257,7 +258,11 @@ def _serve(connection: Any, cache_dir: str | None, log_path: str) -> None:
             traceback.print_exc()
             row = {"outcome": "harness error", "reason": f"{type(e).__name__}: {e}"[:500]}
         finally:
-            aoti_eager.disable()  # the next unit starts with no op overridden
+            # The next unit starts with no op overridden, and as a new process
+            # would: no decision or shape count of an earlier unit's (four mm
+            # shapes of other units must not cap this unit's mm).
+            aoti_eager.disable()
+            _runtime.forget()
         connection.send((row, _usable(unit.device)))
 
 

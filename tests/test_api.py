@@ -64,6 +64,11 @@ def test_unknown_op_and_overload():
         ("aten::_unique2", "depends on the input data"),
         ("aten::item", "depends on the input data"),
         ("aten::softmax.int", "composite op"),
+        # Kernels that would only call the eager op, through AOTInductor's proxy executor.
+        ("aten::_linalg_svd", "no C shim for aten::_linalg_svd: a kernel would only call the eager op"),  # a fallback lowering
+        ("aten::_fft_c2r", "no C shim for aten::_fft_c2r"),  # no lowering at all
+        ("aten::nanmedian.dim", "no C shim for aten::nanmedian.dim"),
+        ("aten::_foreach_norm.Scalar", "no C shim for aten::_foreach_norm.Scalar"),
     ],
 )
 def test_refusals_name_the_op_and_the_reason(spec, reason):
@@ -72,6 +77,16 @@ def test_refusals_name_the_op_and_the_reason(spec, reason):
         aoti_eager.enable([spec if "." in spec else _ops.resolve(spec).overloads[0]])
     assert name in str(info.value)
     assert overridden() == set()
+
+
+@pytest.mark.parametrize("spec", [
+    "aten::add.Tensor", "aten::_fft_r2c", "aten::clone",  # a C shim; a lowering
+    "aten::mm", "aten::_to_copy",  # a decomposition Inductor may apply
+    "aten::upsample_bilinear2d", "aten::median.dim",  # decomposed while traced; a lowering that falls back for some inputs
+    "aten::_foreach_add.ScalarList",  # traced as its .Scalar overload, which Inductor lowers
+])
+def test_ops_whose_kernels_may_do_more_than_call_eager_are_accepted(spec):
+    assert _ops.refusal(_ops.resolve(spec).overloads[0]) is None
 
 
 def test_packet_warns_about_what_it_leaves_to_eager(tmp_path):

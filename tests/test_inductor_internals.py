@@ -14,10 +14,10 @@ from torch._inductor.codegen import cpp
 from torch._inductor.runtime import cache_dir_utils
 
 import aoti_eager
-from aoti_eager.kernels.inductor import headers, internals, load_probe, parallel_grain, scratch, vec_isa, wrapper_split
+from aoti_eager.kernels.inductor import headers, internals, load_probe, parallel_grain, scratch, shims, vec_isa, wrapper_split
 from helpers import assert_same_as_eager
 
-MODULES = [headers, load_probe, parallel_grain, scratch, vec_isa, wrapper_split]
+MODULES = [headers, load_probe, parallel_grain, scratch, shims, vec_isa, wrapper_split]
 ids = [module.__name__.rsplit(".", 1)[1] for module in MODULES]
 
 
@@ -45,6 +45,18 @@ def test_an_internal_that_moved_or_changed_shape_is_named(monkeypatch):
     assert internals.missing(["torch._inductor.no_such_module.f()"]) == ["torch._inductor.no_such_module.f: not found"]
     with pytest.raises(internals.InternalMoved, match="torch._inductor.codecache._worker_compile_cpp: not found"):
         internals.resolve("torch._inductor.codecache._worker_compile_cpp")
+
+
+@pytest.mark.parametrize("table", ["_SHIMS", "_DECOMPOSITIONS", "_LOWERINGS"])
+def test_without_its_internals_no_op_is_said_to_be_proxy_only(table, monkeypatch):
+    svd = torch.ops.aten._linalg_svd.default
+    assert shims.proxy_only(svd)
+    monkeypatch.setattr(shims, table, "torch._inductor.no_such_module.table")
+    shims.proxy_only.cache_clear()
+    try:
+        assert not shims.proxy_only(svd)
+    finally:
+        shims.proxy_only.cache_clear()  # the answer without the patch, at the next call
 
 
 def test_without_its_internals_the_wrapper_is_built_as_inductor_builds_it(tmp_path, monkeypatch):

@@ -227,6 +227,44 @@ def test_a_compile_limit_on_shapes_is_recorded_for_a_new_process(tmp_path, monke
     assert "AOTI_EAGER_MAX_SHAPE_COMPILES=1" in stats["fallback_reason"]
 
 
+def test_an_op_enabled_again_says_why_its_calls_run_eagerly(tmp_path, swap_compiler):
+    # The second block's call runs the first block's decision straight from C++, without a miss.
+    _failing_compiles(swap_compiler)
+    x = torch.randn(16)
+    for _ in range(2):
+        with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
+            result = torch.abs(x)
+            stats = aoti_eager.stats()["aten::abs"]
+        assert_same_as_eager(result, x.abs())
+        assert stats["fallbacks"] == 1 and "injected" in (stats["fallback_reason"] or ""), stats
+    with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
+        stats = aoti_eager.stats()["aten::abs"]
+    assert stats["fallbacks"] == 0 and stats["fallback_reason"] is None, stats  # no call ran eagerly in this block
+
+
+def test_numbers_decided_eager_for_every_value_say_why_in_a_later_block_and_process(tmp_path, swap_compiler):
+    # An eager decision for every value of a runtime number: a new value is
+    # served from C++ without a miss, in this block and the next; a new
+    # process reads it in the cache and compiles nothing.
+    attempts = []
+
+    def proxy_only(signature, *args, **kwargs):
+        attempts.append(signature.short())
+        raise CompileError("AOTInductor leaves aten::mul.Tensor to its proxy executor (injected)", any_values=True)
+
+    swap_compiler(compile=proxy_only)
+    x = torch.randn(8)
+    for s in (2.0, 3.0, 4.0):
+        if s == 4.0:
+            _runtime.forget()  # a new process, as far as the cache can tell
+        with aoti_eager.enabled(["aten::mul.Tensor"], devices=["cpu"], cache_dir=tmp_path):
+            result = torch.mul(x, s)
+            stats = aoti_eager.stats()["aten::mul.Tensor"]
+        assert_same_as_eager(result, x * s)
+        assert stats["fallbacks"] == 1 and "proxy executor (injected)" in (stats["fallback_reason"] or ""), stats
+    assert len(attempts) == 1, attempts
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_float_arguments_are_kernel_inputs_not_recompiles(shared_cache, device):
     x, g = torch.randn(32, 32, device=device), torch.randn(32, 32, device=device)

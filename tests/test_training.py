@@ -60,29 +60,14 @@ def test_a_training_run_prints_only_the_runtimes_log_records(cold_run):
     assert [line for line in lines if not line.startswith(LOG_PREFIX)] == []
 
 
-def test_a_kernel_that_needs_the_proxy_executor_is_refused_for_every_value(cold_run):
-    # AOTInductor has no C shim for _foreach_norm: its kernel would call eager
-    # through a proxy executor. Refused once, for every value of its numbers.
+def test_an_op_whose_kernel_would_only_call_eager_is_left_out_before_any_compile(cold_run):
+    # AOTInductor has no C shim for _foreach_norm (clip_grad_norm_'s): its
+    # kernel would call eager through a proxy executor. ops_reached says so,
+    # and the loop never enables it.
     _, result, _, _ = cold_run
-    norm = result["stats"]["aten::_foreach_norm.Scalar"]
-    assert norm["compiles"] == 0 and norm["misses"] == 1, norm
-    assert "proxy executor" in norm["fallback_reason"]
-
-
-def test_a_refused_kernel_is_not_tried_again_in_a_new_process(cold_run, swap_compiler):
-    cache, _, _, _ = cold_run
-    tried = []
-    swap_compiler(compile=lambda signature, *a, **k: tried.append(signature.short()))
-    grads = [torch.randn(16, 8), torch.randn(16), torch.randn(4, 16), torch.randn(4)]  # the loop's
-    with aoti_eager.enabled(["aten::_foreach_norm.Scalar"], devices=["cpu"], cache_dir=cache):
-        norms = [torch._foreach_norm(grads, ord) for ord in (2.0, 3.0, 2.0)]
-        stats = aoti_eager.stats()["aten::_foreach_norm.Scalar"]
-    assert tried == []
-    for result, ord in zip(norms, (2.0, 3.0, 2.0)):
-        for r, expected in zip(result, torch._foreach_norm(grads, ord)):
-            assert_same_as_eager(r, expected)
-    # The verdict holds for every ord: the C++ side asks once.
-    assert (stats["compiles"], stats["misses"], stats["fallbacks"]) == (0, 1, 3), stats
+    _, _, probe = model_and_steps()
+    assert "no C shim for aten::_foreach_norm.Scalar" in aoti_eager.ops_reached(probe).refused["aten::_foreach_norm.Scalar"]
+    assert str(A._foreach_norm.Scalar) not in result["ops"] and "aten::_foreach_norm.Scalar" not in result["stats"]
 
 
 def test_enabling_again_reuses_every_decision_and_kernel(cold_run):
