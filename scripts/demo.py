@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-WIDTH, HEADS, LAYERS, VOCAB, BATCH, TOKENS = 256, 4, 4, 2048, 1, 64
+WIDTH, HEADS, LAYERS, VOCAB, BATCH, TOKENS = 256, 4, 4, 2048, 1, 16
 
 
 class Block(nn.Module):
