@@ -62,9 +62,17 @@ def prepared(name: str, device: str) -> tuple[torch.nn.Module, dict[str, Any]]:
     return model.eval(), inputs
 
 
-def region_rows() -> dict[str, dict[str, Any]]:
+COUNTS = ("calls", "hits", "fallbacks", "compiles", "cache_loads")
+
+
+def region_rows(since: dict[str, dict[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
+    """The regions' rows of stats(), their counts those since the rows ``since``
+    (a region's counts are the process's, whatever model its class is in)."""
     gc.collect()  # the rows of models let go of (transformers' models hold cycles) leave stats()
-    return {name: row for name, row in aoti_eager.stats().items() if name.startswith("region::")}
+    rows = {name: dict(row) for name, row in aoti_eager.stats().items() if name.startswith("region::")}
+    for name, row in rows.items():
+        row.update({k: row[k] - since.get(name, {}).get(k, 0) for k in COUNTS} if since else {})
+    return rows
 
 
 def steady(name: str, model: torch.nn.Module, inputs: dict[str, Any], device: str, rounds: int, cache_dir: str,
@@ -80,10 +88,11 @@ def steady(name: str, model: torch.nn.Module, inputs: dict[str, Any], device: st
     fused = forward_of(fused_model, inputs)
     reached = aoti_eager.ops_reached(fused) if ops else []
     aoti_eager.fuse(fused_model, ops=reached, compile="now", cache_dir=cache_dir)
+    since = region_rows()
     got = fused()
     fused()
     aoti_eager.disable()  # the ops are enabled for the fused side's rounds only: the others run eager's kernels
-    regions = region_rows()
+    regions = region_rows(since)
     times = alternating({
         "eager": lambda: timed(eager, 3),
         "fused": lambda: timed_enabled(fused, reached, 3, devices=[device], cache_dir=cache_dir),
