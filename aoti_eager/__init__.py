@@ -26,6 +26,7 @@ import contextlib
 import logging
 import os
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -97,6 +98,30 @@ def _fleet_url(remote: str | None) -> str | None:
         raise ValueError(f"aoti_eager: remote={remote!r} is not {settings.URL.expected}") from None
 
 
+@dataclass(frozen=True)
+class _Options:
+    """How :func:`enable` and :func:`fuse` compile and keep kernels, checked once for both."""
+
+    compile: str
+    root: Path
+    remote: str | None  # the fleet cache's URL; None: $AOTI_EAGER_REMOTE, if set
+    recorder: Recorder | None
+
+    @classmethod
+    def checked(cls, compile: str, cache_dir: str | os.PathLike | None, remote: str | None,
+                record: str | os.PathLike | None) -> _Options:
+        """The options of the arguments ``enable`` and ``fuse`` share. Raises
+        ValueError where ``compile``, ``remote`` or a setting is not one they take."""
+        if compile not in ("now", "background", "never"):
+            raise ValueError(f'aoti_eager: compile is "now", "background" or "never", not {compile!r}')
+        settings.check_all()
+        remote = _fleet_url(remote)
+        if record is None:
+            record = settings.record.get()
+        root = Path(cache_dir).expanduser() if cache_dir is not None else _root if _root is not None else default_root()
+        return cls(compile, root, remote, Recorder(record) if record is not None else None)
+
+
 def enable(
     ops: Iterable[OpSpec] | OpSpec,
     *,
@@ -160,13 +185,7 @@ def enable(
         >>> aoti_eager.enable(ops=["aten::gelu"], remote="redis://cache-host:6379/0")
     """
     global _root
-    if compile not in ("now", "background", "never"):
-        raise ValueError(f'aoti_eager: compile is "now", "background" or "never", not {compile!r}')
-    settings.check_all()
-    remote = _fleet_url(remote)
-    if record is None:
-        record = settings.record.get()
-    recorder = Recorder(record) if record is not None else None
+    options = _Options.checked(compile, cache_dir, remote, record)
     devices = list(devices) if devices is not None else _default_devices()
     for device in devices:
         if device not in _ops.DISPATCH_KEYS:
@@ -175,14 +194,19 @@ def enable(
         raise ValueError("aoti_eager: devices=['cuda'] was asked for, but torch.cuda.is_available() is False")
     selected = _selected(ops)
     if cache_dir is not None:
-        _root = Path(cache_dir).expanduser()
-    root = _root if _root is not None else default_root()
+        _root = options.root
+    _install(selected, devices, options)
+
+
+def _install(selected: list[torch._ops.OpOverload], devices: list[str], options: _Options) -> None:
+    """Overrides each of ``selected`` on each of ``devices``, as ``options`` say."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="(?s).*previously registered kernel")
         for op in selected:
             for device in devices:
-                _runtime.install(op, device, root, recorder=recorder, compile=compile, remote=remote)
-    if compile == "background":
+                _runtime.install(op, device, options.root, recorder=options.recorder, compile=options.compile,
+                                 remote=options.remote)
+    if options.compile == "background":
         _background.prestart(devices)
 
 
@@ -252,6 +276,7 @@ def fuse(
     model: torch.nn.Module,
     modules: Iterable[Any] | None = None,
     *,
+    ops: Iterable[OpSpec] | OpSpec | None = None,
     compile: str = "now",
     cache_dir: str | os.PathLike | None = None,
     remote: str | None = None,
@@ -259,7 +284,8 @@ def fuse(
 ) -> torch.nn.Module:
     """Compiles each chosen submodule's forward whole: one library per region
     signature, shared by every instance, with the parameters and buffers as
-    its inputs (changed weights need no compile).
+    its inputs (changed weights need no compile). With ``ops``, also enables
+    per-op kernels for what runs outside the regions: a model's one call.
 
     A call of a region with inputs this process has not seen looks for its
     kernel in the cache, else compiles it (``torch.export``, AOTInductor),
@@ -276,6 +302,14 @@ def fuse(
             fuse. Default (None): the submodule classes that repeat, two or
             more instances whose parameters and buffers have the same names,
             shapes, dtypes and devices; never a module inside another region.
+        ops (str | OpOverload | OpOverloadPacket | Iterable | None): ops to
+            enable as :func:`enable` takes them, typically
+            ``ops_reached(model, x)``: those outside the regions (embeddings,
+            a final norm, a head) run per-op kernels, and so do those inside
+            a region whose calls run its original forward. They are enabled on
+            cpu, and cuda when available, with this call's ``compile``,
+            ``cache_dir``, ``remote`` and ``record``, and stay enabled until
+            :func:`disable`, whatever :func:`unfuse` does. Default: none.
         compile (str): ``"now"``: a miss compiles before the call returns;
             ``"background"``: a miss runs the original forward and queues the
             compile for a thread of this process, whose kernel the calls use
@@ -295,9 +329,12 @@ def fuse(
 
     Returns:
         torch.nn.Module: ``model``, its regions' forwards replaced.
+        :func:`stats` has a row per region (``"region::<module>.<class>"``)
+        and per enabled op.
 
     Raises:
-        ValueError: ``compile`` or ``remote`` is not one it takes.
+        ValueError: ``compile`` or ``remote`` is not one it takes, or an op
+            of ``ops`` cannot be enabled (as :func:`enable` says).
 
     Examples::
 
@@ -307,21 +344,30 @@ def fuse(
         >>> aoti_eager.stats()["region::transformers.models.gpt2.modeling_gpt2.GPT2Block"]["hits"]
         12
         >>> aoti_eager.unfuse(model)                 # the original forwards are back
+
+        >>> model = aoti_eager.fuse(model, ops=aoti_eager.ops_reached(model, x))   # blocks and the ops around them
+        >>> with torch.no_grad():
+        ...     y = model(x)
+        >>> aoti_eager.stats()["aten::embedding"]["hits"]
+        2
+        >>> aoti_eager.unfuse(model)                 # the blocks' forwards are back; the ops stay enabled
+        >>> aoti_eager.disable()                     # the ops' original kernels are back
     """
-    if compile not in ("now", "background", "never"):
-        raise ValueError(f'aoti_eager: fuse(compile=...) is "now", "background" or "never", not {compile!r}')
-    settings.check_all()
-    remote = _fleet_url(remote)
-    root = Path(cache_dir).expanduser() if cache_dir is not None else _root if _root is not None else default_root()
-    if record is None:
-        record = settings.record.get()
-    _regions.fuse(model, modules, compile, root, remote,
-                  Recorder(record) if record is not None else None)
+    options = _Options.checked(compile, cache_dir, remote, record)
+    selected = _selected(ops) if ops is not None else []
+    _regions.fuse(model, modules, options.compile, options.root, options.remote, options.recorder)
+    _install(selected, _default_devices(), options)
     return model
 
 
 def unfuse(model: torch.nn.Module) -> torch.nn.Module:
     """Restores the original forward of every region :func:`fuse` made in ``model``.
+
+    Ops that ``fuse(model, ops=...)`` enabled stay enabled, as other models
+    and :func:`enable` calls may use them too: :func:`disable` restores them.
+
+    Args:
+        model (torch.nn.Module): a model :func:`fuse` was given (or a copy of one).
 
     Returns:
         torch.nn.Module: ``model``.
@@ -330,6 +376,8 @@ def unfuse(model: torch.nn.Module) -> torch.nn.Module:
 
         >>> aoti_eager.unfuse(aoti_eager.fuse(model)) is model
         True
+        >>> model = aoti_eager.unfuse(aoti_eager.fuse(model, ops=["aten::embedding"]))
+        >>> aoti_eager.disable()                     # aten::embedding's original kernels are back
     """
     _regions.unfuse(model)
     return model

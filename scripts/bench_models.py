@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -40,7 +39,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import aoti_eager
 from aoti_eager import _extension, settings
-from timing import machine, per_call_seconds, total_compiles
+from timing import alternating, machine, timed, timed_enabled, total_compiles
 
 # (layers, width, heads, batch, tokens) per device.
 SIZES = {
@@ -164,24 +163,11 @@ def run(name: str, device: str, rounds: int, calls: int, steps: int, cache_dir: 
     misses = sum(s["misses"] for s in aoti_eager.stats().values()) - before
     aoti_eager.disable()
 
-    def timed(step: Callable[[], Any]) -> float:
-        step()  # after the other side's round: warms this side's caches (and loads decisions), not timed
-        return per_call_seconds(step, calls)
-
-    def enabled_step() -> float:
-        aoti_eager.enable(ops, devices=[device], cache_dir=cache_dir)
-        try:
-            return timed(work.step)
-        finally:
-            aoti_eager.disable()
-
-    sides = {"eager": lambda: timed(work.step), "aoti_eager": enabled_step,
-             "torch.compile": lambda: timed(work.compiled_step)}
-    times: dict[str, list[float]] = {side: [] for side in sides}
-    for i in range(rounds):
-        for side in list(sides)[i % 3:] + list(sides)[:i % 3]:  # each side goes first in turn
-            times[side].append(sides[side]())
-    medians = {side: statistics.median(t) for side, t in times.items()}
+    medians = alternating({
+        "eager": lambda: timed(work.step, calls),
+        "aoti_eager": lambda: timed_enabled(work.step, ops, calls, devices=[device], cache_dir=cache_dir),
+        "torch.compile": lambda: timed(work.compiled_step, calls),
+    }, rounds)
     # What the speed costs in memory: CPU kernels' freed outputs kept for the next step.
     pool_mib = _extension.load().cpu_pool_held_bytes() / 2**20
     eager_ops = self_times(work.step, device)

@@ -1,131 +1,155 @@
-"""The demo: a transformer block's ops in plain eager code, with aoti_eager.
+"""The demo: a small transformer in plain PyTorch, made fast with one call,
+``aoti_eager.fuse(model, ops=aoti_eager.ops_reached(model, x))``.
 
-Runs the workload in a fresh process against an empty cache (cold: every
-signature compiles), then in another fresh process against the same cache
-(warm: every signature loads), and prints per op: calls, hits, compiles,
-cache loads, compile seconds, and steady-state time per call against eager.
+Runs in a fresh process against empty caches (cold: the blocks and ops
+compile), then in another fresh process against the same caches (warm: they
+load), and prints for each: the seconds to the first result (eager's, the
+fused model's, ``torch.compile``'s), the steady time of a forward against
+eager's (alternating rounds, medians), each output's largest difference from
+eager's, and per region and op: calls, hits, compiles, cache loads.
 
-    python scripts/demo.py [--cache-dir DIR] [--steps N]
+    python scripts/demo.py [--cache-dir DIR] [--rounds N] [--no-torch-compile]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-OPS = [
-    "aten::native_layer_norm",
-    "aten::addmm",
-    "aten::gelu",
-    "aten::add.Tensor",
-    "aten::_softmax",
-    "aten::mul.Tensor",
-]
+WIDTH, HEADS, LAYERS, VOCAB, BATCH, TOKENS = 256, 4, 4, 2048, 1, 16
 
 
-def block(x, p):
-    """Pre-norm MLP with a gated softmax mixing, in ordinary eager PyTorch."""
-    import torch.nn.functional as F
+class Block(nn.Module):
+    """A pre-norm transformer layer: causal self-attention, then an MLP."""
 
-    h = F.layer_norm(x, [x.shape[-1]], p["ln_w"], p["ln_b"])
-    h = F.gelu(F.linear(h, p["w1"], p["b1"]), approximate="tanh")
-    h = F.linear(h, p["w2"], p["b2"])
-    gate = torch.softmax(h, dim=-1) * h.shape[-1]
-    return x + h * gate
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.qkv, self.proj = nn.Linear(WIDTH, 3 * WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.fc1, self.fc2 = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, HEADS, WIDTH // HEADS).transpose(1, 3).unbind(2)
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attention.transpose(1, 2).reshape(b, t, WIDTH))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
 
 
-def run(cache_dir: str, steps: int) -> dict:
-    """One process's run: the workload with aoti_eager, then per-op timings."""
+class Model(nn.Module):
+    """Token and position embeddings, repeated blocks, a final norm and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(VOCAB, WIDTH), nn.Embedding(TOKENS, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm, self.head = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.tokens(ids) + self.positions(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def seconds(fn):
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def run(cache_dir: str, rounds: int, with_compile: bool) -> dict:
+    """One process's run: first results, then steady forwards side by side."""
     import aoti_eager
-    from timing import compare
-    from torch.utils._python_dispatch import TorchDispatchMode
+    from timing import alternating, timed, timed_enabled
 
-    g = torch.Generator().manual_seed(0)
-    d, hidden = 256, 1024
-    p = {
-        "ln_w": torch.ones(d), "ln_b": torch.zeros(d),
-        "w1": torch.randn(hidden, d, generator=g) / d**0.5, "b1": torch.zeros(hidden),
-        "w2": torch.randn(d, hidden, generator=g) / hidden**0.5, "b2": torch.zeros(d),
+    torch.manual_seed(0)
+    model = Model().eval()
+    ids = torch.randint(0, VOCAB, (BATCH, TOKENS))
+    torch.set_grad_enabled(False)  # inference: regions run without autograd
+    first = {}
+    first["eager"], expected = seconds(lambda: model(ids))
+    fused_model = copy.deepcopy(model)
+
+    def fuse_and_run():
+        ops = aoti_eager.ops_reached(fused_model, ids)
+        aoti_eager.fuse(fused_model, ops=ops, cache_dir=cache_dir)  # the one call
+        return ops, fused_model(ids)
+
+    first["fused"], (ops, got) = seconds(fuse_and_run)
+    results = {"fused": got}
+    fused_model(ids)
+    stats = {name: row for name, row in aoti_eager.stats().items() if row["calls"]}  # two forwards': compiles, loads, hits
+    aoti_eager.disable()  # the ops are enabled for the fused side's rounds only: the others run eager's kernels
+    sides = {
+        "eager": lambda: timed(lambda: model(ids), 5),
+        "fused": lambda: timed_enabled(lambda: fused_model(ids), ops, 5, cache_dir=cache_dir),
     }
-    x = torch.randn(64, d, generator=g)
-    expected = block(x, p)
-
-    start = time.perf_counter()
-    aoti_eager.enable(OPS, devices=["cpu"], cache_dir=cache_dir)
-    enable_seconds = time.perf_counter() - start
-    start = time.perf_counter()
-    for _ in range(steps):
-        y = block(x, p)
-    workload_seconds = time.perf_counter() - start
-    stats = aoti_eager.stats()
-    aoti_eager.disable()
-    torch.testing.assert_close(y, expected, rtol=1e-4, atol=1e-4)
-
-    # One recorded call per overload, replayed alone to time it against eager.
-    class Record(TorchDispatchMode):
-        calls: dict = {}
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.calls.setdefault(func, (args, kwargs or {}))
-            return func(*args, **(kwargs or {}))
-
-    with Record():
-        block(x, p)
-    timings = {}
-    for func, (args, kwargs) in Record.calls.items():
-        name = str(func._schema.name) + (f".{func._schema.overload_name}" if func._schema.overload_name else "")
-        if name in stats and stats[name]["calls"]:
-            compiled, eager = compare(lambda: func(*args, **kwargs), [func], calls=200, devices=["cpu"], cache_dir=cache_dir)
-            timings[name] = (compiled, eager)
-    step_compiled, step_eager = compare(lambda: block(x, p), OPS, calls=20, devices=["cpu"], cache_dir=cache_dir)
-    return dict(stats=stats, timings=timings, enable_seconds=enable_seconds, workload_seconds=workload_seconds,
-                step=(step_compiled, step_eager))
+    if with_compile:
+        compiled = torch.compile(copy.deepcopy(model))
+        first["torch.compile"], results["torch.compile"] = seconds(lambda: compiled(ids))
+        sides["torch.compile"] = lambda: timed(lambda: compiled(ids), 5)
+    return dict(
+        first=first, steady=alternating(sides, rounds), stats=stats,
+        difference={side: (y - expected).abs().max().item() for side, y in results.items()},
+    )
 
 
 def report(title: str, result: dict) -> None:
-    print(f"\n== {title}: enable() {result['enable_seconds'] * 1e3:.0f} ms, workload {result['workload_seconds']:.1f} s")
-    header = f"{'op':<28}{'calls':>7}{'hits':>7}{'compiles':>10}{'loads':>7}{'compile s':>11}{'us/call':>10}{'eager us':>10}{'ratio':>8}"
-    print(header)
-    print("-" * len(header))
+    first, steady = result["first"], result["steady"]
+    print(f"\n== {title}")
+    print("first result s:     " + " | ".join(f"{side} {s:.2f}" for side, s in first.items())
+          + "   (fused: ops_reached + fuse + first forward)")
+    print("steady ms/forward:  " + " | ".join(
+        f"{side} {s * 1e3:.2f}" + (f" ({s / steady['eager']:.2f}x eager)" if side != "eager" else "")
+        for side, s in steady.items()))
+    print("max abs diff vs eager: " + " | ".join(f"{side} {d:.1e}" for side, d in result["difference"].items()))
+    print("the fused model's first two forwards, per region and op:")
+    header = f"{'region or op':<34}{'calls':>7}{'hits':>7}{'compiles':>10}{'loads':>7}{'eager':>7}{'compile s':>11}"
+    print(header + "\n" + "-" * len(header))
     for name, row in result["stats"].items():
-        if not row["calls"]:
-            continue
-        compiled, eager = result["timings"].get(name, (float("nan"), float("nan")))
-        print(f"{name:<28}{row['calls']:>7}{row['hits']:>7}{row['compiles']:>10}{row['cache_loads']:>7}"
-              f"{row['compile_seconds']:>11.1f}{compiled * 1e6:>10.1f}{eager * 1e6:>10.1f}{compiled / eager:>8.2f}")
-        if row["fallback_reason"]:
-            print(f"    eager for some calls: {row['fallback_reason']}")
-    compiled, eager = result["step"]
-    print(f"{'whole block (one step)':<28}{'':>52}{compiled * 1e6:>10.1f}{eager * 1e6:>10.1f}{compiled / eager:>8.2f}")
+        print(f"{name.replace('region::__main__.', 'region::'):<34}{row['calls']:>7}{row['hits']:>7}{row['compiles']:>10}"
+              f"{row['cache_loads']:>7}{row['fallbacks']:>7}{row['compile_seconds']:>11.1f}")
+        if row["fallback_reason"] and not row["hits"]:
+            print(f"    ran eagerly: {row['fallback_reason']}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cache-dir", help="cache to use (default: a new empty one, so the first run is cold)")
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--cache-dir", help="kernel cache to use (default: a new empty one, so the first run is cold)")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds of 5 forwards a side")
+    parser.add_argument("--no-torch-compile", action="store_true", help="leave torch.compile out")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(run(args.cache_dir, args.steps)))
+        print(json.dumps(run(args.cache_dir, args.rounds, not args.no_torch_compile)))
         return
     with tempfile.TemporaryDirectory(prefix="aoti_eager-demo-") as scratch:
         cache_dir = args.cache_dir or scratch
-        print(f"aoti_eager demo: ops {', '.join(OPS)}; cache {cache_dir}")
-        for title in ("cold process (empty cache: compiles)", "warm process (same cache, new process: loads)"):
-            out = subprocess.run(
-                [sys.executable, __file__, "--child", "--cache-dir", cache_dir, "--steps", str(args.steps)],
-                capture_output=True, text=True,
-            )
+        # Inductor's and Triton's caches start empty too, and the warm process finds them filled.
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": os.path.join(scratch, "inductor"),
+               "TRITON_CACHE_DIR": os.path.join(scratch, "triton")}
+        print(f"aoti_eager demo: a {LAYERS}-block transformer (width {WIDTH}) at {BATCH} x {TOKENS} tokens, "
+              f"torch {torch.__version__}, {torch.get_num_threads()} threads; cache {cache_dir}")
+        command = [sys.executable, __file__, "--child", "--cache-dir", cache_dir, "--rounds", str(args.rounds)]
+        command += ["--no-torch-compile"] if args.no_torch_compile else []
+        for title in ("cold process (empty caches: compiles)", "warm process (same caches, new process: loads)"):
+            start = time.perf_counter()
+            out = subprocess.run(command, capture_output=True, text=True, env=env)
             if out.returncode != 0:
                 sys.exit(f"demo run failed:\n{out.stderr}")
             result = json.loads(out.stdout.strip().splitlines()[-1])
-            report(title, result)
+            report(f"{title}: {time.perf_counter() - start:.0f} s in all", result)
             served = sum(row["compiles"] + row["cache_loads"] for row in result["stats"].values())
             if served == 0:
                 reasons = sorted({row["fallback_reason"] for row in result["stats"].values() if row["fallback_reason"]})

@@ -27,6 +27,33 @@ def per_call_seconds(fn: Callable[[], object], calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
+def alternating(sides: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
+    """Median seconds of each side over ``rounds``, each side going first in
+    turn so that all see the same machine load; a side returns its round's seconds."""
+    names = list(sides)
+    times: dict[str, list[float]] = {side: [] for side in names}
+    for i in range(rounds):
+        for side in names[i % len(names):] + names[:i % len(names)]:
+            times[side].append(sides[side]())
+    return {side: statistics.median(t) for side, t in times.items()}
+
+
+def timed(fn: Callable[[], object], calls: int) -> float:
+    """Per-call seconds of ``fn`` after one untimed call, which warms what
+    the other sides' rounds left cold (and loads decisions)."""
+    fn()
+    return per_call_seconds(fn, calls)
+
+
+def timed_enabled(fn: Callable[[], object], ops: list, calls: int, **enable_kwargs) -> float:
+    """:func:`timed` with ``ops`` enabled for the round only: the other sides run eager's kernels."""
+    aoti_eager.enable(ops, **enable_kwargs)
+    try:
+        return timed(fn, calls)
+    finally:
+        aoti_eager.disable()
+
+
 def compare(fn: Callable[[], object], ops: list, calls: int, rounds: int = 7, **enable_kwargs) -> tuple[float, float]:
     """Median per-call seconds of ``fn`` with ``ops`` enabled and with eager.
 

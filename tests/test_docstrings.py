@@ -118,7 +118,7 @@ def test_the_scan_sees_python_comments_docstrings_and_cpp_comments():
                      "f.cpp:3: a date: 2026-11-24 */", "f.cpp:3: an issue number: // issue 20"]
 
 
-PUBLIC = ["enable", "disable", "enabled", "stats", "ops_reached", "prewarm"]
+PUBLIC = ["enable", "disable", "enabled", "stats", "ops_reached", "prewarm", "fuse", "unfuse"]
 
 
 @pytest.mark.parametrize("name", PUBLIC)

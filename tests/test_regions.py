@@ -604,6 +604,29 @@ def test_output_pytrees(shared_cache, block):
     assert _delta(before, block)["hits"] in (1, 2)
 
 
+def test_one_call_fuses_the_blocks_and_enables_the_ops_around_them(shared_cache):
+    model, x = _model(seed=6), torch.randn(4, 16)
+    with torch.no_grad():
+        expected = model(x)
+        ops = aoti_eager.ops_reached(model, x)
+        assert aoti_eager.fuse(model, ops=ops, cache_dir=shared_cache) is model
+        model(x)  # compiles or loads; a block structure's first call in a process runs its original forward
+        first, before = aoti_eager.stats(), _row(Block)
+        actual = model(x)
+    torch.testing.assert_close(actual, expected)
+    stats = aoti_eager.stats()
+    assert _delta(before, Block)["hits"] == 3
+    assert stats["aten::addmm"]["hits"] == first["aten::addmm"]["hits"] + 1  # the head, outside the blocks
+    assert stats["aten::gelu"]["calls"] == first["aten::gelu"]["calls"]  # inside the blocks: their kernels ran instead
+    aoti_eager.unfuse(model)
+    assert "aten::addmm" in aoti_eager.stats()  # unfuse() leaves the ops; disable() takes them out
+    aoti_eager.disable()
+    assert "aten::addmm" not in aoti_eager.stats()
+    with pytest.raises(ValueError, match="aten::view"):
+        aoti_eager.fuse(model, ops=["aten::view.default"])
+    assert all("forward" not in m.__dict__ for m in model.modules())  # refused before any block is fused
+
+
 def test_unfuse_restores_the_original_forward(shared_cache):
     model, other = _model(), aoti_eager.fuse(_model(), cache_dir=shared_cache)  # other keeps the row in stats()
     aoti_eager.fuse(model, cache_dir=shared_cache)
