@@ -299,9 +299,11 @@ def fuse(
     Args:
         model (torch.nn.Module): the model, whose submodules become regions.
         modules (Iterable | None): the submodule instances or classes to
-            fuse. Default (None): the submodule classes that repeat, two or
-            more instances whose parameters and buffers have the same names,
-            shapes, dtypes and devices; never a module inside another region.
+            fuse. Default (None): the blocks whose class repeats (two or more
+            instances, those of a layer list where some are; one kernel per
+            structure where their parameters differ); never a leaf of
+            torch.nn (a Linear, a norm, an activation) unless named, never a
+            module inside another region.
         ops (str | OpOverload | OpOverloadPacket | Iterable | None): ops to
             enable as :func:`enable` takes them, typically
             ``ops_reached(model, x)``: those outside the regions (embeddings,

@@ -376,7 +376,9 @@ def _valued(instance: _Instance, call: RegionCall, run: Any) -> tuple[RegionCall
     reads, ran = _reads.get(call.structure), _NOT_RUN
     if reads is None:
         try:
-            ran, reads = region_values.recorded(instance.module, run)
+            # The original kernels: ops enabled inside a block are the block's kernel's to run, not compiled apart.
+            with _mechanism.own_work():
+                ran, reads = region_values.recorded(instance.module, run)
         except region_values.UnkeyedValue as e:
             raise NotARegion(str(e)) from None
         reads = _reads[call.structure] = reads | _reads.get(call.structure, frozenset())
