@@ -169,8 +169,10 @@ def check_sample(opinfo: Any, sample: Any, dtype: Any, device: str) -> dict[str,
     if fallbacks:
         reason = "; ".join(f"{name}: {why}" for name, why in fallbacks.items())
         return {**row, "outcome": "eager", "reason": reason[:1000]}
-    if not any(s["hits"] for s in stats.values()):
-        return {**row, "outcome": "eager", "reason": "no enabled overload was called"}
+    if not any(s["hits"] or s["fallbacks"] for s in stats.values()):
+        # A composite that decomposes under the recording mode but, called
+        # plainly, runs its own kernel (max_pool1d on CPU): nothing to take over.
+        return {**row, "outcome": "ineligible", "reason": "called plainly, it reaches no enabled overload"}
     return {**row, "outcome": "compiled", "reason": None}
 
 
@@ -472,7 +474,8 @@ def write_report(rows: Iterable[dict[str, Any]], path: Path) -> None:
         "`eager`: an enabled overload ran its original kernel (the reason follows);",
         "`wrong`: a result differs from eager's; `crash`: the worker process died;",
         "`ineligible`: the samples reach no overload that aoti_eager accepts (views,",
-        "random or data-dependent ops, composites), not counted as eligible.",
+        "random or data-dependent ops, composites, a composite whose plain call runs its",
+        "own kernel), not counted as eligible.",
         "",
     ]
     for key in ("command", "machine", "torch"):
