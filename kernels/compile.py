@@ -29,7 +29,7 @@ from torch._prims_common import (
 from torch.fx.experimental import _config as fx_config
 
 from aoti_eager.cache.store import LIBRARY_FILE
-from aoti_eager.kernels.inductor import headers, scratch
+from aoti_eager.kernels.inductor import headers, scratch, shims
 from aoti_eager.kernels.inductor.parallel_grain import parallel_above_grain
 from aoti_eager.kernels.inductor.vec_isa import known_vec_isas
 from aoti_eager.kernels.inductor.wrapper_split import split_wrapper_builds
@@ -492,8 +492,9 @@ def _export_and_compile(
 ) -> tuple[Artifact, Any]:
     """``torch.export`` of ``module`` at ``example``, then AOTInductor: the
     artifact (its output counts left to the caller) and the exported program.
-    ``whole_graph``: Inductor builds its pattern tables for whole graphs (see
-    :func:`_without_whole_graph_patterns`), which a module's graph has use for.
+    ``whole_graph``: a module's graph, not one op's: Inductor builds its
+    pattern tables for it (see :func:`_without_whole_graph_patterns`), and it
+    may leave some of its ops to the proxy executor.
     ``check_exported`` may refuse the exported program (raises CompileError)."""
     if workdir is None:
         workdir = scratch.compile_directory()
@@ -520,7 +521,7 @@ def _export_and_compile(
             # Dynamic threads: a dynamic-shape kernel (see _dynamic_options).
             grain = parallel_above_grain() if inductor_options.get("cpp.dynamic_threads") else contextlib.nullcontext()
             patterns = contextlib.nullcontext() if whole_graph else _without_whole_graph_patterns(device_type)
-            with split_wrapper_builds(shared_dir, seconds, linker()), grain, patterns:
+            with split_wrapper_builds(shared_dir, seconds, linker()), grain, patterns, shims.declared_only(device_type):
                 torch._inductor.aot_compile(
                     exported.module(), example,
                     options={**inductor_options, "aot_inductor.output_path": str(library)},
@@ -543,7 +544,9 @@ def _export_and_compile(
             raise CompileError(f"{stage} failed: the C++ compiler said: {said}", compiler_error=said) from e
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CompileError(f"{stage} failed: {type(e).__name__}: {message[:300]}") from e
-    left = left_to_proxy_executor(library.with_suffix(".json"))
+    # A module's graph keeps what it fuses around such a call (its check and
+    # speed verdict judge it); an op's kernel would be nothing but the call.
+    left = [] if whole_graph else left_to_proxy_executor(library.with_suffix(".json"))
     if left:
         workdir.cleanup()
         raise CompileError(

@@ -33,7 +33,7 @@ from aoti_eager.kernels.compile import Artifact, CompileError, call_op, compile_
 from aoti_eager.kernels.seam import Seam
 from aoti_eager.kernels.signature import CallSignature, clone_args, qualified_name
 from aoti_eager.kernels.speed import Timer, Timing, measured, time_against_eager, time_region_against_eager
-from aoti_eager.kernels.toolchain import usable_vec_isas
+from aoti_eager.kernels.toolchain import vec_isas_for
 from aoti_eager.kernels.validate import Mismatch, check_matches_eager
 
 log = logging.getLogger("aoti_eager")
@@ -205,7 +205,7 @@ def _compile(
     artifact = compiler.compile(
         example, expected, {**compile_options(signature.device.type), **matmul.inductor_options(signature)},
         shared_dir=store.shared_directory(),
-        vec_isas=usable_vec_isas(), dynamic_shapes=family.export_shapes(example) if family else None,
+        vec_isas=vec_isas_for(signature.device.type), dynamic_shapes=family.export_shapes(example) if family else None,
     )
     if family is None:
         return artifact, None

@@ -46,7 +46,7 @@ from aoti_eager.kernels.speed import Timing, measured
 from aoti_eager.kernels.signature import (
     Arg, ConstantArg, NoneArg, NumberArg, TensorArg, Unsupported, argument_from_json, clone_args,
 )
-from aoti_eager.kernels.toolchain import usable_vec_isas
+from aoti_eager.kernels.toolchain import vec_isas_for
 from aoti_eager.kernels.validate import Mismatch, check_fresh_memory, compare
 
 log = logging.getLogger("aoti_eager")
@@ -477,7 +477,7 @@ def _compile_region(instance: torch.nn.Module, call: RegionCall, store: EntrySto
     try:
         artifact = compile_module(RegionModule(instance, call, outputs), tuple(clone_args(call.inputs())),
                                   call.device.type, compile_options(call.device.type),
-                                  shared_dir=store.shared_directory(), vec_isas=usable_vec_isas())
+                                  shared_dir=store.shared_directory(), vec_isas=vec_isas_for(call.device.type))
     except CompileError as e:
         log.debug("aoti_eager: compiling %s failed", call.name, exc_info=e.__cause__)
         if not e.lasting:

@@ -32,7 +32,7 @@ from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily, _form
 from aoti_eager.kernels.pipeline import Loader, NotCompiled, Outcome, Published
 from aoti_eager.kernels.region import Outputs, RegionCall, RegionModule, _digest, check_region
 from aoti_eager.kernels.signature import NumberArg, TensorArg, clone_args
-from aoti_eager.kernels.toolchain import usable_vec_isas
+from aoti_eager.kernels.toolchain import vec_isas_for
 from aoti_eager.kernels.validate import Mismatch
 
 log = logging.getLogger("aoti_eager")
@@ -156,7 +156,7 @@ def _compile_family(
     try:
         artifact = compile_module(RegionModule(instance, call, outputs), tuple(clone_args(call.inputs())),
                                   call.device.type, compile_options(call.device.type), shared_dir=store.shared_directory(),
-                                  vec_isas=usable_vec_isas(), dynamic_shapes=export_shapes(call, family))
+                                  vec_isas=vec_isas_for(call.device.type), dynamic_shapes=export_shapes(call, family))
     except CompileError as e:
         log.debug("aoti_eager: compiling %s's dynamic kernel failed", call.name, exc_info=e.__cause__)
         return _static(store, call, _named_inputs(str(e), call), recorded=e.lasting), outputs

@@ -214,6 +214,13 @@ def usable_vec_isas() -> dict[str, list[str]]:
     return current().usable_vec_isas()
 
 
+def vec_isas_for(device_type: str) -> dict[str, list[str]]:
+    """The vector ISAs a compile for ``device_type`` builds with: this CPU's
+    usable ones for CPU kernels, none for a GPU's, whose wrapper holds no vector
+    code (so that a GPU compile never waits for Inductor's probe of the CPU)."""
+    return usable_vec_isas() if device_type == "cpu" else {}
+
+
 def remembered_vec_isas() -> dict[str, list[str]] | None:
     """:func:`usable_vec_isas` where a process probed them before, else None, without probing."""
     return current().remembered_vec_isas()

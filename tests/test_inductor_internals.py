@@ -59,6 +59,25 @@ def test_without_its_internals_no_op_is_said_to_be_proxy_only(table, monkeypatch
         shims.proxy_only.cache_clear()  # the answer without the patch, at the next call
 
 
+def test_an_op_whose_c_shim_the_headers_gate_on_a_later_torch_goes_to_the_proxy_executor(monkeypatch):
+    from torchgen.aoti.fallback_ops import inductor_fallback_ops
+
+    listed = dict(inductor_fallback_ops)
+    with shims.declared_only("cpu"):  # the installed headers: CUDA's attention has no CPU shim
+        assert "aten._cdist_forward.default" in inductor_fallback_ops
+        assert "aten._flash_attention_forward.default" not in inductor_fallback_ops
+    assert inductor_fallback_ops == listed
+    monkeypatch.setattr(torch, "__version__", "2.11.0")  # whose CUDA header gates _grouped_mm's shim on 2.12
+    shims._declared.cache_clear()
+    try:
+        with shims.declared_only("cuda"):
+            assert "aten._grouped_mm.default" not in inductor_fallback_ops
+            assert "aten.bucketize.Tensor" in inductor_fallback_ops
+    finally:
+        shims._declared.cache_clear()
+    assert inductor_fallback_ops == listed
+
+
 def test_without_its_internals_the_wrapper_is_built_as_inductor_builds_it(tmp_path, monkeypatch):
     monkeypatch.delattr(cpp_builder, "_BUILD_TEMP_DIR")
     build = cpp_builder.CppBuilder.build

@@ -565,6 +565,26 @@ def test_a_region_compiles_beside_enabled_ops(tmp_path):
     assert _delta(before, Block) == {"calls": 3, "hits": 3, "fallbacks": 0, "compiles": 1, "cache_loads": 0}
 
 
+class Solving(Block):
+    """A block with an op that AOTInductor leaves to its proxy executor (it has no C shim)."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y + torch.linalg.svdvals(y[:, :4]).sum()
+
+
+def test_a_block_is_fused_around_an_op_left_to_the_proxy_executor(tmp_path):
+    model, x = _model(Solving, seed=6), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=tmp_path)
+    before = _row(Solving)
+    with torch.no_grad():
+        model(x)
+        torch.testing.assert_close(model(x), reference(x))
+    delta = _delta(before, Solving)
+    assert delta["compiles"] == 1 and delta["fallbacks"] == 0 and delta["hits"] >= 5, _row(Solving)
+
+
 def test_grad_enabled_calls_run_eagerly(shared_cache):
     model, x = _model(), torch.randn(4, 16)
     reference = copy.deepcopy(model)

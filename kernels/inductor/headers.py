@@ -233,8 +233,9 @@ def check_recorded(compile_options: Callable[[str], dict[str, Any]], until: Call
                 return
             device_type = arguments[2].get("device_type")
             if device_type in ("cpu", "cuda"):
+                isas = vec_isas if device_type == "cpu" else {}  # as vec_isas_for gives a compile
                 with (contextlib.suppress(_WouldBuild), scratch.compiling(),
-                      inductor_config.patch(compile_options(device_type)), known_vec_isas(vec_isas), _nothing_built()):
+                      inductor_config.patch(compile_options(device_type)), known_vec_isas(isas), _nothing_built()):
                     _check(codecache._precompile_header, arguments)
 
 

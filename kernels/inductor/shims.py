@@ -21,11 +21,23 @@ Inductor applies before lowering; and ``torch._inductor.lowering.lowerings``,
 whose fallbacks carry ``_is_fallback_handler`` (an op with no lowering is an
 implicit fallback). Where one has moved, no op is said to be proxy-only: its
 compile finds out, as it did before.
+
+A torch build may list an op's C shim that its headers do not declare (torch
+2.11 lists ``aten._grouped_mm.default``, which its CUDA header lacks): the
+wrapper would not compile. Within :func:`declared_only`, such an op goes to
+the proxy executor instead, as an op without a shim does; the headers are read
+from ``torch/include/torch/csrc/inductor/aoti_torch/generated``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
 from functools import lru_cache
+from pathlib import Path
+from typing import Iterator
+
+import torch
 
 from torch._C import DispatchKey
 from torch._ops import OpOverload
@@ -56,3 +68,61 @@ def proxy_only(op: OpOverload) -> bool:
     except InternalMoved:
         return False
     return lowering is None or getattr(lowering, "_is_fallback_handler", False)
+
+
+_HEADERS = Path(torch.__file__).parent / "include/torch/csrc/inductor/aoti_torch/generated"
+
+
+_GATE = re.compile(r"#if TORCH_FEATURE_VERSION >= TORCH_VERSION_(\d+)_(\d+)_(\d+)")
+
+
+@lru_cache(maxsize=None)
+def _declared(device_type: str) -> frozenset[str] | None:
+    """The C shims this torch's headers declare for ``device_type`` (and for
+    every device), by name, those gated on a later torch version left out;
+    None where the headers are not there to read."""
+    try:
+        lines = [line for name in (device_type, "aten") for line in (_HEADERS / f"c_shim_{name}.h").read_text().splitlines()]
+    except OSError:
+        return None
+    version = tuple(int(part) for part in re.findall(r"\d+", torch.__version__)[:3])
+    declared, gates = set(), []  # gates: for each open #if, whether it hides what it holds
+    for line in lines:
+        if line.startswith("#if"):
+            gate = _GATE.match(line)
+            gates.append(gate is not None and tuple(map(int, gate.groups())) > version)
+        elif line.startswith("#endif") and gates:
+            gates.pop()
+        elif not any(gates):
+            declared.update(re.findall(r"\b(aoti_torch_\w+)\s*\(", line))
+    return frozenset(declared)
+
+
+def _shim_names(op_name: str, device_type: str) -> tuple[str, str]:
+    """The names torchgen gives ``op_name``'s (``aten.name.overload``) C shim on ``device_type`` and on every device."""
+    _, name, overload = op_name.split(".", 2)
+    function = name if overload == "default" else f"{name}_{overload}"
+    return f"aoti_torch_{device_type}_{function}", f"aoti_torch_aten_{function}"
+
+
+@contextlib.contextmanager
+def declared_only(device_type: str) -> Iterator[None]:
+    """Within the block, Inductor's list of C shims holds only those the
+    headers declare for ``device_type``: an op whose shim is missing goes to
+    the proxy executor instead of a call that does not compile."""
+    declared = _declared(device_type)
+    try:
+        shims = resolve(_SHIMS)
+    except InternalMoved:
+        shims = None
+    if declared is None or not isinstance(shims, dict):
+        yield
+        return
+    missing_ops = {name: shims[name] for name in list(shims)
+                   if name.startswith("aten.") and not declared.intersection(_shim_names(name, device_type))}
+    for name in missing_ops:
+        del shims[name]
+    try:
+        yield
+    finally:
+        shims.update(missing_ops)
