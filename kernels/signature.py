@@ -443,15 +443,33 @@ def _takes_runtime_int(op: torch._ops.OpOverload, position: Position) -> bool:
     """Whether an int at ``position`` in a call of ``op`` can be a kernel input
     once it moves: one given for an ``int``, ``SymInt`` or ``Scalar`` (a size,
     a count, a bound, a Scalar operand), or an item of an ``int[]`` or
-    ``SymInt[]`` (a pad, a size). Whether the kernel can trace it as a number
-    read at run time is export's to say: an int used as a dim index cannot be."""
+    ``SymInt[]`` (a pad, a size), never a dtype, layout or memory format (ints
+    to the dispatcher). Whether the kernel can trace it as a number read at run
+    time is export's to say: an int used as a dim index cannot be."""
+    declared = _declared_type(op, position)
+    if _split(position)[1] is not None:
+        return isinstance(declared, (torch._C.IntType, torch._C.SymIntType))
+    return isinstance(declared, (torch._C.IntType, torch._C.SymIntType, torch._C.NumberType))
+
+
+def _is_enum(argument: torch._C.Argument) -> bool:
+    """Whether ``argument`` takes an enum that the dispatcher passes as an int
+    (a ``ScalarType``, ``Layout`` or ``MemoryFormat``): no number."""
+    return str(_without_optional(argument.real_type)) in ("ScalarType", "Layout", "MemoryFormat")
+
+
+def _declared_type(op: torch._ops.OpOverload, position: Position) -> torch._C.JitType | None:
+    """The type ``op`` declares at ``position`` (an item's, in a list), as its
+    schema reads (``ScalarType``, not the ``int`` it is passed as)."""
     i, item = _split(position)
-    declared = op._schema.arguments[i].type
-    if isinstance(declared, torch._C.OptionalType):
-        declared = declared.getElementType()
-    if item is not None:
-        return isinstance(declared, torch._C.ListType) and isinstance(declared.getElementType(), torch._C.IntType)
-    return isinstance(declared, (torch._C.IntType, torch._C.NumberType))
+    declared = _without_optional(op._schema.arguments[i].real_type)
+    if item is None:
+        return declared
+    return declared.getElementType() if isinstance(declared, torch._C.ListType) else None
+
+
+def _without_optional(declared: torch._C.JitType) -> torch._C.JitType:
+    return declared.getElementType() if isinstance(declared, torch._C.OptionalType) else declared
 
 
 def _call_device(device_type: str, args: list[Any]) -> torch.device:
@@ -620,8 +638,11 @@ class CallSignature:
     def shape_key(self) -> str:
         """The key without the values of numbers, nor whether they are kernel
         inputs: signatures that share it differ only in numbers (``alpha``,
-        ``lr``, ``arange``'s end, ...)."""
-        return _digest([str(self.op._schema), [_without_number_value(d) for d in self.described]])
+        ``lr``, ``arange``'s end, ...), never in a dtype."""
+        return _digest([
+            str(self.op._schema),
+            [_key_form(d) if _is_enum(a) else _without_number_value(d) for a, d in zip(self.op._schema.arguments, self.described)],
+        ])
 
     @property
     def decision_key(self) -> tuple[str, str]:

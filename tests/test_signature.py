@@ -149,6 +149,17 @@ def test_a_constant_number_changes_the_key_not_the_shape_key():
     assert keepdims[0].shape_key != keepdims[1].shape_key
 
 
+def test_a_dtype_is_part_of_the_shape_key_and_never_a_runtime_int():
+    """The dispatcher passes a dtype as an int: a verdict for every value of a
+    call's numbers (a conversion to complex left to the proxy executor) must
+    not reach a conversion to another dtype."""
+    to = [signature(A._to_copy.default, zeros(4), dtype, None, None, None, False, None) for dtype in (torch.bfloat16, torch.complex64)]
+    assert to[0].shape_key != to[1].shape_key and to[0].values_key != to[1].values_key
+    assert to[0].int_arguments == {}
+    sums = [signature(A.sum.dim_IntList, zeros(4, 8), [1], False, dtype) for dtype in (torch.float32, torch.float64)]
+    assert sums[0].shape_key != sums[1].shape_key and sums[0].int_arguments == {(1, 0): 1}
+
+
 def test_a_runtime_number_is_left_out_of_the_key():
     calls = [signature(A.add.Tensor, zeros(4), zeros(4), alpha) for alpha in (0.5, -0.25)]
     assert [c.runtime_arguments for c in calls] == [[2], [2]]
