@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 import aoti_eager
 from aoti_eager import _regions
 from aoti_eager.kernels import speed
+from aoti_eager.kernels.inductor import shims
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -573,16 +574,34 @@ class Solving(Block):
         return y + torch.linalg.svdvals(y[:, :4]).sum()
 
 
-def test_a_block_is_fused_around_an_op_left_to_the_proxy_executor(tmp_path):
-    model, x = _model(Solving, seed=6), torch.randn(4, 16)
+class Projecting(Block):
+    """A block with a matmul Inductor lowers to an ATen choice (a Linear's addmm
+    passes Scalars, which torch's proxy executor cannot)."""
+
+    def forward(self, x):
+        return super().forward(x) @ self.fc1.weight[:16]
+
+
+@pytest.mark.parametrize("block, left, undeclared", [
+    (Solving, "aten::_linalg_svd", set()),
+    # As torch 2.11's CUDA _grouped_mm: Inductor's matmul lowering picks an ATen
+    # choice whose C shim the headers do not declare.
+    (Projecting, "aten::mm", {"aoti_torch_cpu_mm_out", "aoti_torch_aten_mm_out"}),
+])
+def test_a_block_is_fused_around_an_op_left_to_the_proxy_executor(tmp_path, monkeypatch, block, left, undeclared):
+    declared = shims._declared("cpu") - undeclared
+    monkeypatch.setattr(shims, "_declared", lambda device_type: declared)
+    model, x = _model(block, seed=6), torch.randn(4, 16)
     reference = copy.deepcopy(model)
     aoti_eager.fuse(model, cache_dir=tmp_path)
-    before = _row(Solving)
+    before = _row(block)
     with torch.no_grad():
         model(x)
         torch.testing.assert_close(model(x), reference(x))
-    delta = _delta(before, Solving)
-    assert delta["compiles"] == 1 and delta["fallbacks"] == 0 and delta["hits"] >= 5, _row(Solving)
+    delta = _delta(before, block)
+    assert delta["compiles"] == 1 and delta["fallbacks"] == 0 and delta["hits"] >= 5, _row(block)
+    nodes = [node["node"]["target"] for path in tmp_path.rglob("kernel.json") for node in json.loads(path.read_text())["nodes"]]
+    assert left in nodes, nodes
 
 
 def test_grad_enabled_calls_run_eagerly(shared_cache):

@@ -19,23 +19,27 @@ a C shim, which ``FallbackKernel.codegen`` looks up by ``str(op)``;
 ``torch._inductor.decomposition.select_decomp_table``, the decompositions
 Inductor applies before lowering; and ``torch._inductor.lowering.lowerings``,
 whose fallbacks carry ``_is_fallback_handler`` (an op with no lowering is an
-implicit fallback). Where one has moved, no op is said to be proxy-only: its
+implicit fallback), and ``torch._inductor.lowering.fallback_handler`` and
+``torch._inductor.select_algorithm.ExternKernelChoice`` for
+:func:`declared_only`. Where one has moved, no op is said to be proxy-only: its
 compile finds out, as it did before.
 
-A torch build may list an op's C shim that its headers do not declare (torch
-2.11 lists ``aten._grouped_mm.default``, which its CUDA header lacks): the
-wrapper would not compile. Within :func:`declared_only`, such an op goes to
-the proxy executor instead, as an op without a shim does; the headers are read
-from ``torch/include/torch/csrc/inductor/aoti_torch/generated``.
+A torch build may call a C shim that its headers do not declare (torch 2.11
+lowers CUDA's ``_grouped_mm`` to an ATen choice named after a shim its header
+lacks; a header may gate a listed shim on a later torch): the wrapper would
+not compile. Within :func:`declared_only`, such an op goes to the proxy
+executor instead, as an op without a shim does; the headers are read from
+``torch/include/torch/csrc/inductor/aoti_torch/generated``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
+import sys
 from functools import lru_cache
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -48,8 +52,10 @@ INTERNALS = (
     "torchgen.aoti.fallback_ops.inductor_fallback_ops",
     "torch._inductor.decomposition.select_decomp_table()",
     "torch._inductor.lowering.lowerings",
+    "torch._inductor.lowering.fallback_handler",
+    "torch._inductor.select_algorithm.ExternKernelChoice",
 )
-_SHIMS, _DECOMPOSITIONS, _LOWERINGS = INTERNALS
+_SHIMS, _DECOMPOSITIONS, _LOWERINGS, _FALLBACK, _CHOICE = INTERNALS
 
 
 @lru_cache(maxsize=None)
@@ -107,22 +113,39 @@ def _shim_names(op_name: str, device_type: str) -> tuple[str, str]:
 
 @contextlib.contextmanager
 def declared_only(device_type: str) -> Iterator[None]:
-    """Within the block, Inductor's list of C shims holds only those the
-    headers declare for ``device_type``: an op whose shim is missing goes to
-    the proxy executor instead of a call that does not compile."""
+    """Within the block, Inductor calls through a C shim only where the headers
+    declare it for ``device_type``: an op whose shim is missing goes to the
+    proxy executor instead of a call that does not compile. Two places name
+    shims: Inductor's list of fallbacks with one, and the ATen choices of its
+    matmul and convolution lowerings (torch 2.11's ``_grouped_mm``), whose
+    lowerings become fallbacks here."""
     declared = _declared(device_type)
     try:
-        shims = resolve(_SHIMS)
+        shims, lowerings, fallback, choice = (resolve(name) for name in (_SHIMS, _LOWERINGS, _FALLBACK, _CHOICE))
     except InternalMoved:
-        shims = None
-    if declared is None or not isinstance(shims, dict):
+        shims = lowerings = None
+    if declared is None or not isinstance(shims, dict) or not isinstance(lowerings, dict):
         yield
         return
-    missing_ops = {name: shims[name] for name in list(shims)
-                   if name.startswith("aten.") and not declared.intersection(_shim_names(name, device_type))}
-    for name in missing_ops:
-        del shims[name]
+    undeclared = lambda name: not declared.intersection(_shim_names(name, device_type))  # noqa: E731
+    missing_ops = {name: shims.pop(name) for name in list(shims) if name.startswith("aten.") and undeclared(name)}
+    lowered = {op: lowerings[op] for op in _lowered_by_choices(choice, undeclared) if op in lowerings}
+    lowerings.update({op: fallback(op, add_to_fallback_set=False) for op in lowered})
     try:
         yield
     finally:
         shims.update(missing_ops)
+        lowerings.update(lowered)
+
+
+def _lowered_by_choices(choice: type, undeclared: Callable[[str], bool]) -> list[OpOverload]:
+    """The ops whose lowerings may call an ATen ``choice`` whose C shim is
+    ``undeclared``: ``mm``'s for ``mm.out``, ``_grouped_mm``'s for itself."""
+    chosen = {getattr(value, "op_overload", None) for name, module in list(sys.modules.items())
+              if name.startswith("torch._inductor.kernel") for value in vars(module).values() if isinstance(value, choice)}
+    ops = []
+    for op in (op for op in chosen if isinstance(op, OpOverload)):
+        if op.namespace == "aten" and undeclared(str(op)):
+            functional = op._overloadname.removesuffix("out").removesuffix("_") or "default"
+            ops.extend(getattr(op.overloadpacket, name) for name in [functional] if name in op.overloadpacket.overloads())
+    return ops
