@@ -47,7 +47,7 @@ from aoti_eager.kernels.signature import (
     Arg, ConstantArg, NoneArg, NumberArg, TensorArg, Unsupported, argument_from_json, clone_args,
 )
 from aoti_eager.kernels.toolchain import vec_isas_for
-from aoti_eager.kernels.validate import Mismatch, check_fresh_memory, compare
+from aoti_eager.kernels.validate import Mismatch, check_fresh_memory, compare, upcast_run
 
 log = logging.getLogger("aoti_eager")
 
@@ -486,7 +486,7 @@ def _compile_region(instance: torch.nn.Module, call: RegionCall, store: EntrySto
     try:
         try:
             kernel = load(artifact.library, artifact.output_counts)
-            check_region(kernel, call, outputs.tensors(expected), lambda: _float64_result(instance, call, outputs))
+            check_region(kernel, call, outputs.tensors(expected), lambda: _upcast_result(instance, call, outputs))
         except Exception as e:  # noqa: BLE001
             said = (str(e).strip().splitlines() or [""])[0][:300]
             if isinstance(e, Mismatch):
@@ -546,16 +546,11 @@ def check_region(kernel: Any, call: RegionCall, expected: list[torch.Tensor],
     compare("the region's result", list(fresh), list(expected), reference)
 
 
-def _float64_result(instance: torch.nn.Module, call: RegionCall, outputs: Outputs) -> list[torch.Tensor] | None:
-    """The result's tensors of the original forward run in float64 on upcast
-    copies of the state and the call's floating tensors; None where it does
-    not run so (a forward that casts to a dtype of its own)."""
-    upcast = [t.detach().to(torch.float64, copy=True) if t.is_floating_point() else t.clone() for t in call.inputs()]
-    try:
-        return outputs.tensors(RegionModule(instance, call)(*upcast))
-    except Exception as e:  # noqa: BLE001 - the kernel is then judged by its dtype's tolerance alone
-        log.debug("aoti_eager: %s does not run in float64: %s", call.name, e)
-        return None
+def _upcast_result(instance: torch.nn.Module, call: RegionCall, outputs: Outputs) -> list[torch.Tensor] | None:
+    """The result's tensors of the original forward run on upcast copies of
+    the state and the call's floating tensors (:func:`upcast_run`)."""
+    result = upcast_run(lambda inputs: RegionModule(instance, call)(*inputs), list(call.inputs()))
+    return None if result is None else outputs.tensors(result)
 
 
 def _publish_eager(store: EntryStore, call: RegionCall, reason: str) -> NotCompiled:

@@ -6,6 +6,7 @@ its arguments) is never published."""
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any, Callable
 
 import torch
@@ -14,6 +15,8 @@ import torch.utils._pytree as pytree
 
 from aoti_eager.kernels.compile import call_op, flat_tensor_inputs, mutated_arguments, return_alias_indices
 from aoti_eager.kernels.signature import CallSignature, clone_args
+
+log = logging.getLogger("aoti_eager")
 
 
 class Mismatch(Exception):
@@ -73,7 +76,7 @@ def _part(reference: Callable[[], Any], i: int) -> Any:
 def _near_as_eager(actual: torch.Tensor, expected: torch.Tensor, reference: Any) -> str | None:
     """None where ``actual`` is as near the float64 ``reference`` as eager's
     ``expected`` is, within ``same``'s multiple; else why not."""
-    if not isinstance(reference, torch.Tensor) or reference.dtype != torch.float64 or reference.shape != expected.shape:
+    if not _judges(reference, expected):
         return "no float64 run of the forward to judge it by"
     # same() accepts any result where the reference holds a NaN (a mean of nothing): a NaN is no rounding.
     if not torch.equal(actual.isnan(), expected.isnan()):
@@ -82,10 +85,20 @@ def _near_as_eager(actual: torch.Tensor, expected: torch.Tensor, reference: Any)
 
     said: list[str] = []
     # tol: same's allclose first, then the error against the reference within tol / 10 of its multiple of eager's.
+    # same() takes a float64 reference only (a float32 run, widened, judges a 16-bit result).
     tol = _SAME_TOLERANCE.get(expected.dtype, 1e-4)
-    if same(expected, actual, reference, tol=tol, equal_nan=True, log_error=lambda message, *args: said.append(message % args)):
+    if same(expected, actual, reference.double(), tol=tol, equal_nan=True, log_error=lambda message, *args: said.append(message % args)):
         return None
-    return "against a float64 run of the forward: " + (said[0].split(" and shape")[0] if said else "not as near as eager")
+    return f"against a {str(reference.dtype).removeprefix('torch.')} run of the forward: " + (said[0].split(" and shape")[0] if said else "not as near as eager")
+
+
+def _judges(reference: Any, expected: torch.Tensor) -> bool:
+    """Whether ``reference`` is a run of ``expected``'s computation in float64,
+    or in float32 for a 16-bit result (a forward with no float64 kernel)."""
+    return (
+        isinstance(reference, torch.Tensor) and reference.is_floating_point() and reference.shape == expected.shape
+        and reference.dtype.itemsize >= 2 * expected.dtype.itemsize
+    )
 
 
 def check_fresh_memory(inputs: list[torch.Tensor], outputs: list[torch.Tensor]) -> None:
@@ -130,14 +143,24 @@ def check_matches_eager(
 
 
 def _float64_returns(op: torch._ops.OpOverload, signature: CallSignature) -> tuple[Any, ...] | None:
-    """The op's returns on float64 copies of the call's floating tensors
-    (a matmul in bf16 sums in another order when compiled: it is judged
-    against this, see :func:`compare`); None where the op does not run so."""
-    upcast = pytree.tree_map_only(
-        torch.Tensor, lambda t: t.to(torch.float64) if t.is_floating_point() else t, clone_args(signature.args)
-    )
-    try:
-        result = call_op(op, upcast)
-    except Exception:  # noqa: BLE001 - the kernel is then judged by its dtype's tolerance alone
-        return None
-    return result if isinstance(result, tuple) else (result,)
+    """The op's returns on upcast copies of the call (a matmul in bf16 sums in
+    another order when compiled: it is judged against this, see
+    :func:`compare`); None where the op does not run so."""
+    result = upcast_run(lambda args: call_op(op, args), clone_args(signature.args))
+    return result if result is None or isinstance(result, tuple) else (result,)
+
+
+def upcast_run(run: Callable[[Any], Any], args: Any) -> Any:
+    """``run`` on copies of ``args`` whose floating tensors are float64, else
+    (an op with no float64 kernel, as CUDA's ``_grouped_mm``) whose 16-bit ones
+    are float32; None where neither runs (a forward that casts on its own)."""
+    tensors = [t for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    dtypes = [torch.float64] + ([torch.float32] if any(t.dtype.itemsize < 4 for t in tensors) else [])
+    for dtype in dtypes:
+        wider = lambda t: dtype if t.is_floating_point() and t.dtype.itemsize < dtype.itemsize else t.dtype  # noqa: E731
+        upcast = pytree.tree_map_only(torch.Tensor, lambda t: t.detach().to(wider(t), copy=True), args)
+        try:
+            return run(upcast)
+        except Exception as e:  # noqa: BLE001 - the kernel is then judged by its dtype's tolerance alone
+            log.debug("aoti_eager: no run in %s to judge a kernel by: %s", dtype, e)
+    return None

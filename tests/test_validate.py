@@ -10,7 +10,7 @@ import torch
 
 from aoti_eager.kernels.compile import call_op
 from aoti_eager.kernels.signature import CallSignature, clone_args
-from aoti_eager.kernels.validate import Mismatch, check_matches_eager, compare
+from aoti_eager.kernels.validate import Mismatch, check_matches_eager, compare, upcast_run
 from helpers import FakeKernel
 
 A = torch.ops.aten
@@ -112,6 +112,24 @@ def test_a_result_out_of_its_dtypes_tolerance_is_judged_against_a_float64_refere
         compare("out", [skewed], [expected], lambda: [exact])
     with pytest.raises(Mismatch, match="no float64 run of the forward"):
         compare("out", [actual], [expected], lambda: None)  # the forward did not run in float64
+
+
+def test_a_forward_with_no_float64_kernel_is_judged_against_its_float32_run():
+    # CUDA's _grouped_mm (a mixture of experts) has bf16 and float32 kernels only.
+    def forward(inputs):
+        if inputs[0].dtype == torch.float64:
+            raise RuntimeError("no float64 kernel")
+        return [inputs[0] * 3]
+
+    actual, expected, exact = _rounded_pair(torch.bfloat16, skew=1.0)
+    assert upcast_run(forward, [expected])[0].dtype == torch.float32
+    assert upcast_run(forward, [expected.float()]) is None  # a float32 run judges no float32 result
+    compare("out", [actual], [expected], lambda: [exact.float()])
+    skewed, _, _ = _rounded_pair(torch.bfloat16, skew=1.03)
+    with pytest.raises(Mismatch, match="against a float32 run of the forward"):
+        compare("out", [skewed], [expected], lambda: [exact.float()])
+    with pytest.raises(Mismatch, match="no float64 run"):
+        compare("out", [actual.float()], [expected.float()], lambda: [exact.float()])
 
 
 def test_a_number_where_eager_has_nan_is_refused_though_float64_has_nan_too():
