@@ -33,8 +33,8 @@ from aoti_eager.kernels import region_shapes, region_values
 from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad
 from aoti_eager.kernels.pipeline import Published
 from aoti_eager.kernels.region import (
-    NotARegion, Outputs, ReadsMore, RegionCall, RegionRequest, bypassed, code_digest, compile_region, region_name, state_of,
-    state_structure,
+    NotARegion, Outputs, ReadsMore, RegionCall, RegionRequest, bypassed, call_tensors, code_digest, compile_region, region_name,
+    state_of, state_structure,
 )
 from aoti_eager.manifest import Recorder
 
@@ -222,7 +222,7 @@ def _call(instance: _Instance, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
             decided, ran = _refused(instance, key, str(e)), _NOT_RUN
         if ran is not _NOT_RUN:
             # The original forward ran, to learn what it reads: its result checks a kernel loaded from the cache.
-            return _learnt(decided, ran)
+            return _learnt(decided, ran, args, kwargs)
     if decided.kernel is None:
         return _eagerly(instance, stats, decided.reason or "decided eager", args, kwargs)
     if decided.outputs is None:
@@ -234,7 +234,7 @@ def _call(instance: _Instance, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
         decided.kernel, decided.reason = None, f"compiled kernel failed to run: {type(e).__name__}: {said}"
         return _eagerly(instance, stats, decided.reason, args, kwargs)
     stats.hits += 1
-    return decided.outputs.rebuild(tensors)
+    return decided.outputs.rebuild(tensors, call_tensors(args, kwargs) if decided.outputs.passes else ())
 
 
 def _memoized(instance: _Instance, key: Any) -> _Decided | None:
@@ -258,10 +258,10 @@ def _refused(instance: _Instance, key: Any, reason: str) -> _Decided:
 def _learn_outputs(instance: _Instance, decided: _Decided, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The result of the original forward, from which a kernel loaded from
     the cache learns the structure of its results (see :func:`_learnt`)."""
-    return _learnt(decided, instance.original(*args, **kwargs))
+    return _learnt(decided, instance.original(*args, **kwargs), args, kwargs)
 
 
-def _learnt(decided: _Decided, result: Any) -> Any:
+def _learnt(decided: _Decided, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``result``, eager's, whose structure a kernel loaded from the cache
     gives its results in this process where it fits the kernel and the
     structure its entry keeps. Else the entry is damaged in a way its
@@ -270,7 +270,7 @@ def _learnt(decided: _Decided, result: Any) -> Any:
     if decided.kernel is None or decided.outputs is not None:
         return result
     try:
-        outputs = Outputs.of(result)
+        outputs = Outputs.of(result, call_tensors(args, kwargs))
     except NotARegion as e:
         decided.kernel, decided.reason = None, str(e)
         return result
@@ -309,7 +309,8 @@ def _kept_form(outputs: Outputs) -> tuple[str, str] | None:
     kept = outputs.to_json()
     if kept is None:
         return None
-    leaves = ["tensor" if "tensor" in leaf else json.dumps(leaf["value"]) for leaf in kept["leaves"]]
+    leaves = ["tensor" if "tensor" in leaf else f"input {leaf['passed']}" if "passed" in leaf else json.dumps(leaf["value"])
+              for leaf in kept["leaves"]]
     return json.dumps([kept["spec"], leaves]), f"{' '.join(str(outputs.spec).split())} of [{', '.join(leaves)}]"
 
 

@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -296,17 +296,32 @@ _TENSOR = object()
 
 
 @dataclass(frozen=True)
+class Passed:
+    """A result that is the call's tensor ``index`` itself (T5's position bias,
+    handed from block to block): the call returns that tensor, as eager does."""
+
+    index: int
+
+
+def call_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The call's tensors, in the order :meth:`RegionCall.inputs` gives them after the state's."""
+    return [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
+
+
+@dataclass(frozen=True)
 class Outputs:
     """The structure of a region's result: its tensors come from the kernel
-    (in the order the result flattens), its other values are kept."""
+    (in the order the result flattens), but for those the call passed in
+    (:class:`Passed`); its other values are kept."""
 
     spec: pytree.TreeSpec
-    leaves: tuple[Any, ...]  # _TENSOR where a tensor goes
-    orders: tuple[Any, ...]  # each tensor's dims in memory (see compile.dense_order)
+    leaves: tuple[Any, ...]  # _TENSOR where a kernel's tensor goes
+    orders: tuple[Any, ...]  # each kernel tensor's dims in memory (see compile.dense_order)
 
     @classmethod
-    def of(cls, result: Any) -> "Outputs":
-        """The structure of eager's ``result``; raises NotARegion for a value a kernel cannot return."""
+    def of(cls, result: Any, passed: Sequence[torch.Tensor] = ()) -> "Outputs":
+        """The structure of eager's ``result``, of a call of tensors
+        ``passed``; raises NotARegion for a value a kernel cannot return."""
         leaves, spec = pytree.tree_flatten(result)
         for value in leaves:
             if not isinstance(value, (torch.Tensor, *_VALUES)):
@@ -314,8 +329,8 @@ class Outputs:
                     f"its result holds a {type(value).__name__}: register the type with torch.utils._pytree "
                     "(register_dataclass, register_pytree_node) for its tensors to be returned"
                 )
-        tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
-        return cls(spec, tuple(_TENSOR if isinstance(v, torch.Tensor) else v for v in leaves), tuple(map(dense_order, tensors)))
+        kinds = tuple(_kind(v, passed) for v in leaves)
+        return cls(spec, kinds, tuple(dense_order(v) for v, kind in zip(leaves, kinds) if kind is _TENSOR))
 
     def to_json(self) -> dict[str, Any] | None:
         """The structure as a cache entry keeps it; None where the result holds
@@ -326,7 +341,8 @@ class Outputs:
             log.debug("aoti_eager: the structure of a region's result is not kept in the cache: %s", e)
             return None
         orders = iter(self.orders)
-        leaves = [{"tensor": _order_json(next(orders))} if v is _TENSOR else {"value": v} for v in self.leaves]
+        leaves = [{"tensor": _order_json(next(orders))} if v is _TENSOR else {"passed": v.index} if isinstance(v, Passed)
+                  else {"value": v} for v in self.leaves]
         return {"spec": spec, "leaves": leaves}
 
     @classmethod
@@ -336,17 +352,19 @@ class Outputs:
         type not registered with pytree here) or it does not fit the kernel."""
         try:
             spec = pytree.treespec_loads(data["spec"])
-            leaves = tuple(_TENSOR if "tensor" in leaf else leaf["value"] for leaf in data["leaves"])
+            leaves = tuple(_TENSOR if "tensor" in leaf else Passed(leaf["passed"]) if "passed" in leaf else leaf["value"]
+                           for leaf in data["leaves"])
             orders = tuple(_order_of(leaf["tensor"]) for leaf in data["leaves"] if "tensor" in leaf)
         except Exception as e:  # noqa: BLE001 - pytree raises NotImplementedError for a type unknown here
             raise NotARegion(f"{type(e).__name__}: {e}") from None
-        values_ok = all(v is _TENSOR or isinstance(v, _VALUES) for v in leaves)
+        values_ok = all(v is _TENSOR or isinstance(v, (Passed, *_VALUES)) for v in leaves)
         if spec.num_leaves != len(leaves) or len(orders) != tensors or not values_ok:
             raise NotARegion(f"it does not fit a kernel of {tensors} outputs")
         return cls(spec, leaves, orders)
 
     def tensors(self, result: Any) -> list[torch.Tensor]:
-        return [v for v in pytree.tree_leaves(result) if isinstance(v, torch.Tensor)]
+        """The tensors of ``result`` (of this structure) that a kernel returns."""
+        return [v for v, kind in zip(pytree.tree_leaves(result), self.leaves) if kind is _TENSOR]
 
     @functools.cached_property
     def _plain(self) -> type | None:
@@ -358,15 +376,28 @@ class Outputs:
             return tuple
         return None
 
-    def rebuild(self, tensors: list[torch.Tensor]) -> Any:
-        """The result, with the kernel's ``tensors``."""
+    @functools.cached_property
+    def passes(self) -> bool:
+        """Whether the result holds tensors of the call's."""
+        return any(isinstance(v, Passed) for v in self.leaves)
+
+    def rebuild(self, tensors: list[torch.Tensor], passed: Sequence[torch.Tensor] = ()) -> Any:
+        """The result, with the kernel's ``tensors`` and the call's ``passed``."""
         plain = self._plain
         if plain is torch.Tensor:
             return tensors[0]
         if plain is tuple:
             return tuple(tensors)
         it = iter(tensors)
-        return pytree.tree_unflatten([next(it) if v is _TENSOR else v for v in self.leaves], self.spec)
+        leaves = [next(it) if v is _TENSOR else passed[v.index] if isinstance(v, Passed) else v for v in self.leaves]
+        return pytree.tree_unflatten(leaves, self.spec)
+
+
+def _kind(value: Any, passed: Sequence[torch.Tensor]) -> Any:
+    """What :attr:`Outputs.leaves` holds for a leaf ``value`` of a result."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return next((Passed(i) for i, t in enumerate(passed) if t is value), _TENSOR)
 
 
 def _order_json(order: tuple[int, ...] | None) -> list[int] | None:
@@ -466,7 +497,7 @@ def _compile_region(instance: torch.nn.Module, call: RegionCall, store: EntrySto
     if not reads <= call.reads:
         raise ReadsMore(reads, reads - call.reads)  # nothing published: the caller keys its next call with them
     try:
-        outputs = Outputs.of(expected)
+        outputs = Outputs.of(expected, reference[len(call.tensors):])
         aliased(outputs.tensors(expected), reference)
     except NotARegion as e:
         return _publish_eager(store, call, str(e)), None
@@ -508,18 +539,18 @@ def _compile_region(instance: torch.nn.Module, call: RegionCall, store: EntrySto
 
 
 def aliased(result: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
-    """Raises NotARegion where a tensor of ``result`` shares memory with one
-    of ``inputs`` (the state, then the call's tensors) or with another of
-    ``result``: a kernel returns fresh tensors, and a write into the result
-    would no longer reach what eager's aliases."""
+    """Raises NotARegion where a tensor of ``result`` (those a kernel would
+    return) shares memory with one of ``inputs`` (the state, then the call's
+    tensors) or with another of ``result``: a kernel returns fresh tensors,
+    and a write into the result would no longer reach what eager's aliases."""
     owners = {t.untyped_storage().data_ptr(): f"its input {i}" for i, t in enumerate(inputs) if t.numel()}
     for i, t in enumerate(result):
         if not t.numel():
             continue
         storage = t.untyped_storage().data_ptr()
         if storage in owners:
-            raise NotARegion(f"its result's tensor {i} shares memory with {owners[storage]} (the tensor itself or a view), "
-                             "which a kernel's fresh outputs would not")
+            raise NotARegion(f"its result's tensor {i} shares memory with {owners[storage]} (a view of it, or a "
+                             "parameter itself), which a kernel's fresh outputs would not")
         owners[storage] = f"its result's tensor {i}"
 
 

@@ -148,8 +148,9 @@ def _compile_family(
     store: EntryStore, load: Loader,
 ) -> tuple[Outcome, Outputs | None]:
     try:
-        expected = RegionModule(instance, call)(*clone_args(call.inputs()))
-        outputs = Outputs.of(expected)
+        reference = clone_args(call.inputs())
+        expected = RegionModule(instance, call)(*reference)
+        outputs = Outputs.of(expected, reference[len(call.tensors):])
     except Exception as e:  # noqa: BLE001 - of this call's values, not the family's: the static path decides for it
         return NotCompiled(f"no dynamic kernel for this call: eager gave {type(e).__name__}", eager_raised=True), None
     start = time.perf_counter()
@@ -215,8 +216,9 @@ def _check_at(instance: torch.nn.Module, kernel: Any, call: RegionCall | None) -
     if call is None:
         return False
     try:
-        expected = RegionModule(instance, call)(*clone_args(call.inputs()))
-        tensors = Outputs.of(expected).tensors(expected)
+        reference = clone_args(call.inputs())
+        expected = RegionModule(instance, call)(*reference)
+        tensors = Outputs.of(expected, reference[len(call.tensors):]).tensors(expected)
     except Exception:  # noqa: BLE001 - eager's own rejection of these sizes checks nothing
         return False
     check_region(kernel, call, tensors)

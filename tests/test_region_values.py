@@ -293,16 +293,18 @@ class Aliasing(torch.nn.Module):
         self.fc = torch.nn.Linear(8, 8)
         self.returns = returns
 
-    def forward(self, x):
+    def forward(self, x, bias=None):
         y = self.fc(x)
         if self.returns == "input":
-            return y, x
+            return {"y": y, "bias": bias}  # T5's position bias, handed from block to block
+        if self.returns == "input view":
+            return y, x[1:]
         if self.returns == "view":
             return y, y.view(-1)
         return y, self.fc.weight
 
 
-@pytest.mark.parametrize("returns", ["input", "view", "parameter"])
+@pytest.mark.parametrize("returns", ["input view", "view", "parameter"])
 def test_a_result_that_aliases_keeps_eagers_aliasing(tmp_path, returns):
     model = _stack(Aliasing(returns), Aliasing(returns))
     aoti_eager.fuse(model, cache_dir=tmp_path)
@@ -311,8 +313,28 @@ def test_a_result_that_aliases_keeps_eagers_aliasing(tmp_path, returns):
     with torch.no_grad():
         for _ in range(2):
             y, other = block(x)
-            expected = {"input": x, "view": y, "parameter": block.fc.weight}[returns]
+            expected = {"input view": x, "view": y, "parameter": block.fc.weight}[returns]
             assert other.untyped_storage().data_ptr() == expected.untyped_storage().data_ptr()
+    assert "shares memory" in aoti_eager.stats()[f"region::{Aliasing.__module__}.Aliasing"]["fallback_reason"]
+
+
+class Passing(Aliasing):
+    """A region of its own: its stats() row counts this test's calls."""
+
+
+def test_a_result_that_is_an_input_is_that_input(tmp_path):
+    x, bias = torch.randn(4, 8), torch.randn(4, 8)
+    for _ in range(2):  # compiled, then another model of the same blocks
+        model = _stack(Passing("input"), Passing("input"))
+        reference = copy.deepcopy(model)
+        aoti_eager.fuse(model, cache_dir=tmp_path)
+        with torch.no_grad():
+            for _ in range(3):
+                result = model.blocks[0](x, bias=bias)
+                torch.testing.assert_close(result["y"], reference.blocks[0](x)["y"])
+                assert result["bias"] is bias
+    row = aoti_eager.stats()[f"region::{Passing.__module__}.Passing"]
+    assert row["hits"] >= 5 and row["compiles"] == 1 and row["fallbacks"] == 0, row
 
 
 class Dropping(torch.nn.Module):

@@ -116,6 +116,11 @@ class TupleBlock(Block):
         return y, {"doubled": 2 * y, "steps": 3}
 
 
+class PassingBlock(Block):
+    def forward(self, x):
+        return super().forward(x), x  # the call's tensor itself, as T5's blocks hand on their position bias
+
+
 @dataclasses.dataclass
 class Named:
     out: torch.Tensor
@@ -291,7 +296,7 @@ def test_the_kept_structure_is_under_the_entrys_integrity_check(tmp_path):
     assert cache.lookup(op, key) is None  # set aside as damaged: never a wrong value in a result
 
 
-@pytest.mark.parametrize("block", [Block, TupleBlock, NamedBlock])
+@pytest.mark.parametrize("block", [Block, TupleBlock, NamedBlock, PassingBlock])
 def test_a_new_process_loads_the_region_from_the_cache(tmp_path, block):
     _compiled(tmp_path, block)
     row = _child(tmp_path, block)
