@@ -52,11 +52,25 @@ def test_without_its_internals_no_op_is_said_to_be_proxy_only(table, monkeypatch
     svd = torch.ops.aten._linalg_svd.default
     assert shims.proxy_only(svd)
     monkeypatch.setattr(shims, table, "torch._inductor.no_such_module.table")
-    shims.proxy_only.cache_clear()
+    forget = lambda: (shims.proxy_only.cache_clear(), shims._inductor_tables.cache_clear())  # noqa: E731
+    forget()
     try:
         assert not shims.proxy_only(svd)
     finally:
-        shims.proxy_only.cache_clear()  # the answer without the patch, at the next call
+        forget()  # the answer without the patch, at the next call
+
+
+def test_inductors_tables_are_read_once_per_torch_build(monkeypatch):
+    svd, cos = torch.ops.aten._linalg_svd.default, torch.ops.aten.cos.default
+    shims._inductor_tables.cache_clear()
+    shims._inductor_tables()  # read, or remembered by an earlier process
+    shims._inductor_tables.cache_clear()
+    monkeypatch.setattr(shims, "resolve", lambda name: pytest.fail(f"read {name} again") if name != shims._SHIMS else internals.resolve(name))
+    shims.proxy_only.cache_clear()
+    try:
+        assert shims.proxy_only(svd) and not shims.proxy_only(cos)
+    finally:
+        shims.proxy_only.cache_clear()
 
 
 def test_an_op_whose_c_shim_the_headers_gate_on_a_later_torch_goes_to_the_proxy_executor(monkeypatch):

@@ -35,6 +35,8 @@ executor instead, as an op without a shim does; the headers are read from
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import re
 import sys
 from functools import lru_cache
@@ -46,6 +48,7 @@ import torch
 from torch._C import DispatchKey
 from torch._ops import OpOverload
 
+from aoti_eager.cache import layout
 from aoti_eager.kernels.inductor.internals import InternalMoved, resolve
 
 INTERNALS = (
@@ -61,19 +64,43 @@ _SHIMS, _DECOMPOSITIONS, _LOWERINGS, _FALLBACK, _CHOICE = INTERNALS
 @lru_cache(maxsize=None)
 def proxy_only(op: OpOverload) -> bool:
     """Whether AOTInductor's kernel of ``op`` would only call ``op`` through
-    its proxy executor, whatever the inputs. Inductor's lowerings (most of a
-    second to import) are read only for an op with no C shim and no decomposition."""
+    its proxy executor, whatever the inputs: no C shim, no decomposition, no
+    lowering but a fallback (see :func:`_inductor_tables`)."""
     if op.namespace != "aten" or op._schema.is_mutable:
         return False  # functionalized into other ops before lowering (custom ops have shims of their own)
     if any(key != DispatchKey.Meta for key in getattr(op, "py_kernels", {DispatchKey.Autograd: None})):
         return False  # a Python kernel above the backend (upsample_bilinear2d's) decomposes it while it is traced
     try:
-        if str(op) in resolve(_SHIMS) or op in resolve(_DECOMPOSITIONS)():
+        if str(op) in resolve(_SHIMS):
             return False
-        lowering = resolve(_LOWERINGS).get(op)
     except InternalMoved:
         return False
-    return lowering is None or getattr(lowering, "_is_fallback_handler", False)
+    tables = _inductor_tables()
+    return tables is not None and str(op) not in tables[0] and str(op) not in tables[1]
+
+
+@lru_cache(maxsize=None)
+def _inductor_tables() -> tuple[frozenset[str], frozenset[str]] | None:
+    """The aten ops Inductor decomposes, and those it lowers to code of its
+    own (not to a fallback), by name; None where an internal has moved. Read
+    once per torch build (importing Inductor's lowerings takes about a
+    second, at every enable() of a warm start otherwise) and remembered in
+    the user's private directory."""
+    build = [torch.__version__, torch.version.git_version, _DECOMPOSITIONS, _LOWERINGS]
+    record = layout.machine_record(f"inductor-tables-{hashlib.sha256(json.dumps(build).encode()).hexdigest()[:16]}.json")
+    try:
+        data = json.loads(record.read_text())
+        return frozenset(data["decomposed"]), frozenset(data["lowered"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        decomposed = sorted(map(str, resolve(_DECOMPOSITIONS)()))
+        lowered = sorted(str(op) for op, lowering in resolve(_LOWERINGS).items() if not getattr(lowering, "_is_fallback_handler", False))
+    except InternalMoved:
+        return None
+    with contextlib.suppress(OSError):
+        layout.atomic_write_text(record, json.dumps({"decomposed": decomposed, "lowered": lowered}))
+    return frozenset(decomposed), frozenset(lowered)
 
 
 _HEADERS = Path(torch.__file__).parent / "include/torch/csrc/inductor/aoti_torch/generated"
