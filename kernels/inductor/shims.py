@@ -87,8 +87,10 @@ def _inductor_tables() -> tuple[frozenset[str], frozenset[str]] | None:
     second, at every enable() of a warm start otherwise) and remembered in
     the user's private directory."""
     build = [torch.__version__, torch.version.git_version, _DECOMPOSITIONS, _LOWERINGS]
-    record = layout.machine_record(f"inductor-tables-{hashlib.sha256(json.dumps(build).encode()).hexdigest()[:16]}.json")
-    try:
+    name = f"inductor-tables-{hashlib.sha256(json.dumps(build).encode()).hexdigest()[:16]}.json"
+    record = None
+    try:  # a private directory that is not safe to use (PermissionError) only costs the reading
+        record = layout.machine_record(name)
         data = json.loads(record.read_text())
         return frozenset(data["decomposed"]), frozenset(data["lowered"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -98,8 +100,9 @@ def _inductor_tables() -> tuple[frozenset[str], frozenset[str]] | None:
         lowered = sorted(str(op) for op, lowering in resolve(_LOWERINGS).items() if not getattr(lowering, "_is_fallback_handler", False))
     except InternalMoved:
         return None
-    with contextlib.suppress(OSError):
-        layout.atomic_write_text(record, json.dumps({"decomposed": decomposed, "lowered": lowered}))
+    if record is not None:
+        with contextlib.suppress(OSError):
+            layout.atomic_write_text(record, json.dumps({"decomposed": decomposed, "lowered": lowered}))
     return frozenset(decomposed), frozenset(lowered)
 
 
