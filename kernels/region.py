@@ -566,6 +566,13 @@ def _measured(kernel: Any, instance: torch.nn.Module, call: RegionCall) -> Timin
     return measured(kernel, inputs, eager, current().region_timer)
 
 
+def eager_result(instance: torch.nn.Module, call: RegionCall) -> tuple[Any, Outputs]:
+    """The original forward's result of ``call``, on copies, and its structure."""
+    reference = clone_args(call.inputs())
+    expected = RegionModule(instance, call)(*reference)
+    return expected, Outputs.of(expected, reference[len(call.tensors):])
+
+
 def check_region(kernel: Any, call: RegionCall, expected: list[torch.Tensor],
                  reference: Callable[[], list[torch.Tensor] | None] | None = None) -> None:
     """Runs ``kernel`` on fresh copies of the call's inputs and compares its

@@ -30,7 +30,7 @@ from aoti_eager.kernels import quiet
 from aoti_eager.kernels.compile import Artifact, CompileError, compile_module, compile_options, sidecar_files
 from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily, _form
 from aoti_eager.kernels.pipeline import Loader, NotCompiled, Outcome, Published
-from aoti_eager.kernels.region import Outputs, RegionCall, RegionModule, _digest, check_region
+from aoti_eager.kernels.region import Outputs, RegionCall, RegionModule, _digest, check_region, eager_result
 from aoti_eager.kernels.signature import NumberArg, TensorArg, clone_args
 from aoti_eager.kernels.toolchain import vec_isas_for
 from aoti_eager.kernels.validate import Mismatch
@@ -148,9 +148,7 @@ def _compile_family(
     store: EntryStore, load: Loader,
 ) -> tuple[Outcome, Outputs | None]:
     try:
-        reference = clone_args(call.inputs())
-        expected = RegionModule(instance, call)(*reference)
-        outputs = Outputs.of(expected, reference[len(call.tensors):])
+        expected, outputs = eager_result(instance, call)
     except Exception as e:  # noqa: BLE001 - of this call's values, not the family's: the static path decides for it
         return NotCompiled(f"no dynamic kernel for this call: eager gave {type(e).__name__}", eager_raised=True), None
     start = time.perf_counter()
@@ -216,9 +214,8 @@ def _check_at(instance: torch.nn.Module, kernel: Any, call: RegionCall | None) -
     if call is None:
         return False
     try:
-        reference = clone_args(call.inputs())
-        expected = RegionModule(instance, call)(*reference)
-        tensors = Outputs.of(expected, reference[len(call.tensors):]).tensors(expected)
+        expected, outputs = eager_result(instance, call)
+        tensors = outputs.tensors(expected)
     except Exception:  # noqa: BLE001 - eager's own rejection of these sizes checks nothing
         return False
     check_region(kernel, call, tensors)

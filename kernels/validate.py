@@ -146,7 +146,7 @@ def _float64_returns(op: torch._ops.OpOverload, signature: CallSignature) -> tup
     """The op's returns on upcast copies of the call (a matmul in bf16 sums in
     another order when compiled: it is judged against this, see
     :func:`compare`); None where the op does not run so."""
-    result = upcast_run(lambda args: call_op(op, args), clone_args(signature.args))
+    result = upcast_run(lambda args: call_op(op, args), signature.args)  # upcast_run copies every tensor
     return result if result is None or isinstance(result, tuple) else (result,)
 
 

@@ -83,9 +83,9 @@ def proxy_only(op: OpOverload) -> bool:
 def _inductor_tables() -> tuple[frozenset[str], frozenset[str]] | None:
     """The aten ops Inductor decomposes, and those it lowers to code of its
     own (not to a fallback), by name; None where an internal has moved. Read
-    once per torch build (importing Inductor's lowerings takes about a
-    second, at every enable() of a warm start otherwise) and remembered in
-    the user's private directory."""
+    once per torch build and remembered in the user's private directory:
+    importing Inductor's lowerings would otherwise weigh on every enable() of
+    a warm start (BENCHMARKS.md, Model zoo)."""
     build = [torch.__version__, torch.version.git_version, _DECOMPOSITIONS, _LOWERINGS]
     name = f"inductor-tables-{hashlib.sha256(json.dumps(build).encode()).hexdigest()[:16]}.json"
     record = None
