@@ -101,8 +101,13 @@ class _Prepared:
     native: Any  # _C.RegionState: the check, and the kernel run on these tensors then a call's
     structure: str
     hooked: str | None  # why hooks keep its calls from a kernel (region_values.hooked)
-    # The calls decided with this state: their key (_keyed) -> their decision (shared through _decided).
+    # The calls decided with this state: their key (_keyed) -> their decision (shared through _decided);
+    # those that run eagerly apart, found while the state's tensors are as they were (RegionState.find).
     memo: dict[Any, _Decided] = field(default_factory=dict)
+    refused: dict[Any, _Decided] = field(default_factory=dict)
+
+    def keep(self, key: Any, decided: _Decided) -> None:
+        (self.memo if decided.kernel is not None else self.refused)[key] = decided
 
 
 _RegionState: Any = None
@@ -165,9 +170,19 @@ class _Instance:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # Traced (by the region's own compile, torch.export, torch.compile or torch.jit.trace): the code, not a kernel.
-        if bypassed() or torch.compiler.is_exporting() or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        if bypassed() or torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch._C._is_tracing():
             return self.original(*args, **kwargs)
-        return _call(self, args, kwargs)
+        stats, p = self.stats, self.prepared
+        stats.calls += 1
+        # The C++ side keys the call and finds its decision at once, where its state and arguments allow.
+        decided = None if p is None else p.native.find(p.refused, p.memo, args, kwargs, _NODES)
+        if decided is not None and decided.kernel is None:
+            # Decided eager (and said so) before: a refused call costs what its forward costs.
+            stats.fallbacks += 1
+            stats.fallback_reason = decided.reason
+            module = self.module_ref()
+            return type(module).forward(module, *args, **kwargs)
+        return _call(self, stats, decided, args, kwargs)
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # A copy of a fused module (copy.deepcopy, pickle, torch.save) is fused alike, with its own state.
@@ -204,14 +219,12 @@ def _stats_of(name: str) -> RegionStats:
     return _stats.setdefault(name, RegionStats())
 
 
-def _call(instance: _Instance, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    stats = instance.stats
-    stats.calls += 1
+def _call(instance: _Instance, stats: RegionStats, decided: _Decided | None, args: tuple[Any, ...],
+          kwargs: dict[str, Any]) -> Any:
+    """A call that RegionState.find did not find decided eager: ``decided`` is what it found."""
     if instance.refused is not None:
         return _eagerly(instance, stats, instance.refused, args, kwargs)
-    p, leaves, named = instance.prepared, args, kwargs
-    # The C++ side keys the call and finds its decision at once, where its state and arguments allow.
-    decided = None if p is None else p.native.find(p.memo, args, kwargs, _NODES)
+    leaves, named = args, kwargs
     if decided is None:
         key, leaves, named = _keyed(args, kwargs)
         decided = _memoized(instance, key)
@@ -241,7 +254,7 @@ def _memoized(instance: _Instance, key: Any) -> _Decided | None:
     """The decision of a call with ``key`` that this instance's state
     decided before, while nothing it depends on changed; else None."""
     p = instance.valid() if key is not None else None
-    return None if p is None else p.memo.get(key)
+    return None if p is None else p.refused.get(key) or p.memo.get(key)
 
 
 def _refused(instance: _Instance, key: Any, reason: str) -> _Decided:
@@ -251,7 +264,7 @@ def _refused(instance: _Instance, key: Any, reason: str) -> _Decided:
     decided = _Decided(reason=reason)
     p = instance.valid() if key is not None else None
     if p is not None:
-        p.memo[key] = decided
+        p.keep(key, decided)
     return decided
 
 
@@ -359,7 +372,7 @@ def _decide(
     call, ran = _valued(instance, call, lambda: instance.original(*args, **kwargs))
     decided = _decision(instance, call)
     if decided.lasting and key is not None:
-        state.memo[key] = decided
+        state.keep(key, decided)
     return decided, call.leaves, _NO_KWARGS, ran
 
 

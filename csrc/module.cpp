@@ -103,11 +103,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("unchanged", &RegionState::unchanged)
       .def(
           "find",
-          [](const RegionState& state, const py::dict& memo, const py::tuple& args, const py::dict& kwargs,
-             const py::dict& nodes) -> py::object {
-            PyObject* found = state.find(memo, args, kwargs, nodes);
+          // Handles, not py::dict and py::tuple: the hit path's one call skips their casters' checks (the caller's
+          // arguments are a tuple and dicts, as its own *args and **kwargs are).
+          [](const RegionState& state, py::handle refused, py::handle memo, py::handle args, py::handle kwargs,
+             py::handle nodes) -> py::object {
+            PyObject* found = state.find(refused, memo, args, kwargs, nodes);
             return found == nullptr ? py::object(py::none()) : py::reinterpret_borrow<py::object>(found);
           },
+          py::arg("refused"),
           py::arg("memo"),
           py::arg("args"),
           py::arg("kwargs"),

@@ -207,9 +207,24 @@ RegionState::RegionState(
 }
 
 bool RegionState::unchanged() const {
+  return tensors_unchanged() && values_unchanged();
+}
+
+bool RegionState::tensors_unchanged() const {
   if (!fingerprint_.has_value()) {
     return false;
   }
+  for (const auto& [mapping, size] : sized_) {
+    if (PyDict_GET_SIZE(mapping.ptr()) != size) {
+      return false;
+    }
+  }
+  // Written into the thread's buffer: no allocation per call.
+  static thread_local std::string now;
+  return fingerprint(tensors_, now) && now == *fingerprint_;
+}
+
+bool RegionState::values_unchanged() const {
   for (const auto& [mapping, name, value] : values_) {
     // Borrowed, compared by identity: a value assigned anew is another object.
     if (PyDict_GetItemWithError(mapping.ptr(), name.ptr()) != value.ptr()) {
@@ -217,14 +232,7 @@ bool RegionState::unchanged() const {
       return false;
     }
   }
-  for (const auto& [mapping, size] : sized_) {
-    if (PyDict_Size(mapping.ptr()) != size) {
-      return false;
-    }
-  }
-  // Written into the thread's buffer: no allocation per call.
-  static thread_local std::string now;
-  return fingerprint(tensors_, now) && now == *fingerprint_;
+  return true;
 }
 
 std::optional<std::string> RegionState::key(py::handle args, py::handle kwargs, py::handle nodes) {
@@ -243,8 +251,25 @@ std::optional<std::string> RegionState::key(py::handle args, py::handle kwargs, 
   return key;
 }
 
-PyObject* RegionState::find(py::handle memo, py::handle args, py::handle kwargs, py::handle nodes) const {
-  if (!unchanged()) {
+namespace {
+
+PyObject* lookup(py::handle dict, const py::bytes& name) {
+  PyObject* found = PyDict_GetItemWithError(dict.ptr(), name.ptr()); // borrowed
+  if (found == nullptr) {
+    PyErr_Clear();
+  }
+  return found;
+}
+
+} // namespace
+
+PyObject* RegionState::find(
+    py::handle refused,
+    py::handle memo,
+    py::handle args,
+    py::handle kwargs,
+    py::handle nodes) const {
+  if (!tensors_unchanged()) {
     return nullptr;
   }
   const std::optional<std::string> called = key(args, kwargs, nodes);
@@ -252,11 +277,10 @@ PyObject* RegionState::find(py::handle memo, py::handle args, py::handle kwargs,
     return nullptr;
   }
   const py::bytes name(*called);
-  PyObject* found = PyDict_GetItemWithError(memo.ptr(), name.ptr()); // borrowed
-  if (found == nullptr) {
-    PyErr_Clear();
+  if (PyObject* found = lookup(refused, name)) {
+    return found;
   }
-  return found;
+  return values_unchanged() ? lookup(memo, name) : nullptr;
 }
 
 std::vector<at::Tensor> RegionState::inputs(py::handle args, py::handle kwargs) const {

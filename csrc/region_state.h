@@ -33,11 +33,13 @@ class RegionState {
       std::vector<std::tuple<pybind11::dict, pybind11::str, pybind11::object>> values,
       std::vector<pybind11::dict> sized);
 
-  // Whether the state is as when it was prepared: each tensor's data pointer,
-  // dtype, device, sizes, strides and requires_grad (.to(), `.data =` and
-  // requires_grad_() change them on the same objects), its values and the
-  // sizes of its dicts.
+  // Whether the state is as when it was prepared: its tensors (each one's
+  // data pointer, dtype, device, sizes, strides and requires_grad, which
+  // .to(), `.data =` and requires_grad_() change on the same objects) and the
+  // sizes of its dicts, then its values.
   bool unchanged() const;
+  bool tensors_unchanged() const;
+  bool values_unchanged() const;
 
   // The key of a call in this process: grad mode, autocast, the default
   // dtype, then `args` and `kwargs` (its names, in order) as pytree
@@ -49,10 +51,18 @@ class RegionState {
   // with its pytree, or takes the slow path).
   static std::optional<std::string> key(pybind11::handle args, pybind11::handle kwargs, pybind11::handle nodes);
 
-  // What `memo` holds under the key of the call (`key()`'s, as bytes) where
-  // the state is unchanged; nullptr where it holds nothing, the state
+  // What the call runs, by its key (`key()`'s, as bytes): what `refused`
+  // holds under it where the state's tensors and dicts are unchanged (running
+  // the original forward is right whatever else changed: a value only
+  // decides whether a kernel may serve), else what `memo` holds where the
+  // whole state is unchanged; nullptr where neither holds it, the state
   // changed, or the call has no key here. The hit path's one lookup.
-  PyObject* find(pybind11::handle memo, pybind11::handle args, pybind11::handle kwargs, pybind11::handle nodes) const;
+  PyObject* find(
+      pybind11::handle refused,
+      pybind11::handle memo,
+      pybind11::handle args,
+      pybind11::handle kwargs,
+      pybind11::handle nodes) const;
 
   // A kernel's inputs: the state's tensors then the tensors in `args` and
   // `kwargs`, in the order of the call's pytree leaves (tuples, lists and

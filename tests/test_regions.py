@@ -1162,6 +1162,24 @@ def test_a_refused_call_is_decided_once(shared_cache, monkeypatch, why):
     assert _delta(before, Cached) == {"calls": 3, "hits": 0, "fallbacks": 3, "compiles": 0, "cache_loads": 0}
 
 
+def test_a_call_refused_for_grad_is_decided_again_once_its_parameters_are_frozen(shared_cache):
+    model, x = _model(), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    _warm(model, x)
+    model.requires_grad_(True)
+    before = _row(Block)
+    torch.testing.assert_close(model(x), reference(x))  # grad enabled: refused
+    model.blocks[0].note = "a value the forward does not read"
+    torch.testing.assert_close(model(x), reference(x))  # still refused: eager's result is right whatever changed
+    assert _delta(before, Block)["fallbacks"] == 6
+    model.requires_grad_(False)  # the refusal's tensors changed: decided again, with grad still enabled
+    with torch.no_grad():
+        expected = reference(x)
+    torch.testing.assert_close(model(x), expected)
+    assert _delta(before, Block)["hits"] == 3
+
+
 class Biased(Block):
     """A block whose first instance holds a parameter the others lack (T5's relative attention bias)."""
 
