@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import itertools
 import json
 import logging
@@ -34,7 +35,7 @@ from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad
 from aoti_eager.kernels.pipeline import Published
 from aoti_eager.kernels.region import (
     NotARegion, Outputs, ReadsMore, RegionCall, RegionRequest, bypassed, call_tensors, code_digest, compile_region, region_name,
-    state_of, state_structure,
+    shared_writes, state_of, state_structure,
 )
 from aoti_eager.manifest import Recorder
 
@@ -240,6 +241,9 @@ def _call(instance: _Instance, stats: RegionStats, decided: _Decided | None, arg
         return _eagerly(instance, stats, decided.reason or "decided eager", args, kwargs)
     if decided.outputs is None:
         return _learn_outputs(instance, decided, args, kwargs)
+    if decided.outputs.writes and (shared := shared_writes(decided.outputs.writes, call_tensors(args, kwargs),
+                                                           instance.prepared.tensors)) is not None:
+        return _eagerly(instance, stats, shared, args, kwargs)
     try:
         tensors = instance.prepared.native.run(decided.kernel, leaves, named)
     except Exception as e:  # noqa: BLE001 - one line, not the runtime's C++ error
@@ -289,7 +293,9 @@ def _learnt(decided: _Decided, result: Any, args: tuple[Any, ...], kwargs: dict[
         return result
     misfit = _misfit(decided, outputs)
     if misfit is None:
-        decided.outputs = outputs
+        # What the kernel writes into, which eager's result does not show: as its entry keeps it.
+        kept = decided.loaded.structure or {}
+        decided.outputs = dataclasses.replace(outputs, writes=tuple(kept.get("writes", ())))
         return result
     loaded = decided.loaded
     loaded.cache.set_aside(loaded.name, loaded.key, misfit)
@@ -501,6 +507,8 @@ _compiling: dict[tuple[str, str], tuple[Future, str]] = {}
 def _compile_apart(instance: _Instance, cache: EntryStore, call: RegionCall) -> _Decided:
     """Queues the compile of ``call``'s key for a thread of this process
     (``compile="background"``); the calls with the key run eagerly meanwhile."""
+    # Its tensors as they are now: the caller goes on with them, and may write into them (a forward that does).
+    call = call.copied()
 
     def compile_here() -> _Decided:
         module = instance.module

@@ -44,7 +44,7 @@ from aoti_eager.kernels.region_values import Read
 from aoti_eager.kernels.pipeline import Loader, NotCompiled, Outcome, Published, current, speed_verdict, timed
 from aoti_eager.kernels.speed import Timing, measured
 from aoti_eager.kernels.signature import (
-    Arg, ConstantArg, NoneArg, NumberArg, TensorArg, Unsupported, argument_from_json, clone_args,
+    Arg, ConstantArg, NoneArg, NumberArg, TensorArg, Unsupported, argument_from_json, clone_args, clone_exact,
 )
 from aoti_eager.kernels.toolchain import vec_isas_for
 from aoti_eager.kernels.validate import Mismatch, check_fresh_memory, compare, upcast_run
@@ -178,6 +178,10 @@ class RegionCall:
         call = RegionCall.of(self.name, self.names, self.tensors, self.structure, args, kwargs)
         return dataclasses.replace(call, base=self.base, reads=self.reads)
 
+    def copied(self) -> "RegionCall":
+        """The call on copies of its tensors (not of its state's)."""
+        return dataclasses.replace(self, leaves=tuple(clone_exact(v) if isinstance(v, torch.Tensor) else v for v in self.leaves))
+
     @property
     def key(self) -> str:
         """The digest naming the call's cache entry."""
@@ -308,6 +312,28 @@ def call_tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Te
     return [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
 
 
+def written(tensors: Sequence[torch.Tensor], run: Callable[[], Any]) -> tuple[Any, tuple[int, ...]]:
+    """``run()``'s result and the indices of ``tensors`` it wrote into (an
+    in-place op on a tensor or a view of it moves its version counter)."""
+    before = [t._version for t in tensors]
+    result = run()
+    return result, tuple(i for i, (t, version) in enumerate(zip(tensors, before)) if t._version != version)
+
+
+def shared_writes(writes: tuple[int, ...], tensors: Sequence[torch.Tensor], state: Sequence[torch.Tensor]) -> str | None:
+    """Why a kernel that writes into the call's tensors ``writes`` may not
+    serve a call of ``tensors``: one of them shares memory with another
+    tensor of the call or of the state (eager's later reads see its writes;
+    a kernel compiled for separate tensors does not); else None."""
+    for i in writes:
+        storage = tensors[i].untyped_storage().data_ptr()
+        others = [*(t for j, t in enumerate(tensors) if j != i), *state]
+        if any(t.untyped_storage().data_ptr() == storage for t in others):
+            return (f"its forward writes into its input tensor {i}, which shares memory with another of its "
+                    "tensors in this call (a kernel compiled for separate tensors would read other values)")
+    return None
+
+
 @dataclass(frozen=True)
 class Outputs:
     """The structure of a region's result: its tensors come from the kernel
@@ -317,11 +343,14 @@ class Outputs:
     spec: pytree.TreeSpec
     leaves: tuple[Any, ...]  # _TENSOR where a kernel's tensor goes
     orders: tuple[Any, ...]  # each kernel tensor's dims in memory (see compile.dense_order)
+    # The call's tensors the forward writes into, which the kernel writes as it does (see :func:`written`).
+    writes: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, result: Any, passed: Sequence[torch.Tensor] = ()) -> "Outputs":
+    def of(cls, result: Any, passed: Sequence[torch.Tensor] = (), writes: tuple[int, ...] = ()) -> "Outputs":
         """The structure of eager's ``result``, of a call of tensors
-        ``passed``; raises NotARegion for a value a kernel cannot return."""
+        ``passed`` of which it wrote into ``writes``; raises NotARegion for a
+        value a kernel cannot return."""
         leaves, spec = pytree.tree_flatten(result)
         for value in leaves:
             if not isinstance(value, (torch.Tensor, *_VALUES)):
@@ -330,7 +359,12 @@ class Outputs:
                     "(register_dataclass, register_pytree_node) for its tensors to be returned"
                 )
         kinds = tuple(_kind(v, passed) for v in leaves)
-        return cls(spec, kinds, tuple(dense_order(v) for v, kind in zip(leaves, kinds) if kind is _TENSOR))
+        outputs = cls(spec, kinds, tuple(dense_order(v) for v, kind in zip(leaves, kinds) if kind is _TENSOR), writes)
+        if writes and outputs.to_json() is None:
+            # A process that loads the kernel learns what it writes from its cache entry alone.
+            raise NotARegion("its forward writes into its inputs, and its result holds a type that pytree cannot name "
+                             "(register it with a serialized_type_name) for the cache to keep")
+        return outputs
 
     def to_json(self) -> dict[str, Any] | None:
         """The structure as a cache entry keeps it; None where the result holds
@@ -343,7 +377,7 @@ class Outputs:
         orders = iter(self.orders)
         leaves = [{"tensor": _order_json(next(orders))} if v is _TENSOR else {"passed": v.index} if isinstance(v, Passed)
                   else {"value": v} for v in self.leaves]
-        return {"spec": spec, "leaves": leaves}
+        return {"spec": spec, "leaves": leaves, **({"writes": list(self.writes)} if self.writes else {})}
 
     @classmethod
     def from_json(cls, data: dict[str, Any], tensors: int) -> "Outputs":
@@ -355,12 +389,13 @@ class Outputs:
             leaves = tuple(_TENSOR if "tensor" in leaf else Passed(leaf["passed"]) if "passed" in leaf else leaf["value"]
                            for leaf in data["leaves"])
             orders = tuple(_order_of(leaf["tensor"]) for leaf in data["leaves"] if "tensor" in leaf)
+            writes = tuple(int(i) for i in data.get("writes", ()))
         except Exception as e:  # noqa: BLE001 - pytree raises NotImplementedError for a type unknown here
             raise NotARegion(f"{type(e).__name__}: {e}") from None
         values_ok = all(v is _TENSOR or isinstance(v, (Passed, *_VALUES)) for v in leaves)
         if spec.num_leaves != len(leaves) or len(orders) != tensors or not values_ok:
             raise NotARegion(f"it does not fit a kernel of {tensors} outputs")
-        return cls(spec, leaves, orders)
+        return cls(spec, leaves, orders, writes)
 
     def tensors(self, result: Any) -> list[torch.Tensor]:
         """The tensors of ``result`` (of this structure) that a kernel returns."""
@@ -488,8 +523,10 @@ def compile_region(
 def _compile_region(instance: torch.nn.Module, call: RegionCall, store: EntryStore, load: Loader) -> tuple[Outcome, Outputs | None]:
     # Eager's reference on copies: a forward that writes into its state or inputs leaves the caller's alone.
     reference = clone_args(call.inputs())
+    passed = reference[len(call.tensors):]
     try:
-        expected, reads = region_values.recorded(instance, lambda: RegionModule(instance, call)(*reference))
+        (expected, writes), reads = region_values.recorded(
+            instance, lambda: written(passed, lambda: RegionModule(instance, call)(*reference)))
     except region_values.UnkeyedValue as e:
         return NotCompiled(str(e)), None
     except Exception as e:  # noqa: BLE001 - the original forward raises it again for the caller
@@ -497,7 +534,7 @@ def _compile_region(instance: torch.nn.Module, call: RegionCall, store: EntrySto
     if not reads <= call.reads:
         raise ReadsMore(reads, reads - call.reads)  # nothing published: the caller keys its next call with them
     try:
-        outputs = Outputs.of(expected, reference[len(call.tensors):])
+        outputs = Outputs.of(expected, passed, writes)
         aliased(outputs.tensors(expected), reference)
     except NotARegion as e:
         return _publish_eager(store, call, str(e)), None
@@ -508,7 +545,8 @@ def _compile_region(instance: torch.nn.Module, call: RegionCall, store: EntrySto
     try:
         artifact = compile_module(RegionModule(instance, call, outputs), tuple(clone_args(call.inputs())),
                                   call.device.type, compile_options(call.device.type),
-                                  shared_dir=store.shared_directory(), vec_isas=vec_isas_for(call.device.type))
+                                  shared_dir=store.shared_directory(), vec_isas=vec_isas_for(call.device.type),
+                                  writable_from=len(call.tensors))
     except CompileError as e:
         log.debug("aoti_eager: compiling %s failed", call.name, exc_info=e.__cause__)
         if not e.lasting:
@@ -517,7 +555,7 @@ def _compile_region(instance: torch.nn.Module, call: RegionCall, store: EntrySto
     try:
         try:
             kernel = load(artifact.library, artifact.output_counts)
-            check_region(kernel, call, outputs.tensors(expected), lambda: _upcast_result(instance, call, outputs))
+            check_region(kernel, call, outputs, expected, passed, lambda: _upcast_result(instance, call, outputs))
         except Exception as e:  # noqa: BLE001
             said = (str(e).strip().splitlines() or [""])[0][:300]
             if isinstance(e, Mismatch):
@@ -566,22 +604,29 @@ def _measured(kernel: Any, instance: torch.nn.Module, call: RegionCall) -> Timin
     return measured(kernel, inputs, eager, current().region_timer)
 
 
-def eager_result(instance: torch.nn.Module, call: RegionCall) -> tuple[Any, Outputs]:
-    """The original forward's result of ``call``, on copies, and its structure."""
+def eager_result(instance: torch.nn.Module, call: RegionCall) -> tuple[Any, Outputs, list[torch.Tensor]]:
+    """The original forward's result of ``call``, on copies, its structure,
+    and the copies of the call's tensors as the forward left them."""
     reference = clone_args(call.inputs())
-    expected = RegionModule(instance, call)(*reference)
-    return expected, Outputs.of(expected, reference[len(call.tensors):])
+    passed = reference[len(call.tensors):]
+    expected, writes = written(passed, lambda: RegionModule(instance, call)(*reference))
+    return expected, Outputs.of(expected, passed, writes), passed
 
 
-def check_region(kernel: Any, call: RegionCall, expected: list[torch.Tensor],
+def check_region(kernel: Any, call: RegionCall, outputs: Outputs, expected: Any, passed: list[torch.Tensor],
                  reference: Callable[[], list[torch.Tensor] | None] | None = None) -> None:
-    """Runs ``kernel`` on fresh copies of the call's inputs and compares its
-    tensors with eager's ``expected`` (raises Mismatch); out of their dtype's
-    tolerance, against ``reference`` too (see :func:`compare`)."""
+    """Runs ``kernel`` on fresh copies of the call's inputs and compares the
+    tensors of its result (of structure ``outputs``) with eager's
+    ``expected`` (raises Mismatch); out of their dtype's tolerance, against
+    ``reference`` too (see :func:`compare`). The call's tensors the forward
+    wrote into (``passed``, as eager left them) are compared too."""
     inputs = clone_args(call.inputs())
     fresh = kernel.run(inputs)
     check_fresh_memory(inputs, fresh)
-    compare("the region's result", list(fresh), list(expected), reference)
+    compare("the region's result", list(fresh), outputs.tensors(expected), reference)
+    state = len(call.tensors)
+    for i in outputs.writes:
+        compare(f"its input tensor {i} as the forward wrote it", [inputs[state + i]], [passed[i]])
 
 
 def _upcast_result(instance: torch.nn.Module, call: RegionCall, outputs: Outputs) -> list[torch.Tensor] | None:

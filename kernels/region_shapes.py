@@ -148,14 +148,15 @@ def _compile_family(
     store: EntryStore, load: Loader,
 ) -> tuple[Outcome, Outputs | None]:
     try:
-        expected, outputs = eager_result(instance, call)
+        expected, outputs, passed = eager_result(instance, call)
     except Exception as e:  # noqa: BLE001 - of this call's values, not the family's: the static path decides for it
         return NotCompiled(f"no dynamic kernel for this call: eager gave {type(e).__name__}", eager_raised=True), None
     start = time.perf_counter()
     try:
         artifact = compile_module(RegionModule(instance, call, outputs), tuple(clone_args(call.inputs())),
                                   call.device.type, compile_options(call.device.type), shared_dir=store.shared_directory(),
-                                  vec_isas=vec_isas_for(call.device.type), dynamic_shapes=export_shapes(call, family))
+                                  vec_isas=vec_isas_for(call.device.type), dynamic_shapes=export_shapes(call, family),
+                                  writable_from=len(call.tensors))
     except CompileError as e:
         log.debug("aoti_eager: compiling %s's dynamic kernel failed", call.name, exc_info=e.__cause__)
         return _static(store, call, _named_inputs(str(e), call), recorded=e.lasting), outputs
@@ -163,7 +164,7 @@ def _compile_family(
         try:
             family = guarded(call, family, artifact)
             kernel = load(artifact.library, artifact.output_counts)
-            check_region(kernel, call, outputs.tensors(expected))
+            check_region(kernel, call, outputs, expected, passed)
             family = _check_other_sizes(instance, kernel, call, family, seen)
         except Exception as e:  # noqa: BLE001 - one line, not the runtime's C++ error
             said = (str(e).strip().splitlines() or [""])[0][:300]
@@ -214,11 +215,11 @@ def _check_at(instance: torch.nn.Module, kernel: Any, call: RegionCall | None) -
     if call is None:
         return False
     try:
-        expected, outputs = eager_result(instance, call)
-        tensors = outputs.tensors(expected)
+        checked = eager_result(instance, call)
     except Exception:  # noqa: BLE001 - eager's own rejection of these sizes checks nothing
         return False
-    check_region(kernel, call, tensors)
+    expected, outputs, passed = checked
+    check_region(kernel, call, outputs, expected, passed)
     return True
 
 

@@ -121,7 +121,7 @@ def test_the_dynamic_kernel_is_checked_against_eager_at_another_size(tmp_path, m
     checked = []
     check = region_shapes.check_region
     monkeypatch.setattr(region_shapes, "check_region",
-                        lambda kernel, call, expected: checked.append(call.described[0][1].sizes[0]) or check(kernel, call, expected))
+                        lambda kernel, call, *rest: checked.append(call.described[0][1].sizes[0]) or check(kernel, call, *rest))
     model, reference = _fused(Block, tmp_path)
     _compiles_at(model, reference, _name(Block), [2])
     x, random_state = torch.randn(3, 16), torch.get_rng_state()
@@ -136,10 +136,10 @@ def test_the_dynamic_kernel_is_checked_against_eager_at_another_size(tmp_path, m
 def test_a_dynamic_kernel_that_disagrees_with_eager_keeps_static_kernels(tmp_path, monkeypatch, caplog):
     check = region_shapes.check_region
 
-    def disagrees_elsewhere(kernel, call, expected):
+    def disagrees_elsewhere(kernel, call, outputs, expected, passed):
         if call.described[0][1].sizes[0] != 3:
-            expected = [2 * t for t in expected]
-        check(kernel, call, expected)
+            expected = 2 * expected  # the block's result: one tensor
+        check(kernel, call, outputs, expected, passed)
 
     monkeypatch.setattr(region_shapes, "check_region", disagrees_elsewhere)
     model, reference = _fused(Block, tmp_path)

@@ -328,11 +328,17 @@ def test_a_region_that_does_not_export_runs_eagerly_with_its_reason(tmp_path, ca
     assert len(lines) == 1 and "runs eagerly: torch.export failed" in lines[0]
 
 
-def test_a_region_that_mutates_its_state_runs_eagerly(tmp_path):
+def _fused_pair(block: type, cache: Path) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """Two instances of ``block`` fused in ``cache``, and an unfused copy."""
     torch.manual_seed(0)
-    blocks = torch.nn.Sequential(Counting(), Counting()).eval()
+    blocks = torch.nn.Sequential(block(), block()).eval()
     reference = copy.deepcopy(blocks)
-    aoti_eager.fuse(blocks, cache_dir=tmp_path)
+    aoti_eager.fuse(blocks, cache_dir=cache)
+    return blocks, reference
+
+
+def test_a_region_that_mutates_its_state_runs_eagerly(tmp_path):
+    blocks, reference = _fused_pair(Counting, tmp_path)
     before = _row(Counting)
     x = torch.randn(4, 16)
     with torch.no_grad():
@@ -340,6 +346,87 @@ def test_a_region_that_mutates_its_state_runs_eagerly(tmp_path):
             torch.testing.assert_close(blocks(x), reference(x))
     assert [int(b.calls) for b in blocks] == [2, 2]
     assert _delta(before, Counting)["fallbacks"] == 3 and "writes into its input 6" in _row(Counting)["fallback_reason"]
+
+
+class AddsInPlace(torch.nn.Module):
+    """Writes into its input and returns it (`x += f(x)`, an in-place activation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        x += self.fc(x)
+        return torch.relu_(x)
+
+
+class ScalesInPlace(AddsInPlace):
+    """Writes into its first input, reads its second after."""
+
+    def forward(self, x, y):
+        x.mul_(2)
+        return self.fc(x) + y
+
+
+def test_a_region_that_writes_into_its_input_is_compiled_and_writes_it_as_eager_does(tmp_path):
+    blocks, reference = _fused_pair(AddsInPlace, tmp_path)
+    before = _row(AddsInPlace)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(4, 16)
+            expected_x = x.clone()
+            expected = reference[0](expected_x)
+            got = blocks[0](x)
+            assert got is x and expected is expected_x  # the result is the input, written, as eager's
+            torch.testing.assert_close(x, expected_x)
+    delta = _delta(before, AddsInPlace)
+    assert delta["compiles"] == 1 and delta["hits"] == 2 and delta["fallbacks"] == 0
+    cache = _cpu_cache(tmp_path)
+    [(op, key)] = cache.entries()
+    assert cache.lookup(op, key).result_structure["writes"] == [0]
+    # A new process learns what the kernel writes from the entry, and finds it shared where it is.
+    argv = [str(tmp_path), str(ROOT), str(ROOT / "tests"), AddsInPlace.__module__]
+    child = subprocess.run([sys.executable, "-c", CHILD_WRITES, *argv], capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-2000:]
+    row = json.loads(child.stdout.strip().splitlines()[-1])
+    assert (row["compiles"], row["cache_loads"], row["hits"]) == (0, 1, 2)
+
+
+CHILD_WRITES = """
+import copy, json, sys, importlib
+import torch, aoti_eager
+sys.path[:0] = [sys.argv[2], sys.argv[3]]
+tests = importlib.import_module(sys.argv[4])
+torch.manual_seed(0)
+blocks = torch.nn.Sequential(tests.AddsInPlace(), tests.AddsInPlace()).eval()
+reference = copy.deepcopy(blocks)
+aoti_eager.fuse(blocks, cache_dir=sys.argv[1])
+with torch.no_grad():
+    for _ in range(3):  # the first call records what the forward reads: the original forward
+        x = torch.randn(4, 16)
+        expected_x = x.clone()
+        expected = reference[0](expected_x)
+        assert blocks[0](x) is x
+        torch.testing.assert_close(x, expected_x)
+print(json.dumps(tests._row(tests.AddsInPlace)))
+"""
+
+
+def test_a_call_whose_written_input_shares_memory_with_another_runs_eagerly(tmp_path):
+    blocks, reference = _fused_pair(ScalesInPlace, tmp_path)
+    with torch.no_grad():
+        for _ in range(2):  # compiled, then a hit
+            x, y = torch.randn(4, 16), torch.randn(4, 16)
+            x_eager = x.clone()
+            torch.testing.assert_close(blocks[0](x, y), reference[0](x_eager, y))
+            torch.testing.assert_close(x, x_eager)
+        before = _row(ScalesInPlace)
+        x = torch.randn(4, 16)
+        x_eager = x.clone()
+        torch.testing.assert_close(blocks[0](x, x), reference[0](x_eager, x_eager))  # y is x: it reads x doubled
+        torch.testing.assert_close(x, x_eager)
+    assert _delta(before, ScalesInPlace)["fallbacks"] == 1
+    assert "shares memory with another of its tensors" in _row(ScalesInPlace)["fallback_reason"]
 
 
 def test_a_kernel_that_disagrees_with_eager_is_not_used(tmp_path, monkeypatch):
