@@ -431,19 +431,19 @@ def compile_module(
     shared_dir: Path | None = None,
     vec_isas: dict[str, list[str]] | None = None,
     dynamic_shapes: tuple[Any, ...] | None = None,
-    writable_from: int | None = None,
+    writable: frozenset[int] = frozenset(),
 ) -> Artifact:
     """Compiles ``module``, whose forward takes the tensors ``example`` and
     returns a tuple of tensors, as :func:`compile_call` compiles an op's call.
     Its library returns one tensor per output (output counts all -1). A
-    module that writes into its inputs is refused, but into those from
-    ``writable_from`` on, which the library writes as the module does.
-    ``dynamic_shapes`` as :func:`compile_call` takes it.
+    module that writes into its inputs is refused, but into those of
+    ``writable`` (indices of ``example``), which the library writes as the
+    module does. ``dynamic_shapes`` as :func:`compile_call` takes it.
     Raises CompileError with the stage and cause on failure."""
     dynamic = _dynamic_options(device_type, dynamic_shapes)
     artifact, exported = _export_and_compile(
         module, example, device_type, {**options, **dynamic}, None, shared_dir, vec_isas, dynamic_shapes, whole_graph=True,
-        check_exported=functools.partial(_refuse_mutations, writable_from=len(example) if writable_from is None else writable_from),
+        check_exported=functools.partial(_refuse_mutations, writable=writable),
     )
     outputs = exported.graph_signature.user_outputs
     artifact.output_counts = [-1] * len(outputs)
@@ -452,9 +452,9 @@ def compile_module(
     return artifact
 
 
-def _refuse_mutations(exported: torch.export.ExportedProgram, writable_from: int) -> None:
+def _refuse_mutations(exported: torch.export.ExportedProgram, writable: frozenset[int]) -> None:
     """Raises CompileError where the program writes into one of its inputs
-    before ``writable_from`` (or a view of one): the exported graph keeps
+    (or a view of one) but those of ``writable``: the exported graph keeps
     in-place ops as they are."""
     for node in exported.graph.nodes:
         schema = getattr(node.target, "_schema", None)
@@ -463,7 +463,7 @@ def _refuse_mutations(exported: torch.export.ExportedProgram, writable_from: int
         for argument, value in zip(schema.arguments, node.args):
             written = _input_of(value) if argument.alias_info is not None and argument.alias_info.is_write else None
             index = None if written is None else exported.graph_signature.user_inputs.index(written)
-            if index is not None and index < writable_from:
+            if index is not None and index not in writable:
                 raise CompileError(
                     f"torch.export failed: the forward writes into its input {index} (inputs: its parameters and "
                     f"buffers, then the call's tensors) with {node.target}, which a compiled module does not keep",

@@ -320,6 +320,12 @@ def written(tensors: Sequence[torch.Tensor], run: Callable[[], Any]) -> tuple[An
     return result, tuple(i for i, (t, version) in enumerate(zip(tensors, before)) if t._version != version)
 
 
+def writable(call: RegionCall, outputs: Outputs) -> frozenset[int]:
+    """The inputs of ``call``'s kernel (the state's tensors, then the call's)
+    that its library may write into: the call's tensors eager wrote into."""
+    return frozenset(len(call.tensors) + i for i in outputs.writes)
+
+
 def shared_writes(writes: tuple[int, ...], tensors: Sequence[torch.Tensor], state: Sequence[torch.Tensor]) -> str | None:
     """Why a kernel that writes into the call's tensors ``writes`` may not
     serve a call of ``tensors``: one of them shares memory with another
@@ -546,7 +552,7 @@ def _compile_region(instance: torch.nn.Module, call: RegionCall, store: EntrySto
         artifact = compile_module(RegionModule(instance, call, outputs), tuple(clone_args(call.inputs())),
                                   call.device.type, compile_options(call.device.type),
                                   shared_dir=store.shared_directory(), vec_isas=vec_isas_for(call.device.type),
-                                  writable_from=len(call.tensors))
+                                  writable=writable(call, outputs))
     except CompileError as e:
         log.debug("aoti_eager: compiling %s failed", call.name, exc_info=e.__cause__)
         if not e.lasting:

@@ -30,7 +30,7 @@ from aoti_eager.kernels import quiet
 from aoti_eager.kernels.compile import Artifact, CompileError, compile_module, compile_options, sidecar_files
 from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily, _form
 from aoti_eager.kernels.pipeline import Loader, NotCompiled, Outcome, Published
-from aoti_eager.kernels.region import Outputs, RegionCall, RegionModule, _digest, check_region, eager_result
+from aoti_eager.kernels.region import Outputs, RegionCall, RegionModule, _digest, check_region, eager_result, writable
 from aoti_eager.kernels.signature import NumberArg, TensorArg, clone_args
 from aoti_eager.kernels.toolchain import vec_isas_for
 from aoti_eager.kernels.validate import Mismatch
@@ -156,7 +156,7 @@ def _compile_family(
         artifact = compile_module(RegionModule(instance, call, outputs), tuple(clone_args(call.inputs())),
                                   call.device.type, compile_options(call.device.type), shared_dir=store.shared_directory(),
                                   vec_isas=vec_isas_for(call.device.type), dynamic_shapes=export_shapes(call, family),
-                                  writable_from=len(call.tensors))
+                                  writable=writable(call, outputs))
     except CompileError as e:
         log.debug("aoti_eager: compiling %s's dynamic kernel failed", call.name, exc_info=e.__cause__)
         return _static(store, call, _named_inputs(str(e), call), recorded=e.lasting), outputs
