@@ -527,18 +527,15 @@ def compile_region(
 
 
 def _compile_region(instance: torch.nn.Module, call: RegionCall, store: EntryStore, load: Loader) -> tuple[Outcome, Outputs | None]:
-    # Eager's reference on copies: a forward that writes into its state or inputs leaves the caller's alone.
-    reference = clone_args(call.inputs())
-    passed = reference[len(call.tensors):]
     try:
-        (expected, writes), reads = region_values.recorded(
-            instance, lambda: written(passed, lambda: RegionModule(instance, call)(*reference)))
+        (expected, writes, reference), reads = region_values.recorded(instance, lambda: _on_copies(instance, call))
     except region_values.UnkeyedValue as e:
         return NotCompiled(str(e)), None
     except Exception as e:  # noqa: BLE001 - the original forward raises it again for the caller
         return NotCompiled(f"eager raised {type(e).__name__}", eager_raised=True), None
     if not reads <= call.reads:
         raise ReadsMore(reads, reads - call.reads)  # nothing published: the caller keys its next call with them
+    passed = reference[len(call.tensors):]
     try:
         outputs = Outputs.of(expected, passed, writes)
         aliased(outputs.tensors(expected), reference)
@@ -613,10 +610,18 @@ def _measured(kernel: Any, instance: torch.nn.Module, call: RegionCall) -> Timin
 def eager_result(instance: torch.nn.Module, call: RegionCall) -> tuple[Any, Outputs, list[torch.Tensor]]:
     """The original forward's result of ``call``, on copies, its structure,
     and the copies of the call's tensors as the forward left them."""
-    reference = clone_args(call.inputs())
+    expected, writes, reference = _on_copies(instance, call)
     passed = reference[len(call.tensors):]
-    expected, writes = written(passed, lambda: RegionModule(instance, call)(*reference))
     return expected, Outputs.of(expected, passed, writes), passed
+
+
+def _on_copies(instance: torch.nn.Module, call: RegionCall) -> tuple[Any, tuple[int, ...], list[torch.Tensor]]:
+    """The original forward run on copies of ``call``'s inputs (a forward that
+    writes into its state or inputs leaves the caller's alone): its result,
+    the call's tensors it wrote into, and the copies as it left them."""
+    reference = clone_args(call.inputs())
+    expected, writes = written(reference[len(call.tensors):], lambda: RegionModule(instance, call)(*reference))
+    return expected, writes, reference
 
 
 def check_region(kernel: Any, call: RegionCall, outputs: Outputs, expected: Any, passed: list[torch.Tensor],
