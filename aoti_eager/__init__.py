@@ -312,12 +312,17 @@ def fuse(
             cpu, and cuda when available, with this call's ``compile``,
             ``cache_dir``, ``remote`` and ``record``, and stay enabled until
             :func:`disable`, whatever :func:`unfuse` does. Default: none.
-        compile (str): ``"now"``: a miss compiles before the call returns;
-            ``"background"``: a miss runs the original forward and queues the
-            compile for a thread of this process, whose kernel the calls use
-            once it is published (see :func:`wait`); ``"never"``: a miss runs
-            the original forward (kernels already in the cache are used).
-            Default: ``"now"``.
+        compile (str): ``"now"``: a region's miss compiles before its call
+            returns; in a forward of ``model``, the enabled ops' misses
+            compile side by side in worker processes while their calls run
+            the original kernels, and the forward returns once they have
+            ended (an autotuned 16-bit CUDA matmul's goes on in the
+            background, cuBLAS serving its calls until its kernel is in
+            use); ``"background"``: a miss runs the original forward and
+            queues the compile for a thread of this process, whose kernel
+            the calls use once it is published (see :func:`wait`);
+            ``"never"``: a miss runs the original forward (kernels already
+            in the cache are used). Default: ``"now"``.
         cache_dir (str | PathLike | None): where kernels are kept. Default:
             :func:`cache_dir`.
         remote (str | None): the fleet cache behind the local one, as
@@ -349,8 +354,9 @@ def fuse(
 
         >>> model = aoti_eager.fuse(model, ops=aoti_eager.ops_reached(model, x))   # blocks and the ops around them
         >>> with torch.no_grad():
-        ...     y = model(x)
-        >>> aoti_eager.stats()["aten::embedding"]["hits"]
+        ...     y = model(x)                         # the ops compile side by side, the blocks at their call
+        ...     y = model(x)                         # every call a kernel's
+        >>> aoti_eager.stats()["aten::embedding"]["queued"]      # its signatures, compiled in workers
         2
         >>> aoti_eager.unfuse(model)                 # the blocks' forwards are back; the ops stay enabled
         >>> aoti_eager.disable()                     # the ops' original kernels are back
@@ -359,6 +365,9 @@ def fuse(
     selected = _selected(ops) if ops is not None else []
     _regions.fuse(model, modules, options.compile, options.root, options.remote, options.recorder)
     _install(selected, _default_devices(), options)
+    if selected and options.compile == "now":
+        # The ops' misses compile in workers beside the forward's (see compile=): they start now.
+        _background.prestart(_default_devices())
     return model
 
 

@@ -104,6 +104,58 @@ def _serve_here() -> None:
             future.set_exception(e)
 
 
+# A fused model's forward under compile="now" (aoti_eager.fuse): its misses
+# are queued as background compiles, side by side (ops in workers, regions in
+# this process), its calls run eagerly meanwhile, and the forward returns once
+# every one has ended and what it decided is settled. Per thread: the forward
+# that opened it, and the compiles it waits for with what settles each.
+class _Together(threading.local):
+    owner: int | None = None
+    compiles: list[tuple[Future, Callable[[], Any] | None]]
+
+
+_together = _Together()
+
+
+def together() -> bool:
+    """Whether this thread's misses compile side by side (see :func:`begin_together`)."""
+    return _together.owner is not None
+
+
+def begin_together(owner: object) -> None:
+    """Misses of this thread compile side by side until :func:`end_together`
+    with ``owner`` (a fused model); one inside another's forward joins the
+    outer. Begun again by its own owner (an end that an interrupt skipped),
+    it settles what the last one left and starts anew."""
+    if _together.owner == id(owner):
+        _settle()
+    if _together.owner is None:
+        _together.owner, _together.compiles = id(owner), []
+
+
+def end_together(owner: object) -> None:
+    """Waits for the compiles queued since ``owner`` began, and settles them."""
+    if _together.owner == id(owner):
+        _settle()
+
+
+def join(compiling: Future, settle: Callable[[], Any] | None = None) -> None:
+    """The forward under way waits for ``compiling``, then calls ``settle``
+    (which decides its calls from the result, so that the next finds it)."""
+    _together.compiles.append((compiling, settle))
+
+
+def _settle() -> None:
+    compiles, _together.owner = _together.compiles, None
+    concurrent.futures.wait([future for future, _ in compiles])
+    for _, settle in compiles:
+        try:
+            if settle is not None:
+                settle()
+        except Exception:  # noqa: BLE001 - the next call decides again
+            log.exception("aoti_eager: internal error while settling a compile")
+
+
 def wait(timeout: float | None = None) -> bool:
     """Waits for every background compile queued so far; whether all ended within ``timeout`` seconds."""
     return not concurrent.futures.wait(list(_running), timeout).not_done

@@ -35,7 +35,7 @@ from aoti_eager.kernels import CallSignature, CompileRequest
 from aoti_eager.kernels.dynamic import (
     ShapeFamily, changed_dims, family_key, family_limit_key, grew_from_one, ints_key, kinds_key, tensor_args,
 )
-from aoti_eager.kernels.matmul import fixed_dims
+from aoti_eager.kernels.matmul import fixed_dims, is_template_matmul
 from aoti_eager.kernels.signature import Position, qualified_name
 
 
@@ -243,6 +243,14 @@ class Planner:
         if key is None:
             return CompileRequest(name, signature.device.type, signature.key, signature.to_json())
         return CompileRequest(name, signature.device.type, key, signature.to_json(), dynamic, dynamic.size_span(signature, family.seen))
+
+    @staticmethod
+    def waited_for(signature: CallSignature) -> bool:
+        """Whether a forward whose misses compile side by side returns only
+        once the compile of ``signature`` has ended: all but an autotuned
+        matmul's (kernels/matmul.py), which takes tens of seconds while
+        eager's cuBLAS serves its calls."""
+        return not is_template_matmul(signature)
 
     def to_compile(self, signature: CallSignature) -> CompileRequest | Eager:
         """The request a compile of ``signature`` makes now, counted against

@@ -338,6 +338,10 @@ def _eagerly(instance: _Instance, stats: RegionStats, reason: str, args: tuple[A
     stats.fallback_reason = reason
     if (instance.name, reason) not in _logged_eager:
         _log_eager_once(instance.name, reason)
+    if reason == COMPILING:
+        # The ops inside are its kernel's to run: none compiled apart meanwhile.
+        with _mechanism.own_work():
+            return instance.original(*args, **kwargs)
     return instance.original(*args, **kwargs)
 
 
@@ -730,7 +734,28 @@ def fuse(model: torch.nn.Module, modules: Iterable[Any] | None, compile: str, ro
         module.forward = instance.forward
         _live[instance.name].add(module)
         names.append(instance.name)
+    if compile == "now" and not _compiles_together(model):
+        model.register_forward_pre_hook(_begin_together)
+        model.register_forward_hook(_end_together, always_call=True)
     return names
+
+
+# On the model fuse() was given, with compile="now": the op misses of its
+# forward compile side by side in workers, and the forward returns once all
+# have ended (_background.begin_together); a region's compiles where it is
+# called, its kernel serving that call. Functions of the module, which a pickled model names.
+def _begin_together(model: torch.nn.Module, args: Any) -> None:
+    if not torch.compiler.is_compiling():
+        _background.begin_together(model)
+
+
+def _end_together(model: torch.nn.Module, args: Any, result: Any) -> None:
+    if not torch.compiler.is_compiling():
+        _background.end_together(model)
+
+
+def _compiles_together(model: torch.nn.Module) -> bool:
+    return _begin_together in model._forward_pre_hooks.values()
 
 
 def _refusal(module: torch.nn.Module) -> str | None:
@@ -750,6 +775,10 @@ def unfuse(model: torch.nn.Module) -> None:
         if (instance := _fused(module)) is not None:
             del module.__dict__["forward"]
             _live[instance.name].discard(module)
+    for hooks in (model._forward_pre_hooks, model._forward_hooks):
+        for handle in [h for h, hook in hooks.items() if hook in (_begin_together, _end_together)]:
+            del hooks[handle]
+            model._forward_hooks_always_called.pop(handle, None)
 
 
 def stats() -> dict[str, dict[str, Any]]:

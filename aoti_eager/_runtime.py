@@ -163,16 +163,22 @@ class Override:
         request = self.planner.request(signature)
         if self.recorder is not None:
             self.recorder.record(request)
-        if self.compile != "now":
+        together = self.compile == "now" and _background.together()
+        compile = "background" if together else self.compile
+        if compile != "now":
             # No compile here sees the shape; the family must, for the dims of its next one.
             self.planner.family(signature).see(signature)
-        if self.compile == "never":
+        if compile == "never":
             return self._remember(signature, RunEagerly("compile='never'"))
-        if self.compile == "background":
+        if compile == "background":
             if (too_many := self.planner.count_variant(signature)) is not None:
                 return self._run_eagerly(signature, too_many)
             self.stats.queued += self.queued.add(signature.decision_key, request, self.root, self.remote)
-            return RetryLater("compiling in the background", retry_after=BACKGROUND_RETRY_SECONDS)
+            if not together or not self.planner.waited_for(signature):
+                return RetryLater("compiling in the background", retry_after=BACKGROUND_RETRY_SECONDS)
+            _background.join(self.queued.get(signature.decision_key), lambda: self._decide(signature))
+            # Asked again at the next call: the forward's end has decided it by then.
+            return RetryLater("compiling beside the forward's other misses")
         if (full := _mechanism.still_full(self.root)) is not None:
             return RetryLater(full, retry_after=_mechanism.DISK_FULL_RETRY_SECONDS)
         # Inductor's lock innermost: no other compile of this process waits on the caches' locks.
@@ -183,7 +189,9 @@ class Override:
     def _background_ended(self, signature: CallSignature) -> Decision | None:
         """RetryLater while the signature's background compile runs; eager where it failed; else None."""
         if (compiling := self.queued.get(signature.decision_key)) is None or not compiling.done():
-            return compiling and RetryLater("compiling in the background", retry_after=BACKGROUND_RETRY_SECONDS)
+            # In a forward that waits for it (_background.together), the next call asks again: its end decides it.
+            retry_after = 0.0 if _background.together() else BACKGROUND_RETRY_SECONDS
+            return compiling and RetryLater("compiling in the background", retry_after=retry_after)
         request, outcome = self.queued.finish(signature.decision_key)
         if outcome.status == "failed":
             if request.family is None:

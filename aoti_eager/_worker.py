@@ -315,7 +315,8 @@ def _fork(argv: list[str], env: dict[str, str], stderr, niceness: int) -> _zygot
     global _forking, _forking_failed
     if not _may_fork():
         return None
-    stderr_fd = stderr.fileno() if stderr is not None else sys.stderr.fileno()
+    # sys.__stderr__: a compile of this process may have swapped sys.stderr for a buffer (kernels/quiet.py).
+    stderr_fd = stderr.fileno() if stderr is not None else sys.__stderr__.fileno()
     try:
         try:
             return _zygote_running(env, niceness).fork(f"{__name__}:main", argv, env, stderr_fd)

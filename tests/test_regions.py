@@ -18,7 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import aoti_eager
-from aoti_eager import _regions
+from aoti_eager import _background, _regions
 from aoti_eager.kernels import speed
 from aoti_eager.kernels.inductor import shims
 
@@ -741,13 +741,16 @@ def test_one_call_fuses_the_blocks_and_enables_the_ops_around_them(shared_cache)
         expected = model(x)
         ops = aoti_eager.ops_reached(model, x)
         assert aoti_eager.fuse(model, ops=ops, cache_dir=shared_cache) is model
-        model(x)  # compiles or loads; a block structure's first call in a process runs its original forward
+        # Compiles or loads; a block structure's first call in a process runs its original forward.
+        torch.testing.assert_close(model(x), expected)
         first, before = aoti_eager.stats(), _row(Block)
         actual = model(x)
     torch.testing.assert_close(actual, expected)
     stats = aoti_eager.stats()
     assert _delta(before, Block)["hits"] == 3
-    assert stats["aten::addmm"]["hits"] == first["aten::addmm"]["hits"] + 1  # the head, outside the blocks
+    # The head, outside the blocks: its kernel ran (compiled or loaded in the first forward).
+    assert stats["aten::addmm"]["calls"] == first["aten::addmm"]["calls"] + 1
+    assert stats["aten::addmm"]["fallbacks"] == first["aten::addmm"]["fallbacks"]
     assert stats["aten::gelu"]["calls"] == first["aten::gelu"]["calls"]  # inside the blocks: their kernels ran instead
     aoti_eager.unfuse(model)
     assert "aten::addmm" in aoti_eager.stats()  # unfuse() leaves the ops; disable() takes them out
@@ -756,6 +759,46 @@ def test_one_call_fuses_the_blocks_and_enables_the_ops_around_them(shared_cache)
     with pytest.raises(ValueError, match="aten::view"):
         aoti_eager.fuse(model, ops=["aten::view.default"])
     assert all("forward" not in m.__dict__ for m in model.modules())  # refused before any block is fused
+
+
+class Around(torch.nn.Module):
+    """Ops before and after the blocks, outside every region."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _model(seed=7)
+
+    def forward(self, x):
+        return torch.softmax(self.inner(torch.tanh(x)), dim=-1)
+
+
+def test_the_op_misses_of_a_fused_forward_compile_side_by_side_before_it_returns(tmp_path):
+    model, x = Around().eval(), torch.randn(4, 16)
+    outside = ["aten::tanh", "aten::_softmax", "aten::addmm"]
+    with torch.no_grad():
+        expected = model(x)
+        aoti_eager.fuse(model, ops=aoti_eager.ops_reached(model, x), cache_dir=tmp_path)
+        torch.testing.assert_close(model(x), expected)  # eager's calls while their kernels compile in workers
+        first = aoti_eager.stats()
+        assert [(first[op]["queued"], first[op]["compiling"], first[op]["compiles"]) for op in outside] == [(1, 0, 0)] * 3
+        assert first["aten::gelu"]["queued"] == 0  # inside the blocks: the region's kernel runs it
+        torch.testing.assert_close(model(x), expected)
+    stats = aoti_eager.stats()
+    assert [stats[op]["fallbacks"] - first[op]["fallbacks"] for op in outside] == [0, 0, 0]  # their kernels ran
+    assert not _background.together()
+    aoti_eager.unfuse(model)
+    assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_a_fused_forward_that_raises_or_was_interrupted_leaves_no_compile_waiting(shared_cache):
+    model, x = aoti_eager.fuse(_model(), ops=["aten::tanh"], cache_dir=shared_cache), torch.randn(4, 16)
+    with pytest.raises(RuntimeError), torch.no_grad():
+        model(torch.randn(4, 15))
+    assert not _background.together()
+    _background.begin_together(model)  # as an interrupt leaves it: its forward hook never ran
+    with torch.no_grad():
+        model(x)
+    assert not _background.together()
 
 
 def test_unfuse_restores_the_original_forward(shared_cache):
