@@ -37,6 +37,7 @@ def test_docstring_examples(name, tmp_path, monkeypatch):
 # section instead. Dates and issue numbers belong to the repository's history.
 STALE = {
     "a timing": re.compile(r"\d+(\.\d+)? ?(s|ms|us|µs)\b"),
+    "a ratio": re.compile(r"\b\d+\.\d+ ?[x×](?!\w)"),
     "a date": re.compile(r"\b20\d\d-\d\d-\d\d\b"),
     "an issue number": re.compile(r"\bissues? #?\d+", re.IGNORECASE),
 }
@@ -110,15 +111,16 @@ def test_package_comments_and_docstrings_quote_no_timings_dates_or_issues():
 
 
 def test_the_scan_sees_python_comments_docstrings_and_cpp_comments():
-    python = 'def f():\n    """Takes 2.5 ms."""\n    x = "12 s"  # was 3 s\n'
+    python = 'def f():\n    """Takes 2.5 ms."""\n    x = "12 s"  # was 3 s, 0.98x eager\n'
     cpp = 'auto s = "5 us"; // 40 ns\n/* one\n   2026-11-24 */ char c = \'"\'; // issue 20\nauto r = R"x(7 s)x";\n'
     found = _stale([("f.py", line, text) for line, text in _python_prose(python)]
                    + [("f.cpp", line, text) for line, text in _cpp_prose(cpp)])
-    assert found == ["f.py:3: a timing: # was 3 s", "f.py:2: a timing: Takes 2.5 ms.",
+    assert found == ["f.py:3: a timing: # was 3 s, 0.98x eager", "f.py:3: a ratio: # was 3 s, 0.98x eager",
+                     "f.py:2: a timing: Takes 2.5 ms.",
                      "f.cpp:3: a date: 2026-11-24 */", "f.cpp:3: an issue number: // issue 20"]
 
 
-PUBLIC = ["enable", "disable", "enabled", "stats", "ops_reached", "prewarm", "fuse", "unfuse"]
+PUBLIC = ["enable", "disable", "enabled", "stats", "ops_reached", "prewarm", "fuse", "unfuse", "wait"]
 
 
 @pytest.mark.parametrize("name", PUBLIC)

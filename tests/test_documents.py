@@ -88,3 +88,12 @@ def test_benchmark_sections_named_in_package_code_exist():
             missing += [f"{path.relative_to(ROOT)}: {name!r}" for name in _SECTION_REFERENCE.findall(text)
                         if name not in sections]
     assert not missing, "BENCHMARKS.md has no section named:\n" + "\n".join(missing)
+
+
+def test_the_layer_table_names_every_module():
+    table = (ROOT / "docs" / "internals.md").read_text().split("## Layers", 1)[1].split("\n## ", 1)[0]
+    modules = [p for folder in ("aoti_eager", "kernels", "cache") for p in (ROOT / folder).rglob("*.py")
+               if p.name != "__init__.py"]
+    assert modules
+    unnamed = [str(p.relative_to(ROOT)) for p in modules if f"{p.name}`" not in table]
+    assert not unnamed, f"docs/internals.md's layer table does not name {unnamed}"

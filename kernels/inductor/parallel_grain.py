@@ -4,8 +4,8 @@ A dynamic-shape kernel does not know its sizes when Inductor decides whether a
 loop nest runs on several threads, so with ``cpp.dynamic_threads`` every loop
 nest opens an OpenMP parallel region. ATen runs a loop serially below
 ``at::internal::GRAIN_SIZE`` elements; the region's fork and join then cost
-more than a decode step's op (add 2.21x the static kernel at 8 rows of 1024 on
-16 cores; generation 1.57x eager on a loaded 2-core machine). While
+more than a decode step's op (an ``add`` of 8 rows of 1024 took twice the
+static kernel's time on 16 cores, and generation was slower than eager). While
 :func:`parallel_above_grain` is active, each region Inductor writes takes as
 many threads as ``at::parallel_for`` would give the loop nest's element
 count: one per grain, so a call below the grain runs on the calling thread.
