@@ -26,7 +26,6 @@ import contextlib
 import logging
 import os
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -34,6 +33,7 @@ import torch
 
 from aoti_eager import _background, _extension, _ops, _prewarm, _regions, _runtime, settings
 from aoti_eager._ops import OpSpec
+from aoti_eager._options import Compile, Options
 from aoti_eager.cache import default_root
 from aoti_eager.kernels import signature as _signature
 from aoti_eager.manifest import Recorder
@@ -98,28 +98,25 @@ def _fleet_url(remote: str | None) -> str | None:
         raise ValueError(f"aoti_eager: remote={remote!r} is not {settings.URL.expected}") from None
 
 
-@dataclass(frozen=True)
-class _Options:
-    """How :func:`enable` and :func:`fuse` compile and keep kernels, checked once for both."""
+def _options(compile: str, cache_dir: str | os.PathLike | None, remote: str | None,
+             record: str | os.PathLike | None) -> Options:
+    """The options of the arguments ``enable`` and ``fuse`` share, checked once.
+    Raises ValueError where ``compile``, ``remote`` or a setting is not one they
+    take."""
+    mode = Compile.checked(compile)
+    settings.check_all()
+    remote = _fleet_url(remote)
+    if record is None:
+        record = settings.record.get()
+    root = Path(cache_dir).expanduser() if cache_dir is not None else _root if _root is not None else default_root()
+    return Options(mode, root, remote, Recorder(record) if record is not None else None)
 
-    compile: str
-    root: Path
-    remote: str | None  # the fleet cache's URL; None: $AOTI_EAGER_REMOTE, if set
-    recorder: Recorder | None
 
-    @classmethod
-    def checked(cls, compile: str, cache_dir: str | os.PathLike | None, remote: str | None,
-                record: str | os.PathLike | None) -> _Options:
-        """The options of the arguments ``enable`` and ``fuse`` share. Raises
-        ValueError where ``compile``, ``remote`` or a setting is not one they take."""
-        if compile not in ("now", "background", "never"):
-            raise ValueError(f'aoti_eager: compile is "now", "background" or "never", not {compile!r}')
-        settings.check_all()
-        remote = _fleet_url(remote)
-        if record is None:
-            record = settings.record.get()
-        root = Path(cache_dir).expanduser() if cache_dir is not None else _root if _root is not None else default_root()
-        return cls(compile, root, remote, Recorder(record) if record is not None else None)
+def _keep_root(options: Options, cache_dir: str | os.PathLike | None) -> None:
+    """A ``cache_dir`` given to :func:`enable` or :func:`fuse` is the default of later calls (:func:`cache_dir`)."""
+    global _root
+    if cache_dir is not None:
+        _root = options.root
 
 
 def enable(
@@ -184,29 +181,25 @@ def enable(
         >>> aoti_eager.enable(ops=["aten::gelu"], record="misses.jsonl", compile="background")
         >>> aoti_eager.enable(ops=["aten::gelu"], remote="redis://cache-host:6379/0")
     """
-    global _root
-    options = _Options.checked(compile, cache_dir, remote, record)
+    options = _options(compile, cache_dir, remote, record)
     devices = list(devices) if devices is not None else _default_devices()
     for device in devices:
         if device not in _ops.DISPATCH_KEYS:
             raise ValueError(f"aoti_eager: devices are {sorted(_ops.DISPATCH_KEYS)}, not {device!r}")
     if "cuda" in devices and not torch.cuda.is_available():
         raise ValueError("aoti_eager: devices=['cuda'] was asked for, but torch.cuda.is_available() is False")
-    selected = _selected(ops)
-    if cache_dir is not None:
-        _root = options.root
-    _install(selected, devices, options)
+    _install(_selected(ops), devices, options)
+    _keep_root(options, cache_dir)
 
 
-def _install(selected: list[torch._ops.OpOverload], devices: list[str], options: _Options) -> None:
+def _install(selected: list[torch._ops.OpOverload], devices: list[str], options: Options) -> None:
     """Overrides each of ``selected`` on each of ``devices``, as ``options`` say."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="(?s).*previously registered kernel")
         for op in selected:
             for device in devices:
-                _runtime.install(op, device, options.root, recorder=options.recorder, compile=options.compile,
-                                 remote=options.remote)
-    if options.compile == "background":
+                _runtime.install(op, device, options)
+    if options.compile == Compile.BACKGROUND:
         _background.prestart(devices)
 
 
@@ -361,11 +354,12 @@ def fuse(
         >>> aoti_eager.unfuse(model)                 # the blocks' forwards are back; the ops stay enabled
         >>> aoti_eager.disable()                     # the ops' original kernels are back
     """
-    options = _Options.checked(compile, cache_dir, remote, record)
     selected = _selected(ops) if ops is not None else []
-    _regions.fuse(model, modules, options.compile, options.root, options.remote, options.recorder)
+    options = _options(compile, cache_dir, remote, record)
+    _regions.fuse(model, modules, options)
     _install(selected, _default_devices(), options)
-    if selected and options.compile == "now":
+    _keep_root(options, cache_dir)
+    if selected and options.compile == Compile.NOW:
         # The ops' misses compile in workers beside the forward's (see compile=): they start now.
         _background.prestart(_default_devices())
     return model

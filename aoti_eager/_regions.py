@@ -27,6 +27,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from aoti_eager import _background, _extension, _mechanism, settings
+from aoti_eager._options import Compile, Options
 from aoti_eager._region_families import RegionFamily
 from aoti_eager.cache import DamagedEntry, UntrustedEntry
 from aoti_eager.cache.entry_store import EntryStore
@@ -148,16 +149,12 @@ class _Instance:
 
     module_ref: weakref.ReferenceType
     name: str
-    root: Path
-    compile: str
+    options: Options  # its compile mode, cache, fleet cache and manifest
     stats: RegionStats  # its region's
     prepared: _Prepared | None = None
     refused: str | None = None  # why no call of it is compiled
     # A forward set on the instance before fuse() (refused), called instead of its class's.
     replaced: Any = None
-    # The fleet cache's URL; None: $AOTI_EAGER_REMOTE, if set.
-    remote: str | None = None
-    recorder: Recorder | None = None  # where its misses are recorded
 
     @property
     def module(self) -> torch.nn.Module:
@@ -187,7 +184,7 @@ class _Instance:
 
     def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         # A copy of a fused module (copy.deepcopy, pickle, torch.save) is fused alike, with its own state.
-        return _fused_again, (self.module, self.name, self.root, self.compile, self.refused, self.replaced, self.remote)
+        return _fused_again, (self.module, self.name, self.options.kept_by_copies(), self.refused, self.replaced)
 
     def valid(self) -> _Prepared | None:
         """The prepared state where nothing it depends on changed, else None."""
@@ -206,12 +203,10 @@ class _Instance:
         return p
 
 
-def _fused_again(module: torch.nn.Module, name: str, root: Path, compile: str, refused: str | None,
-                 replaced: Any, remote: str | None) -> _Instance:
+def _fused_again(module: torch.nn.Module, name: str, options: Options, refused: str | None, replaced: Any) -> _Instance:
     """The instance of a copy of a fused module (see :meth:`_Instance.__reduce__`),
     made before the copy's attributes are set."""
-    instance = _Instance(weakref.ref(module), name, root, compile, _stats_of(name), refused=refused,
-                         replaced=replaced, remote=remote)
+    instance = _Instance(weakref.ref(module), name, options, _stats_of(name), refused=refused, replaced=replaced)
     _live[name].add(module)
     return instance
 
@@ -409,15 +404,15 @@ def _valued(instance: _Instance, call: RegionCall, run: Any) -> tuple[RegionCall
     return call.valued(instance.module, reads), ran
 
 
-def _decision(instance: _Instance, call: RegionCall, compile: str | None = None) -> _Decided:
+def _decision(instance: _Instance, call: RegionCall, compile: Compile | None = None) -> _Decided:
     """What ``call`` runs: decided before in this process, else by a miss
     compiling as ``compile`` says (default the instance's mode)."""
     cache = _cache(instance, call.device)
     with _lock:
-        where = (str(cache.directory), call.key, instance.compile)
+        where = (str(cache.directory), call.key, instance.options.compile)
         decided = _decided.get(where)
         if decided is None:
-            decided = _miss(instance, cache, call, compile or instance.compile)
+            decided = _miss(instance, cache, call, compile or instance.options.compile)
             if decided.lasting:
                 _decided[where] = decided
     return decided
@@ -426,25 +421,26 @@ def _decision(instance: _Instance, call: RegionCall, compile: str | None = None)
 def _cache(instance: _Instance, device: torch.device, wait: float = 0.0) -> EntryStore:
     """The instance's cache of kernels for ``device``, with its fleet cache
     behind, whose lock a miss waits ``wait`` seconds for (a call's: none)."""
-    where = (instance.root, str(device), instance.remote, wait)
+    root, remote = instance.options.root, instance.options.remote
+    where = (root, str(device), remote, wait)
     if where not in _caches:
-        _caches[where] = _mechanism.open_cache(instance.root, device, instance.remote, wait=wait)
+        _caches[where] = _mechanism.open_cache(root, device, remote, wait=wait)
     return _caches[where]
 
 
-def _miss(instance: _Instance, cache: EntryStore, call: RegionCall, compile: str) -> _Decided:
+def _miss(instance: _Instance, cache: EntryStore, call: RegionCall, compile: Compile) -> _Decided:
     try:
         if (compiled := _compiled_apart(cache, call)) is not None:
             return compiled
         _family_of(cache, call).see(region_shapes.call_sizes(call))
         found = _from_cache(instance, cache, call) or _from_family(instance, cache, call)
-        if found is None and instance.recorder is not None:
-            _record(instance.recorder, call)
-        if found is not None or compile == "never":
+        if found is None and instance.options.recorder is not None:
+            _record(instance.options.recorder, call)
+        if found is not None or compile == Compile.NEVER:
             return found or _Decided(reason="compile='never' and no kernel in the cache")
         if (why := _mechanism.cannot_compile(cache) or _over_limit(cache, call)) is not None:
             return _Decided(reason=why)
-        if compile == "background":
+        if compile == Compile.BACKGROUND:
             return _compile_apart(instance, cache, call)
         with cache.lock_signature(call.name, call.key, timeout=settings.lock_timeout.get()), _mechanism.compile_lock:
             return (_from_cache(instance, cache, call) or _from_family(instance, cache, call)
@@ -715,26 +711,22 @@ def chosen(model: torch.nn.Module, modules: Iterable[Any] | None) -> list[torch.
     return result
 
 
-def fuse(model: torch.nn.Module, modules: Iterable[Any] | None, compile: str, root: Path,
-         remote: str | None = None, recorder: Recorder | None = None) -> list[str]:
-    """Makes regions of the instances :func:`chosen` picks, their kernels in
-    the cache at ``root`` with the fleet cache at ``remote`` behind it, their
-    misses recorded by ``recorder``; the regions' names."""
+def fuse(model: torch.nn.Module, modules: Iterable[Any] | None, options: Options) -> list[str]:
+    """Makes regions of the instances :func:`chosen` picks, compiling and
+    keeping their kernels as ``options`` say; the regions' names."""
     names = []
     for module in chosen(model, modules):
         if _fused(module) is not None:
             continue
         name = region_name(module)
-        instance = _Instance(weakref.ref(module), name, root, compile, _stats_of(name),
-                             replaced=module.__dict__.get("forward"), remote=remote,
-                             recorder=recorder)
+        instance = _Instance(weakref.ref(module), name, options, _stats_of(name), replaced=module.__dict__.get("forward"))
         instance.refused = _refusal(module)
         if instance.refused is not None:
             _log_eager_once(instance.name, instance.refused)
         module.forward = instance.forward
         _live[instance.name].add(module)
         names.append(instance.name)
-    if compile == "now" and not _compiles_together(model):
+    if options.compile == Compile.NOW and not _compiles_together(model):
         model.register_forward_pre_hook(_begin_together)
         model.register_forward_hook(_end_together, always_call=True)
     return names
@@ -854,4 +846,4 @@ def _prewarm_call(instance: _Instance, request: RegionRequest, zero_integers: bo
             raise
         except Exception as e:  # noqa: BLE001 - the example's values, as a compile's eager run would say
             return _Decided(reason=f"eager raised {type(e).__name__}", lasting=False)
-        return _decision(instance, call, "now") if call.key == request.key else None
+        return _decision(instance, call, Compile.NOW) if call.key == request.key else None

@@ -19,11 +19,11 @@ load or compile.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import threading
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -31,6 +31,7 @@ from torch._ops import OpOverload
 
 from aoti_eager import _background, _extension, _mechanism, settings
 from aoti_eager._ops import DISPATCH_KEYS
+from aoti_eager._options import Compile, Options
 from aoti_eager._decisions import BACKGROUND_RETRY_SECONDS, Decision, RetryLater, RunEagerly, UseKernel
 from aoti_eager._planner import Eager, IntLookup, Planner
 from aoti_eager.cache import DamagedEntry, Entry, UntrustedEntry
@@ -41,7 +42,6 @@ from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad
 from aoti_eager.kernels.pipeline import NotCompiled, Published, publish_verdict
 from aoti_eager.kernels.signature import Position, qualified_name
 from aoti_eager.kernels.speed import Timer
-from aoti_eager.manifest import Recorder
 
 log = logging.getLogger("aoti_eager")
 
@@ -64,15 +64,10 @@ class Override:
 
     op: OpOverload
     device: str  # the device type: "cpu" or "cuda"
-    root: Path
+    # Its cache, fleet cache and manifest; BACKGROUND compiles in a worker, its calls eager meanwhile.
+    options: Options
     token: int
     handle: Any = None
-    # Where misses are recorded (see aoti_eager.manifest), if anywhere.
-    recorder: Recorder | None = None
-    # "now": a miss compiles before the call returns; "background": in a worker, calls run eagerly meanwhile; "never".
-    compile: str = "now"
-    # The fleet cache's URL (cache/remote.py); None: $AOTI_EAGER_REMOTE, if set.
-    remote: str | None = None
     stats: OpStats = field(default_factory=OpStats)
     # CallSignature.decision_key -> what its calls run (never RetryLater).
     decisions: dict[tuple[str, str], Decision] = field(default_factory=dict)
@@ -92,7 +87,7 @@ class Override:
     def cache(self, device: torch.device) -> EntryStore:
         """The cache of kernels for ``device``; a miss here waits for no other machine's compile (calls run eagerly)."""
         if str(device) not in self._caches:
-            self._caches[str(device)] = _mechanism.open_cache(self.root, device, self.remote, wait=0.0)
+            self._caches[str(device)] = _mechanism.open_cache(self.options.root, device, self.options.remote, wait=0.0)
         return self._caches[str(device)]
 
     def compiles_running(self) -> int:
@@ -101,7 +96,7 @@ class Override:
 
     def decide(self, args: list[Any]) -> Decision:
         """The miss path: what calls of the signature of ``args`` run."""
-        self._waits_for_probe = self.compile == "background" and self.device == "cpu" and not _background.vec_isas_known()
+        self._waits_for_probe = self.options.compile == Compile.BACKGROUND and self.device == "cpu" and not _background.vec_isas_known()
         if self._waits_for_probe:
             return RetryLater("probing the CPU's vector ISAs in the background", retry_after=BACKGROUND_RETRY_SECONDS)
         try:
@@ -129,7 +124,7 @@ class Override:
         return self._decide(signature.with_constant_numbers()) if self._falls_back(decision, signature) else decision
 
     def _falls_back(self, decision: Decision, signature: CallSignature) -> bool:
-        return self.planner.falls_back(decision, signature, compiles=self.compile != "never")
+        return self.planner.falls_back(decision, signature, compiles=self.options.compile != Compile.NEVER)
 
     def _decide(self, signature: CallSignature) -> Decision:
         if (known := self.decisions.get(signature.decision_key)) is not None:
@@ -151,8 +146,8 @@ class Override:
                 return RetryLater(reason)
             except OSError as e:  # after TimeoutError, which is one
                 if e.errno not in _mechanism.DISK_FULL:
-                    return self._eager(_mechanism.unusable_cache(self.root, e), signature)
-                reason = _mechanism.disk_full(self.root)
+                    return self._eager(_mechanism.unusable_cache(self.options.root, e), signature)
+                reason = _mechanism.disk_full(self.options.root)
                 _mechanism.log_eager_once(self.name, self.device, reason)
                 return RetryLater(reason, retry_after=_mechanism.DISK_FULL_RETRY_SECONDS)
 
@@ -161,25 +156,25 @@ class Override:
         if decision := self._background_ended(signature) or self._from_cache(cache, signature) or self._from_family(cache, signature):
             return decision
         request = self.planner.request(signature)
-        if self.recorder is not None:
-            self.recorder.record(request)
-        together = self.compile == "now" and _background.together()
-        compile = "background" if together else self.compile
-        if compile != "now":
+        if self.options.recorder is not None:
+            self.options.recorder.record(request)
+        together = self.options.compile == Compile.NOW and _background.together()
+        compile = Compile.BACKGROUND if together else self.options.compile
+        if compile != Compile.NOW:
             # No compile here sees the shape; the family must, for the dims of its next one.
             self.planner.family(signature).see(signature)
-        if compile == "never":
+        if compile == Compile.NEVER:
             return self._remember(signature, RunEagerly("compile='never'"))
-        if compile == "background":
+        if compile == Compile.BACKGROUND:
             if (too_many := self.planner.count_variant(signature)) is not None:
                 return self._run_eagerly(signature, too_many)
-            self.stats.queued += self.queued.add(signature.decision_key, request, self.root, self.remote)
+            self.stats.queued += self.queued.add(signature.decision_key, request, self.options.root, self.options.remote)
             if not together or not self.planner.waited_for(signature):
                 return RetryLater("compiling in the background", retry_after=BACKGROUND_RETRY_SECONDS)
             _background.join(self.queued.get(signature.decision_key), lambda: self._decide(signature))
             # Asked again at the next call: the forward's end has decided it by then.
             return RetryLater("compiling beside the forward's other misses")
-        if (full := _mechanism.still_full(self.root)) is not None:
+        if (full := _mechanism.still_full(self.options.root)) is not None:
             return RetryLater(full, retry_after=_mechanism.DISK_FULL_RETRY_SECONDS)
         # Inductor's lock innermost: no other compile of this process waits on the caches' locks.
         with cache.lock_signature(self.name, signature.key, timeout=settings.lock_timeout.get()), _mechanism.compile_lock:
@@ -251,7 +246,7 @@ class Override:
         self.stats.compiles += 1
         self.stats.compile_seconds += outcome.seconds
         decision = self._published(cache, signature, outcome)
-        _mechanism.keep_size_limit(self.root)
+        _mechanism.keep_size_limit(self.options.root)
         return decision
 
     def _published(self, cache: EntryStore, signature: CallSignature, outcome: Published) -> Decision:
@@ -372,22 +367,20 @@ def _on_miss(token: int, args: list[Any], decide: bool) -> Decision:
     return decision
 
 
-def install(
-    op: OpOverload, device: str, root: Path, recorder: Recorder | None = None, compile: str = "now",
-    remote: str | None = None,
-) -> Override | None:
-    """Overrides ``op`` at ``device``'s dispatch key; for an op already
-    overridden, only the recorder, the compile mode and the fleet cache change."""
+def install(op: OpOverload, device: str, options: Options) -> Override | None:
+    """Overrides ``op`` at ``device``'s dispatch key as ``options`` say; for an
+    op already overridden, only the recorder, the compile mode and the fleet
+    cache (where one is given) change."""
     key = (op, device)
     with _registry_lock:
         if key in _registry.installed:
             override = _registry.installed[key]
-            override.recorder, override.compile = recorder, compile
-            if remote is not None and remote != override.remote:
-                override.remote = remote
+            remote = override.options.remote if options.remote is None else options.remote
+            if remote != override.options.remote:
                 override._caches.clear()
+            override.options = dataclasses.replace(options, root=override.options.root, remote=remote)
             return override
-        if (restored := _restore(key, root, remote, recorder, compile)) is not None:
+        if (restored := _restore(key, options)) is not None:
             return restored
         if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), DISPATCH_KEYS[device]):
             return None
@@ -395,7 +388,7 @@ def install(
         if not _registry.handler_set:
             C.set_miss_handler(_on_miss)
             _registry.handler_set = True
-        override = Override(op, device, root, next(_registry.tokens), recorder=recorder, compile=compile, remote=remote)
+        override = Override(op, device, options, next(_registry.tokens))
         override.handle = C.Override(op._schema.name, op._schema.overload_name, DISPATCH_KEYS[device], override.token)
         _kernels_changed(op)
         _registry.by_token[override.token] = override
@@ -403,18 +396,13 @@ def install(
         return override
 
 
-def _restore(
-    key: tuple[OpOverload, str], root: Path, remote: str | None, recorder: Recorder | None, compile: str
-) -> Override | None:
+def _restore(key: tuple[OpOverload, str], options: Options) -> Override | None:
     """The override that uninstall() removed for ``key``, installed again with
     its stats at zero (but the last reason a call ran eagerly), where it was
     enabled the same way (cache, compile mode, manifest: a run that records
     its misses, or compiles them, starts from the cache); else None."""
     override = _registry.removed.pop(key, None)
-    path = lambda r: None if r is None else r.path  # noqa: E731
-    if override is None or (override.root, override.remote, override.compile, path(override.recorder)) != (
-        root, remote, compile, path(recorder)
-    ):
+    if override is None or not override.options.same(options):
         return None
     # The C++ side keeps the decisions, and runs those for eager without asking: their reason stays.
     override.stats = OpStats(last_fallback_reason=override.stats.last_fallback_reason)

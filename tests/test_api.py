@@ -145,6 +145,19 @@ def test_cache_dir_from_environment(tmp_path, monkeypatch):
     assert aoti_eager.cache_dir().name == "aoti_eager"
 
 
+@pytest.mark.parametrize("call", ["enable", "fuse"])
+def test_a_cache_dir_given_is_the_default_of_later_calls(call, tmp_path, monkeypatch):
+    monkeypatch.setattr(aoti_eager, "_root", None)
+    if call == "enable":
+        aoti_eager.enable(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path / "given")
+    else:
+        aoti_eager.fuse(torch.nn.Sequential(torch.nn.Linear(2, 2)), cache_dir=tmp_path / "given")
+    assert aoti_eager.cache_dir() == tmp_path / "given"
+    with pytest.raises(ValueError, match='compile is "now", "background" or "never", not \'later\''):
+        aoti_eager.fuse(torch.nn.Sequential(), compile="later", cache_dir=tmp_path / "other")
+    assert aoti_eager.cache_dir() == tmp_path / "given"  # a refused call changes nothing
+
+
 def test_stats_keys(tmp_path):
     aoti_eager.enable(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path)
     assert aoti_eager.stats()["aten::abs"] == dict(
