@@ -29,12 +29,12 @@ from aoti_eager import settings
 from aoti_eager.cache.entry_store import Entry, EntryStore
 from aoti_eager.kernels import matmul, quiet
 from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily
-from aoti_eager.kernels.compile import Artifact, CompileError, call_op, compile_call, compile_options, sidecar_files
+from aoti_eager.kernels.compile import Artifact, CompileError, call_op, compile_call, compile_module, compile_options, sidecar_files
 from aoti_eager.kernels.seam import Seam
 from aoti_eager.kernels.signature import CallSignature, clone_args, qualified_name
 from aoti_eager.kernels.speed import Timer, Timing, measured, time_against_eager, time_region_against_eager
 from aoti_eager.kernels.toolchain import vec_isas_for
-from aoti_eager.kernels.validate import Mismatch, check_matches_eager
+from aoti_eager.kernels.validate import Mismatch, check_matches_eager, compare
 
 log = logging.getLogger("aoti_eager")
 
@@ -79,13 +79,18 @@ class Compiler:
     ``compile`` as :func:`~aoti_eager.kernels.compile.compile_call` (raises
     CompileError), ``check`` as :func:`~aoti_eager.kernels.validate.check_matches_eager`
     (raises Mismatch), ``timer`` as :func:`~aoti_eager.kernels.speed.time_against_eager`,
-    ``region_timer`` as :func:`~aoti_eager.kernels.speed.time_region_against_eager`.
-    By default those; a test gives its own with :func:`scope`."""
+    ``region_timer`` as :func:`~aoti_eager.kernels.speed.time_region_against_eager`;
+    a region's ``compile_module`` as :func:`~aoti_eager.kernels.compile.compile_module`,
+    and ``compare`` (each of its results and written inputs against eager's) as
+    :func:`~aoti_eager.kernels.validate.compare` (raises Mismatch). By
+    default those; a test gives its own with :func:`scope`."""
 
     compile: Callable[..., Artifact] = compile_call
     check: Callable[..., None] = check_matches_eager
     timer: Timer = time_against_eager
     region_timer: Callable[..., Timing] = time_region_against_eager
+    compile_module: Callable[..., Artifact] = compile_module
+    compare: Callable[..., None] = compare
 
 
 _compiler = Seam(Compiler())

@@ -38,7 +38,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from aoti_eager import settings
 from aoti_eager.cache.entry_store import Entry, EntryStore
 from aoti_eager.kernels import quiet, region_values
-from aoti_eager.kernels.compile import CompileError, dense_order, in_order, compile_module, compile_options, sidecar_files
+from aoti_eager.kernels.compile import CompileError, dense_order, in_order, compile_options, sidecar_files
 from aoti_eager.kernels.examples import example_value
 from aoti_eager.kernels.region_values import Read
 from aoti_eager.kernels.pipeline import Loader, NotCompiled, Outcome, Published, current, speed_verdict, timed
@@ -47,7 +47,7 @@ from aoti_eager.kernels.signature import (
     Arg, ConstantArg, NoneArg, NumberArg, TensorArg, Unsupported, argument_from_json, clone_args, clone_exact,
 )
 from aoti_eager.kernels.toolchain import vec_isas_for
-from aoti_eager.kernels.validate import Mismatch, check_fresh_memory, compare, upcast_run
+from aoti_eager.kernels.validate import Mismatch, check_fresh_memory, upcast_run
 
 log = logging.getLogger("aoti_eager")
 
@@ -546,10 +546,10 @@ def _compile_region(instance: torch.nn.Module, call: RegionCall, store: EntrySto
         store.remove(call.name, call.key)
     start = time.perf_counter()
     try:
-        artifact = compile_module(RegionModule(instance, call, outputs), tuple(clone_args(call.inputs())),
-                                  call.device.type, compile_options(call.device.type),
-                                  shared_dir=store.shared_directory(), vec_isas=vec_isas_for(call.device.type),
-                                  writable=writable(call, outputs))
+        artifact = current().compile_module(RegionModule(instance, call, outputs), tuple(clone_args(call.inputs())),
+                                            call.device.type, compile_options(call.device.type),
+                                            shared_dir=store.shared_directory(), vec_isas=vec_isas_for(call.device.type),
+                                            writable=writable(call, outputs))
     except CompileError as e:
         log.debug("aoti_eager: compiling %s failed", call.name, exc_info=e.__cause__)
         if not e.lasting:
@@ -629,11 +629,12 @@ def check_region(kernel: Any, call: RegionCall, outputs: Outputs, expected: Any,
     """Runs ``kernel`` on fresh copies of the call's inputs and compares the
     tensors of its result (of structure ``outputs``) with eager's
     ``expected`` (raises Mismatch); out of their dtype's tolerance, against
-    ``reference`` too (see :func:`compare`). The call's tensors the forward
+    ``reference`` too (the ``Compiler``'s ``compare``). The call's tensors the forward
     wrote into (``passed``, as eager left them) are compared too."""
     inputs = clone_args(call.inputs())
     fresh = kernel.run(inputs)
     check_fresh_memory(inputs, fresh)
+    compare = current().compare
     compare("the region's result", list(fresh), outputs.tensors(expected), reference)
     state = len(call.tensors)
     for i in outputs.writes:

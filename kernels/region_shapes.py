@@ -27,9 +27,9 @@ import torch.utils._pytree as pytree
 
 from aoti_eager.cache.entry_store import Entry, EntryStore
 from aoti_eager.kernels import quiet
-from aoti_eager.kernels.compile import Artifact, CompileError, compile_module, compile_options, sidecar_files
+from aoti_eager.kernels.compile import Artifact, CompileError, compile_options, sidecar_files
 from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily, _form
-from aoti_eager.kernels.pipeline import Loader, NotCompiled, Outcome, Published
+from aoti_eager.kernels.pipeline import Loader, NotCompiled, Outcome, Published, current
 from aoti_eager.kernels.region import Outputs, RegionCall, RegionModule, _digest, check_region, eager_result, writable
 from aoti_eager.kernels.signature import NumberArg, TensorArg, clone_args
 from aoti_eager.kernels.toolchain import vec_isas_for
@@ -153,10 +153,10 @@ def _compile_family(
         return NotCompiled(f"no dynamic kernel for this call: eager gave {type(e).__name__}", eager_raised=True), None
     start = time.perf_counter()
     try:
-        artifact = compile_module(RegionModule(instance, call, outputs), tuple(clone_args(call.inputs())),
-                                  call.device.type, compile_options(call.device.type), shared_dir=store.shared_directory(),
-                                  vec_isas=vec_isas_for(call.device.type), dynamic_shapes=export_shapes(call, family),
-                                  writable=writable(call, outputs))
+        artifact = current().compile_module(RegionModule(instance, call, outputs), tuple(clone_args(call.inputs())),
+                                            call.device.type, compile_options(call.device.type),
+                                            shared_dir=store.shared_directory(), vec_isas=vec_isas_for(call.device.type),
+                                            dynamic_shapes=export_shapes(call, family), writable=writable(call, outputs))
     except CompileError as e:
         log.debug("aoti_eager: compiling %s's dynamic kernel failed", call.name, exc_info=e.__cause__)
         return _static(store, call, _named_inputs(str(e), call), recorded=e.lasting), outputs

@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ import torch
 import aoti_eager
 from aoti_eager import _regions
 from aoti_eager.kernels import region_shapes
+from aoti_eager.kernels.validate import Mismatch, compare
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -117,13 +119,16 @@ def test_a_second_batch_size_compiles_one_dynamic_kernel_for_every_later_one(tmp
     assert len(dynamic) == 1 and dynamic[0]["library"] and dynamic[0]["dynamic"]["dims"] == [[0]]
 
 
-def test_the_dynamic_kernel_is_checked_against_eager_at_another_size(tmp_path, monkeypatch):
+def _comparing(before: Callable[[list[torch.Tensor]], None]) -> Callable[..., None]:
+    """The pipeline's compare of a region's results, after ``before(actual)``."""
+    return lambda what, actual, *rest: before(actual) or compare(what, actual, *rest)
+
+
+def test_the_dynamic_kernel_is_checked_against_eager_at_another_size(tmp_path, swap_compiler):
     checked = []
-    check = region_shapes.check_region
-    monkeypatch.setattr(region_shapes, "check_region",
-                        lambda kernel, call, *rest: checked.append(call.described[0][1].sizes[0]) or check(kernel, call, *rest))
     model, reference = _fused(Block, tmp_path)
     _compiles_at(model, reference, _name(Block), [2])
+    swap_compiler(compare=_comparing(lambda actual: checked.append(actual[0].shape[0])))
     x, random_state = torch.randn(3, 16), torch.get_rng_state()
     with torch.no_grad():
         torch.testing.assert_close(model(x), reference(x))
@@ -133,15 +138,12 @@ def test_the_dynamic_kernel_is_checked_against_eager_at_another_size(tmp_path, m
     assert torch.equal(torch.get_rng_state(), random_state)
 
 
-def test_a_dynamic_kernel_that_disagrees_with_eager_keeps_static_kernels(tmp_path, monkeypatch, caplog):
-    check = region_shapes.check_region
+def test_a_dynamic_kernel_that_disagrees_with_eager_keeps_static_kernels(tmp_path, swap_compiler, caplog):
+    def disagrees_elsewhere(actual: list[torch.Tensor]) -> None:
+        if actual[0].shape[0] not in (1, 2, 3, 5):  # a size no call has, where only a dynamic kernel is checked
+            raise Mismatch("the region's result: made to differ at another batch size")
 
-    def disagrees_elsewhere(kernel, call, outputs, expected, passed):
-        if call.described[0][1].sizes[0] != 3:
-            expected = 2 * expected  # the block's result: one tensor
-        check(kernel, call, outputs, expected, passed)
-
-    monkeypatch.setattr(region_shapes, "check_region", disagrees_elsewhere)
+    swap_compiler(compare=_comparing(disagrees_elsewhere))
     model, reference = _fused(Block, tmp_path)
     name = _name(Block)
     before = _row(name)["compiles"]

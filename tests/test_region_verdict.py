@@ -53,9 +53,9 @@ def _call(module: Spread, x: torch.Tensor) -> RegionCall:
     return RegionCall.of(region_name(module), names, tensors, state_structure(module, names, tensors), (x,), {})
 
 
-def test_a_float32_kernel_as_near_float64_as_eager_is_published(cache, tmp_path, monkeypatch):
+def test_a_float32_kernel_as_near_float64_as_eager_is_published(cache, tmp_path, monkeypatch, swap_compiler):
     monkeypatch.setenv("AOTI_EAGER_KEEP_FASTER", "0")
-    monkeypatch.setattr(region, "compile_module", fake_artifact(tmp_path))
+    swap_compiler(compile_module=fake_artifact(tmp_path))
     module, x = Spread().eval(), torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = module(x)
@@ -68,10 +68,10 @@ def test_a_float32_kernel_as_near_float64_as_eager_is_published(cache, tmp_path,
     assert cache.lookup(call.name, call.key).library is not None
 
 
-def test_a_kernel_that_disagrees_is_refused_for_this_process_and_not_recorded(tmp_path, monkeypatch):
+def test_a_kernel_that_disagrees_is_refused_for_this_process_and_not_recorded(tmp_path, monkeypatch, swap_compiler):
     compiled = []
     compile = fake_artifact(tmp_path)
-    monkeypatch.setattr(region, "compile_module", lambda *args, **kwargs: compiled.append(1) or compile(*args, **kwargs))
+    swap_compiler(compile_module=lambda *args, **kwargs: compiled.append(1) or compile(*args, **kwargs))
     monkeypatch.setattr(_mechanism, "load_library", lambda *args, known_good, **kwargs: (
         pytest.fail("nothing was published to load") if known_good else FakeKernel(wrong, [-1])))
     x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(0))

@@ -429,14 +429,13 @@ def test_a_call_whose_written_input_shares_memory_with_another_runs_eagerly(tmp_
     assert "shares memory with another of its tensors" in _row(ScalesInPlace)["fallback_reason"]
 
 
-def test_a_kernel_that_disagrees_with_eager_is_not_used(tmp_path, monkeypatch):
-    from aoti_eager.kernels import region
+def test_a_kernel_that_disagrees_with_eager_is_not_used(tmp_path, swap_compiler):
     from aoti_eager.kernels.validate import Mismatch
 
     def disagree(what, actual, expected, reference=None):
         raise Mismatch(f"{what}: made to differ")
 
-    monkeypatch.setattr(region, "compare", disagree)
+    swap_compiler(compare=disagree)
     model, x = _model(seed=3), torch.randn(4, 16)
     reference = copy.deepcopy(model)
     aoti_eager.fuse(model, cache_dir=tmp_path)
