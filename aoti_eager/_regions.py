@@ -761,6 +761,15 @@ def _refusal(module: torch.nn.Module) -> str | None:
     return None
 
 
+def forget() -> None:
+    """Drops what this process decided of region calls and learnt of their
+    families: calls of instances fused from now on decide again from the
+    cache, as in a new process (an instance's own memo stays with it)."""
+    with _lock:
+        _decided.clear()
+        _families.clear()
+
+
 def unfuse(model: torch.nn.Module) -> None:
     """Restores the original forward of every fused instance in ``model``."""
     for module in model.modules():

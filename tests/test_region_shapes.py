@@ -19,6 +19,7 @@ import torch
 import aoti_eager
 from aoti_eager import _regions
 from aoti_eager.kernels import region_shapes
+from aoti_eager.kernels.compile import compile_module
 from aoti_eager.kernels.validate import Mismatch, compare
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -153,7 +154,7 @@ def test_a_dynamic_kernel_that_disagrees_with_eager_keeps_static_kernels(tmp_pat
     assert not any(entry["dynamic"] for entry in _entries(tmp_path, name).values())
 
 
-def test_a_dim_export_fixes_keeps_static_kernels_and_is_recorded_for_every_process(tmp_path, monkeypatch):
+def test_a_dim_export_fixes_keeps_static_kernels_and_is_recorded_for_every_process(tmp_path, swap_compiler):
     model, reference = _fused(Branching, tmp_path)
     name = _name(Branching)
     before = _row(name)["compiles"]
@@ -162,11 +163,11 @@ def test_a_dim_export_fixes_keeps_static_kernels_and_is_recorded_for_every_proce
     assert len(static) == 1 and static[0]["library"] is None and "no dynamic kernel: torch.export failed" in static[0]["reason"]
     assert "args[0]" in static[0]["reason"] and "L['flat']" not in static[0]["reason"]  # the input, by the region's name
     # A process that knows nothing of the family reads the verdict instead of trying again.
-    monkeypatch.setattr(_regions, "_families", {})
-    tried = []
-    monkeypatch.setattr(region_shapes, "compile_family", lambda *args: tried.append(args))
+    _regions.forget()
+    exported = []
+    swap_compiler(compile_module=lambda *args, **kwargs: exported.append(kwargs.get("dynamic_shapes")) or compile_module(*args, **kwargs))
     assert _compiles_at(model, reference, name, [6, 7]) == [before + n for n in (4, 5)]
-    assert tried == []
+    assert exported == [None, None]  # each shape alone: no dynamic kernel tried again
 
 
 def test_a_call_outside_the_guards_is_not_run_by_the_dynamic_kernel(tmp_path, monkeypatch):

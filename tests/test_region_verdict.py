@@ -87,6 +87,6 @@ def test_a_kernel_that_disagrees_is_refused_for_this_process_and_not_recorded(tm
     assert _row(Spread)["fallback_reason"].startswith("compiled kernel disagrees with eager: the region's result")
     assert (len(compiled), _cache_entries(tmp_path)) == (1, [])  # decided once for this process, recorded nowhere
     # A new process (no decision of this one), a block of the same structure with other weights: checked again.
-    monkeypatch.setattr(_regions, "_decided", {})
+    _regions.forget()
     calls(Spread(offset=20.0))
     assert (len(compiled), _cache_entries(tmp_path)) == (2, [])

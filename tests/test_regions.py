@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 import aoti_eager
 from aoti_eager import _background, _regions
 from aoti_eager.kernels import speed
+from aoti_eager.kernels.compile import compile_module
 from aoti_eager.kernels.inductor import shims
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -545,7 +546,7 @@ def test_a_region_timed_slower_than_eager_stays_eager(tmp_path, monkeypatch, swa
     assert (entry.library, entry.timing) == (None, {"kernel_us": 2000.0, "eager_us": 1000.0, "ratio": 2.0})
     # With the switch off, the verdict on speed is passed over: compiled again, and used.
     monkeypatch.setenv("AOTI_EAGER_KEEP_FASTER", "0")
-    monkeypatch.setattr(_regions, "_decided", {})
+    _regions.forget()
     assert _fused_against_eager(tmp_path, seed=7)[0] == {"calls": 3, "hits": 3, "fallbacks": 0, "compiles": 1, "cache_loads": 0}
 
 
@@ -858,16 +859,15 @@ def test_compile_never_runs_eagerly_on_a_miss(tmp_path):
     assert _delta(before, Block) == {"calls": 3, "hits": 3, "fallbacks": 0, "compiles": 1, "cache_loads": 0}
 
 
-def test_compile_background_runs_eagerly_until_the_kernel_is_published(tmp_path, monkeypatch):
+def test_compile_background_runs_eagerly_until_the_kernel_is_published(tmp_path, swap_compiler):
     compiled_on, go = [], threading.Event()
 
     def held(*args, **kwargs):
         compiled_on.append(threading.current_thread())
         assert go.wait(timeout=600)  # until the calls below have returned: none of them waits for it
-        return compile_region(*args, **kwargs)
+        return compile_module(*args, **kwargs)
 
-    compile_region = _regions.compile_region
-    monkeypatch.setattr(_regions, "compile_region", held)
+    swap_compiler(compile_module=held)
     model, x = _model(seed=10), torch.randn(4, 16)
     reference = copy.deepcopy(model)
     aoti_eager.fuse(model, compile="background", cache_dir=tmp_path)
