@@ -166,9 +166,11 @@ class Override:
         if compile == Compile.NEVER:
             return self._remember(signature, RunEagerly("compile='never'"))
         if compile == Compile.BACKGROUND:
-            if (too_many := self.planner.count_variant(signature)) is not None:
-                return self._run_eagerly(signature, too_many)
-            self.stats.queued += self.queued.add(signature.decision_key, request, self.options.root, self.options.remote)
+            # A forward that waits for its compiles counts them as a compile here would: within the family's limits.
+            planned = self.planner.to_compile(signature) if together else self.planner.count_variant(signature) or request
+            if isinstance(planned, Eager):
+                return self._run_eagerly(signature, planned)
+            self.stats.queued += self.queued.add(signature.decision_key, planned, self.options.root, self.options.remote)
             if not together or not self.planner.waited_for(signature):
                 return RetryLater("compiling in the background", retry_after=BACKGROUND_RETRY_SECONDS)
             _background.join(self.queued.get(signature.decision_key), lambda: self._decide(signature))

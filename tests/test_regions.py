@@ -18,7 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import aoti_eager
-from aoti_eager import _background, _regions
+from aoti_eager import _background, _regions, settings
 from aoti_eager.kernels import speed
 from aoti_eager.kernels.compile import compile_module
 from aoti_eager.kernels.inductor import shims
@@ -788,6 +788,18 @@ def test_the_op_misses_of_a_fused_forward_compile_side_by_side_before_it_returns
     assert not _background.together()
     aoti_eager.unfuse(model)
     assert not model._forward_pre_hooks and not model._forward_hooks
+
+
+def test_a_fused_forward_compiles_side_by_side_within_the_family_limits(tmp_path):
+    model = Around().eval()
+    with torch.no_grad(), settings.max_shape_compiles.set_to("1"), settings.dynamic_shapes.set_to("0"):
+        aoti_eager.fuse(model, ops=["aten::tanh"], cache_dir=tmp_path)
+        for batch in (2, 3, 4):  # a new shape every forward, as a decode step's
+            x = torch.randn(batch, 16)
+            torch.testing.assert_close(model(x), torch.softmax(model.inner(torch.tanh(x)), dim=-1))
+    tanh = aoti_eager.stats()["aten::tanh"]
+    assert tanh["queued"] == 1  # the first shape's; the others run eagerly, as compiling here would leave them
+    assert "AOTI_EAGER_MAX_SHAPE_COMPILES=1" in tanh["fallback_reason"]
 
 
 def test_a_fused_forward_that_raises_or_was_interrupted_leaves_no_compile_waiting(shared_cache):
