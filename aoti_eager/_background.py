@@ -104,11 +104,12 @@ def _serve_here() -> None:
             future.set_exception(e)
 
 
-# A fused model's forward under compile="now" (aoti_eager.fuse): its misses
-# are queued as background compiles, side by side (ops in workers, regions in
-# this process), its calls run eagerly meanwhile, and the forward returns once
-# every one has ended and what it decided is settled. Per thread: the forward
-# that opened it, and the compiles it waits for with what settles each.
+# A fused model's forward under compile="now" (aoti_eager.fuse): its ops'
+# misses are queued as background compiles, side by side in workers, their
+# calls run eagerly meanwhile, and the forward returns once every one has
+# ended and what it decided is settled (a region's miss still compiles at its
+# call). Per thread: the forward that opened it, and the compiles it waits for
+# with what settles each.
 class _Together(threading.local):
     owner: int | None = None
     compiles: list[tuple[Future, Callable[[], Any] | None]]
@@ -146,7 +147,7 @@ def join(compiling: Future, settle: Callable[[], Any] | None = None) -> None:
 
 
 def _settle() -> None:
-    compiles, _together.owner = _together.compiles, None
+    compiles, _together.owner, _together.compiles = _together.compiles, None, []
     concurrent.futures.wait([future for future, _ in compiles])
     for _, settle in compiles:
         try:

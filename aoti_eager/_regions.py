@@ -11,6 +11,7 @@ serves run the original forward, with one log line per region and reason.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import itertools
@@ -333,11 +334,9 @@ def _eagerly(instance: _Instance, stats: RegionStats, reason: str, args: tuple[A
     stats.fallback_reason = reason
     if (instance.name, reason) not in _logged_eager:
         _log_eager_once(instance.name, reason)
-    if reason == COMPILING:
-        # The ops inside are its kernel's to run: none compiled apart meanwhile.
-        with _mechanism.own_work():
-            return instance.original(*args, **kwargs)
-    return instance.original(*args, **kwargs)
+    # While its kernel compiles, the ops inside are that kernel's to run: none compiled apart meanwhile.
+    with _mechanism.own_work() if reason == COMPILING else contextlib.nullcontext():
+        return instance.original(*args, **kwargs)
 
 
 # (region, what was said) and (region, why it ran eagerly) already logged: one line per process, not per call.
