@@ -220,7 +220,7 @@ def compile_kernel(
         outcome = compile_signature(op, signature, cache, load, family, seen=seen, timer=timer)
         if isinstance(outcome, NotCompiled) and not outcome.eager_raised and outcome.compiler_error is None:
             failed, outcome = outcome.reason, None
-            log.info("aoti_eager: no dynamic-shape kernel for %s (%s): %s; compiling this shape alone",
+            log.info("aoti_eager: %s (%s): %s; compiling this shape alone",
                      qualified_name(op), signature.short(), failed)
     if outcome is None:
         outcome = compile_signature(op, signature, cache, load, timer=timer)

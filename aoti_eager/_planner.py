@@ -33,7 +33,7 @@ from aoti_eager import settings
 from aoti_eager._decisions import Decision, RunEagerly, UseKernel
 from aoti_eager.kernels import CallSignature, CompileRequest
 from aoti_eager.kernels.dynamic import (
-    ShapeFamily, changed_dims, family_key, family_limit_key, grew_from_one, ints_key, kinds_key, tensor_args,
+    ShapeFamily, changed_dims, changed_sizes, family_key, family_limit_key, grew_from_one, ints_key, kinds_key, tensor_args,
 )
 from aoti_eager.kernels.matmul import fixed_dims, is_template_matmul
 from aoti_eager.kernels.signature import Position, qualified_name
@@ -54,28 +54,33 @@ class Eager:
 
 @dataclass
 class Family:
-    """What this process knows of one shape family of an op (kernels/dynamic.py)."""
+    """What this process knows of one shape family (kernels/dynamic.py): an
+    op's, or a region's (kernels/region_shapes.py), whose policy is
+    :meth:`moved_dims`."""
 
     # Tensor sizes of the family's shapes that missed here, most recent last.
     seen: list[list[tuple[int, ...]]] = field(default_factory=list)
     # Entry key -> its dynamic kernel's family (None: not a dynamic entry of this family).
     published: dict[str, ShapeFamily | None] = field(default_factory=dict)
-    # Entry key -> the decision its entry gave.
-    decisions: dict[str, Decision] = field(default_factory=dict)
+    # Entry key -> what the calls its kernel serves run (an op's Decision; a region's own), shared by every shape it admits.
+    decisions: dict[str, Any] = field(default_factory=dict)
     # (entry key, ShapeFamily.size_range) -> why eager is faster there, or
     # None where the dynamic kernel is not slower: each range judged once.
     verdicts: dict[tuple[str, tuple[int, ...]], str | None] = field(default_factory=dict)
-    compiles: int = 0
-    dynamic_failed: str | None = None  # why a dynamic kernel of it failed here
-    # Keys of the signatures seen: a signature seen again (its entry damaged, or
-    # its compile retried) is not a shape that moved.
+    compiles: int = 0  # kernels compiled here for its shapes, static and dynamic together
+    dynamic_failed: str | None = None  # why a dynamic kernel of it failed (here, or recorded in the cache)
+    # Keys of the calls seen: one seen again (its entry damaged, or its
+    # compile retried) is not a shape that moved.
     keys: set[str] = field(default_factory=set)
 
     SEEN = 8
 
     def see(self, signature: CallSignature) -> None:
-        self.keys.add(signature.key)
-        sizes = [t.sizes for t in tensor_args(signature)]
+        self.saw([t.sizes for t in tensor_args(signature)], signature.key)
+
+    def saw(self, sizes: list[tuple[int, ...]], key: str) -> None:
+        """A call of ``key`` whose tensors have ``sizes`` missed."""
+        self.keys.add(key)
         if sizes not in self.seen:
             self.seen = [*self.seen, sizes][-self.SEEN:]
 
@@ -83,6 +88,32 @@ class Family:
         """Its dynamic kernels, narrowest first."""
         known = [(key, family) for key, family in self.published.items() if family is not None]
         return sorted(known, key=lambda item: sum(map(len, item[1].dims)))
+
+    def over_limit(self) -> str | None:
+        """Why a new shape of the family runs eagerly instead of compiling
+        (``max_shape_compiles`` reached), or None: the compile is counted."""
+        limit = settings.max_shape_compiles.get()
+        if self.compiles >= limit:
+            return (f"{self.compiles} kernels already compiled for shapes of this family "
+                    f"({settings.max_shape_compiles.name}={limit}); further shapes run eagerly")
+        self.compiles += 1
+        return None
+
+    def moved_dims(self, sizes: list[tuple[int, ...]]) -> ShapeFamily | None:
+        """The dynamic kernel a region's miss of a call with tensors of
+        ``sizes`` compiles, none of the family's kernels admitting it: the
+        dims that moved, and those of its kernels (a guard that refused the
+        call, dims export found equal or a size out of range, holds for a
+        wider kernel too); None for a static kernel."""
+        if self.dynamic_failed is not None or not settings.dynamic_shapes.get():
+            return None
+        known = [family.dims for _, family in self.dynamic()]
+        changed = changed_sizes(sizes, self.seen)
+        # A known kernel's dims too, but not at 0 or 1 here: export would fix them.
+        dims = tuple(tuple(d for d in sorted(set(c).union(*(k[i] for k in known))) if sizes[i][d] >= 2) for i, c in enumerate(changed))
+        if not any(changed) or any(all(set(d) <= set(k) for d, k in zip(dims, kernel)) for kernel in known):
+            return None
+        return ShapeFamily(dims)
 
 
 @dataclass
@@ -258,15 +289,9 @@ class Planner:
         limited = self.count_variant(signature) or self.count_matmul_sizes(signature)
         if limited is not None:
             return limited
-        family = self.family(signature)
-        limit = settings.max_shape_compiles.get()
-        if family.compiles >= limit:
-            reason = (
-                f"{family.compiles} kernels already compiled for shapes of this family "
-                f"({settings.max_shape_compiles.name}={limit}); further shapes run eagerly"
-            )
+        reason = self.family(signature).over_limit()
+        if reason is not None:
             return Eager(reason, "family", record=family_limit_key(signature))
-        family.compiles += 1
         return self.request(signature)
 
     def count_variant(self, signature: CallSignature) -> Eager | None:

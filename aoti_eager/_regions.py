@@ -29,14 +29,16 @@ import torch.utils._pytree as pytree
 
 from aoti_eager import _background, _extension, _mechanism, settings
 from aoti_eager._options import Compile, Options
-from aoti_eager._region_families import RegionFamily
+from aoti_eager._planner import Family
 from aoti_eager.cache import DamagedEntry, UntrustedEntry
 from aoti_eager.cache.entry_store import EntryStore
 from aoti_eager.kernels import region_shapes, region_values
 from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad
-from aoti_eager.kernels.pipeline import Published
+from aoti_eager.kernels.region_target import RegionTarget
+from aoti_eager.kernels.dynamic import ShapeFamily
+from aoti_eager.kernels.pipeline import NotCompiled, Published, compile_target, publish_verdict
 from aoti_eager.kernels.region import (
-    NotARegion, Outputs, ReadsMore, RegionCall, RegionRequest, bypassed, call_tensors, code_digest, compile_region, region_name,
+    NotARegion, Outputs, ReadsMore, RegionCall, RegionRequest, bypassed, call_tensors, code_digest, region_name,
     shared_writes, state_of, state_structure,
 )
 from aoti_eager.manifest import Recorder
@@ -431,7 +433,7 @@ def _miss(instance: _Instance, cache: EntryStore, call: RegionCall, compile: Com
     try:
         if (compiled := _compiled_apart(cache, call)) is not None:
             return compiled
-        _family_of(cache, call).see(region_shapes.call_sizes(call))
+        _family_of(cache, call).saw(region_shapes.call_sizes(call), call.key)
         found = _from_cache(instance, cache, call) or _from_family(instance, cache, call)
         if found is None and instance.options.recorder is not None:
             _record(instance.options.recorder, call)
@@ -443,7 +445,7 @@ def _miss(instance: _Instance, cache: EntryStore, call: RegionCall, compile: Com
             return _compile_apart(instance, cache, call)
         with cache.lock_signature(call.name, call.key, timeout=settings.lock_timeout.get()), _mechanism.compile_lock:
             return (_from_cache(instance, cache, call) or _from_family(instance, cache, call)
-                    or _compile_family(instance, cache, call) or _compile(instance, cache, call))
+                    or _compile_dynamic(instance, cache, call) or _compile(instance, cache, call))
     except TimeoutError as e:  # another's compile: the next call asks the caches again
         return _Decided(reason=_mechanism.waited_for(e), lasting=False)
     except (UntrustedEntry, UnsafeToLoad, OSError) as e:
@@ -517,7 +519,7 @@ def _compile_apart(instance: _Instance, cache: EntryStore, call: RegionCall) -> 
         # As an op's worker: it waits for another machine's compile of the key, no call does.
         waiting = _cache(instance, call.device, wait=settings.lock_timeout.get())
         with waiting.lock_signature(call.name, call.key, timeout=settings.lock_timeout.get()), _mechanism.compile_lock:
-            return _from_cache(instance, waiting, call) or _compile(instance, waiting, call, apart)
+            return _from_cache(instance, waiting, call) or _compile(instance, waiting, call, apart=apart)
 
     _compiling[(str(cache.directory), call.key)] = (_background.submit_here(compile_here), instance.name)
     _stats_of(instance.name).queued += 1
@@ -563,28 +565,52 @@ def _sharing_state(module: torch.nn.Module) -> torch.nn.Module:
     return apart
 
 
-def _compile(instance: _Instance, cache: EntryStore, call: RegionCall, apart: torch.nn.Module | None = None) -> _Decided:
-    """Compiles ``call``'s kernel (from ``apart``, a copy of the instance's module, in the background)."""
-    load = _loader(cache, call)
+def _compile(instance: _Instance, cache: EntryStore, call: RegionCall, dims: ShapeFamily | None = None,
+             apart: torch.nn.Module | None = None) -> _Decided | None:
+    """Compiles ``call``'s kernel (``dims``: its family's dynamic kernel of
+    those dims; ``apart``: from a copy of the instance's module, in the
+    background), and what the store then holds; None where a dynamic kernel
+    failed (the shape then compiles alone)."""
+    family = _family_of(cache, call)
     # A copy is traced: the module's own tensors stay real for calls of other threads meanwhile.
+    target = RegionTarget(apart or _sharing_state(instance.module), call)
     try:
         with _mechanism.own_work():
-            outcome, outputs = compile_region(apart or _sharing_state(instance.module), call, cache, load,
-                                              in_background=apart is not None)
+            outcome = compile_target(target, cache, _loader(cache, call), dims, family.seen, in_background=apart is not None)
     except ReadsMore as e:
         # Its next call is keyed with these values too.
         _reads[call.base] = _reads.get(call.base, frozenset()) | e.reads
         return _Decided(reason=str(e), lasting=False)
-    if not isinstance(outcome, Published):
+    if isinstance(outcome, NotCompiled):
         if outcome.compiler_error is not None:
             _mechanism.compiler_failures.add(outcome.compiler_error)
-        return _Decided(reason=outcome.reason, lasting=not outcome.eager_raised)
+        if dims is None:
+            return _Decided(reason=outcome.reason, lasting=not outcome.eager_raised)
+        return _dynamic_failed(cache, call, family, outcome)
     _count_compile(instance, call, outcome)
-    decided = _from_cache(instance, cache, call, compiled=True)
+    if dims is not None:
+        # What the store holds: another process's kernel where it published first.
+        family.published[outcome.key] = dynamic = _mechanism.dynamic_kernel(cache, call.name, outcome.key)
+        if dynamic is None or not region_shapes.admits(dynamic, outcome.key, call):
+            return None
+    decided = _from_cache(instance, cache, call, compiled=True, key=outcome.key)
     if decided is None or decided.kernel is None:
-        return decided or _Decided(reason="its published kernel is not in the cache")
-    decided.outputs = outputs
+        return None if dims is not None else decided or _Decided(reason="its published kernel is not in the cache")
+    decided.outputs = target.outputs
+    if dims is not None:
+        family.decisions[outcome.key] = decided
     return decided
+
+
+def _dynamic_failed(cache: EntryStore, call: RegionCall, family: Family, outcome: NotCompiled) -> None:
+    """The family's shapes compile alone from now on, recorded in the cache
+    for every process, unless it may pass in a later one (the compiler's
+    failure; eager's, of this call's values)."""
+    if not outcome.eager_raised:
+        family.dynamic_failed = outcome.reason
+        if outcome.compiler_error is None:
+            publish_verdict(cache, call.name, call, region_shapes.static_key(call), outcome.reason)
+    log.info("aoti_eager: %s for (%s): %s; compiling this shape alone", call.name, call.short(), outcome.reason)
 
 
 def _loader(cache: EntryStore, call: RegionCall, known_good: bool = False) -> Any:
@@ -603,11 +629,11 @@ def _count_compile(instance: _Instance, call: RegionCall, outcome: Published) ->
 
 
 # (cache directory of the environment, family key) -> what this process knows of the region family.
-_families: dict[tuple[str, str], RegionFamily] = {}
+_families: dict[tuple[str, str], Family] = {}
 
 
-def _family_of(cache: EntryStore, call: RegionCall) -> RegionFamily:
-    return _families.setdefault((str(cache.directory), region_shapes.family_key(call)), RegionFamily())
+def _family_of(cache: EntryStore, call: RegionCall) -> Family:
+    return _families.setdefault((str(cache.directory), region_shapes.family_key(call)), Family())
 
 
 def _from_family(instance: _Instance, cache: EntryStore, call: RegionCall) -> _Decided | None:
@@ -618,42 +644,22 @@ def _from_family(instance: _Instance, cache: EntryStore, call: RegionCall) -> _D
     family.published.update({key: _mechanism.dynamic_kernel(cache, call.name, key) for key in keys})
     for key, dynamic in family.dynamic():
         if region_shapes.admits(dynamic, key, call):
-            decided = family.decided.get(key) or _from_cache(instance, cache, call, key=key)
+            decided = family.decisions.get(key) or _from_cache(instance, cache, call, key=key)
             if decided is not None:
                 # One decision for every shape it admits: a result's structure is learnt once.
-                return family.decided.setdefault(key, decided)
+                return family.decisions.setdefault(key, decided)
             family.published.pop(key)
     return None
 
 
-def _compile_family(instance: _Instance, cache: EntryStore, call: RegionCall) -> _Decided | None:
-    """Compiles the dynamic kernel the family's policy asks for and what it
-    decides; None where it asks for none or the kernel failed (the shape then compiles alone)."""
+def _compile_dynamic(instance: _Instance, cache: EntryStore, call: RegionCall) -> _Decided | None:
+    """Compiles the dynamic kernel the family's policy asks for, and what it
+    decides; None where it asks for none or the kernel failed."""
     family = _family_of(cache, call)
-    if family.static is None and (verdict := _mechanism.recorded_verdict(cache, call.name, [(region_shapes.static_key(call), "family")])):
-        family.static = verdict.reason
-    dims = family.to_compile(region_shapes.call_sizes(call))
-    if dims is None:
-        return None
-    load = _loader(cache, call)
-    with _mechanism.own_work():
-        outcome, outputs = region_shapes.compile_family(_sharing_state(instance.module), call, dims, family.seen, cache, load)
-    if not isinstance(outcome, Published):
-        if not outcome.eager_raised:
-            family.static = outcome.reason
-        log.info("aoti_eager: %s for (%s): %s; compiling this shape alone", call.name, call.short(), outcome.reason)
-        return None
-    _count_compile(instance, call, outcome)
-    # What the store holds: another process's kernel where it published first.
-    family.published[outcome.key] = dynamic = _mechanism.dynamic_kernel(cache, call.name, outcome.key)
-    if dynamic is None or not region_shapes.admits(dynamic, outcome.key, call):
-        return None
-    decided = _from_cache(instance, cache, call, compiled=True, key=outcome.key)
-    if decided is None or decided.kernel is None:
-        return None
-    decided.outputs = outputs
-    family.decided[outcome.key] = decided
-    return decided
+    if family.dynamic_failed is None and (verdict := _mechanism.recorded_verdict(cache, call.name, [(region_shapes.static_key(call), "family")])):
+        family.dynamic_failed = verdict.reason
+    dims = family.moved_dims(region_shapes.call_sizes(call))
+    return None if dims is None else _compile(instance, cache, call, dims)
 
 
 def _fused(module: torch.nn.Module) -> _Instance | None:

@@ -10,11 +10,9 @@ flags, and the call (the pytree structure of its arguments, its tensors as
 an op's signature describes them, other values by value). The environment
 (torch, compiler, ISA or GPU) is the store's, as for ops.
 
-The compile exports :class:`RegionModule`, whose forward calls the instance
-with ``torch.func.functional_call``, with ``torch.export`` (non-strict) and
-AOTInductor (:func:`~aoti_eager.kernels.compile.compile_module`), runs the
-library against eager's forward on the same inputs, and publishes the
-result under the op name ``region::<module>.<class>``.
+The compile (kernels/region_target.py, through kernels/pipeline.py) exports
+:class:`RegionModule`, whose forward calls the instance with its state as
+inputs, and publishes the result under the op name ``region::<module>.<class>``.
 """
 
 from __future__ import annotations
@@ -27,7 +25,6 @@ import inspect
 import json
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -35,19 +32,13 @@ import torch
 import torch.utils._pytree as pytree
 from torch.nn.utils.stateless import _reparametrize_module
 
-from aoti_eager import settings
-from aoti_eager.cache.entry_store import Entry, EntryStore
-from aoti_eager.kernels import quiet, region_values
-from aoti_eager.kernels.compile import CompileError, dense_order, in_order, compile_options, sidecar_files
+from aoti_eager.kernels import region_values
+from aoti_eager.kernels.compile import dense_order, in_order
 from aoti_eager.kernels.examples import example_value
 from aoti_eager.kernels.region_values import Read
-from aoti_eager.kernels.pipeline import Loader, NotCompiled, Outcome, Published, current, speed_verdict, timed
-from aoti_eager.kernels.speed import Timing, measured
 from aoti_eager.kernels.signature import (
-    Arg, ConstantArg, NoneArg, NumberArg, TensorArg, Unsupported, argument_from_json, clone_args, clone_exact,
+    Arg, ConstantArg, NoneArg, NumberArg, TensorArg, Unsupported, argument_from_json, clone_exact,
 )
-from aoti_eager.kernels.toolchain import vec_isas_for
-from aoti_eager.kernels.validate import Mismatch, check_fresh_memory, upcast_run
 
 log = logging.getLogger("aoti_eager")
 
@@ -504,152 +495,3 @@ class RegionModule(torch.nn.Module):
                 raise NotARegion("its result holds a number computed from its tensors (their data or sizes), "
                                  "which a kernel does not return")
         return tuple(in_order(t, order) for t, order in zip(self.outputs.tensors(result), self.outputs.orders))
-
-
-def compile_region(
-    instance: torch.nn.Module, call: RegionCall, store: EntryStore, load: Loader, in_background: bool = False
-) -> tuple[Outcome, Outputs | None]:
-    """Compiles, validates and publishes the kernel of ``call`` (under the
-    caller's lock), with the structure of its result; a kernel that disagrees
-    with eager is refused unrecorded (it was measured on this instance's
-    weights, which the key does not hold). What it all prints is
-    logged at DEBUG level, not shown; ``in_background``: what this thread
-    prints, while the process's other threads print as usual."""
-    output: list[str] = []
-    # Eager's reference and the checks draw random numbers (dropout in training): the caller's stream stays as it was.
-    devices = [call.device.index or 0] if call.device.type == "cuda" else []
-    try:
-        with quiet.captured(output, this_thread_only=in_background), torch.no_grad(), torch.random.fork_rng(devices):
-            return _compile_region(instance, call, store, load)
-    finally:
-        if output:
-            log.debug("aoti_eager: what compiling %s for (%s) printed:\n%s", call.name, call.short(), "\n".join(output))
-
-
-def _compile_region(instance: torch.nn.Module, call: RegionCall, store: EntryStore, load: Loader) -> tuple[Outcome, Outputs | None]:
-    try:
-        (expected, writes, reference), reads = region_values.recorded(instance, lambda: _on_copies(instance, call))
-    except region_values.UnkeyedValue as e:
-        return NotCompiled(str(e)), None
-    except Exception as e:  # noqa: BLE001 - the original forward raises it again for the caller
-        return NotCompiled(f"eager raised {type(e).__name__}", eager_raised=True), None
-    if not reads <= call.reads:
-        raise ReadsMore(reads, reads - call.reads)  # nothing published: the caller keys its next call with them
-    passed = reference[len(call.tensors):]
-    try:
-        outputs = Outputs.of(expected, passed, writes)
-        aliased(outputs.tensors(expected), reference)
-    except NotARegion as e:
-        return _publish_eager(store, call, str(e)), None
-    if not settings.keep_faster.get():
-        # A verdict on speed, which the caller passed over, makes way for the kernel.
-        store.remove(call.name, call.key)
-    start = time.perf_counter()
-    try:
-        artifact = current().compile_module(RegionModule(instance, call, outputs), tuple(clone_args(call.inputs())),
-                                            call.device.type, compile_options(call.device.type),
-                                            shared_dir=store.shared_directory(), vec_isas=vec_isas_for(call.device.type),
-                                            writable=writable(call, outputs))
-    except CompileError as e:
-        log.debug("aoti_eager: compiling %s failed", call.name, exc_info=e.__cause__)
-        if not e.lasting:
-            return NotCompiled(f"{e} (not recorded in the cache: a later process tries again)", compiler_error=e.compiler_error), outputs
-        return _publish_eager(store, call, str(e)), outputs
-    try:
-        try:
-            kernel = load(artifact.library, artifact.output_counts)
-            check_region(kernel, call, outputs, expected, passed, lambda: _upcast_result(instance, call, outputs))
-        except Exception as e:  # noqa: BLE001
-            said = (str(e).strip().splitlines() or [""])[0][:300]
-            if isinstance(e, Mismatch):
-                # Measured with this instance's weights and this call's values, which the key does not hold: another
-                # block of the structure may agree, so the verdict is not recorded (the caller keeps it for the key).
-                return NotCompiled(f"compiled kernel disagrees with eager: {said}"), outputs
-            return _publish_eager(store, call, f"compiled kernel failed to run: {type(e).__name__}: {said}"), outputs
-        seconds = time.perf_counter() - start
-        timing = timed(call.name, call.short(), lambda: _measured(kernel, instance, call))
-        entry = Entry(op=call.name, signature=call.to_json(), compile_seconds=round(seconds, 3),
-                      timing=timing.to_json() if timing is not None else None, reason=speed_verdict(timing, artifact, call.device))
-        if entry.reason is None:
-            entry.output_counts, entry.library = artifact.output_counts, artifact.library
-            entry.result_structure = outputs.to_json()
-        store.publish(call.key, entry, sidecar_files(artifact) if entry.library else None)
-    finally:
-        artifact.workdir.cleanup()
-    return Published(seconds, artifact.seconds, call.key), outputs
-
-
-def aliased(result: list[torch.Tensor], inputs: list[torch.Tensor]) -> None:
-    """Raises NotARegion where a tensor of ``result`` (those a kernel would
-    return) shares memory with one of ``inputs`` (the state, then the call's
-    tensors) or with another of ``result``: a kernel returns fresh tensors,
-    and a write into the result would no longer reach what eager's aliases."""
-    owners = {t.untyped_storage().data_ptr(): f"its input {i}" for i, t in enumerate(inputs) if t.numel()}
-    for i, t in enumerate(result):
-        if not t.numel():
-            continue
-        storage = t.untyped_storage().data_ptr()
-        if storage in owners:
-            raise NotARegion(f"its result's tensor {i} shares memory with {owners[storage]} (a view of it, or a "
-                             "parameter itself), which a kernel's fresh outputs would not")
-        owners[storage] = f"its result's tensor {i}"
-
-
-def _measured(kernel: Any, instance: torch.nn.Module, call: RegionCall) -> Timing:
-    """The region's kernel timed against the instance's original forward, both on copies of the call's tensors."""
-    inputs = [*call.tensors, *clone_args(call.inputs()[len(call.tensors):])]
-    args, kwargs = call.arguments(iter(inputs[len(call.tensors):]))
-
-    def eager() -> Any:
-        with original_forward():
-            return type(instance).forward(instance, *args, **kwargs)
-
-    return measured(kernel, inputs, eager, current().region_timer)
-
-
-def eager_result(instance: torch.nn.Module, call: RegionCall) -> tuple[Any, Outputs, list[torch.Tensor]]:
-    """The original forward's result of ``call``, on copies, its structure,
-    and the copies of the call's tensors as the forward left them."""
-    expected, writes, reference = _on_copies(instance, call)
-    passed = reference[len(call.tensors):]
-    return expected, Outputs.of(expected, passed, writes), passed
-
-
-def _on_copies(instance: torch.nn.Module, call: RegionCall) -> tuple[Any, tuple[int, ...], list[torch.Tensor]]:
-    """The original forward run on copies of ``call``'s inputs (a forward that
-    writes into its state or inputs leaves the caller's alone): its result,
-    the call's tensors it wrote into, and the copies as it left them."""
-    reference = clone_args(call.inputs())
-    expected, writes = written(reference[len(call.tensors):], lambda: RegionModule(instance, call)(*reference))
-    return expected, writes, reference
-
-
-def check_region(kernel: Any, call: RegionCall, outputs: Outputs, expected: Any, passed: list[torch.Tensor],
-                 reference: Callable[[], list[torch.Tensor] | None] | None = None) -> None:
-    """Runs ``kernel`` on fresh copies of the call's inputs and compares the
-    tensors of its result (of structure ``outputs``) with eager's
-    ``expected`` (raises Mismatch); out of their dtype's tolerance, against
-    ``reference`` too (the ``Compiler``'s ``compare``). The call's tensors the forward
-    wrote into (``passed``, as eager left them) are compared too."""
-    inputs = clone_args(call.inputs())
-    fresh = kernel.run(inputs)
-    check_fresh_memory(inputs, fresh)
-    compare = current().compare
-    compare("the region's result", list(fresh), outputs.tensors(expected), reference)
-    state = len(call.tensors)
-    for i in outputs.writes:
-        compare(f"its input tensor {i} as the forward wrote it", [inputs[state + i]], [passed[i]])
-
-
-def _upcast_result(instance: torch.nn.Module, call: RegionCall, outputs: Outputs) -> list[torch.Tensor] | None:
-    """The result's tensors of the original forward run on upcast copies of
-    the state and the call's floating tensors (:func:`upcast_run`)."""
-    result = upcast_run(lambda inputs: RegionModule(instance, call)(*inputs), list(call.inputs()))
-    return None if result is None else outputs.tensors(result)
-
-
-def _publish_eager(store: EntryStore, call: RegionCall, reason: str) -> NotCompiled:
-    """Records that calls like ``call`` run eagerly, and why."""
-    store.publish(call.key, Entry(op=call.name, signature=call.to_json(), reason=reason))
-    return NotCompiled(reason, recorded=True)
-

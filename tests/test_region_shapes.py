@@ -150,7 +150,7 @@ def test_a_dynamic_kernel_that_disagrees_with_eager_keeps_static_kernels(tmp_pat
     before = _row(name)["compiles"]
     with caplog.at_level("INFO", logger="aoti_eager"):
         assert _compiles_at(model, reference, name, [2, 3, 5]) == [before + n for n in (1, 2, 3)]
-    assert "no dynamic kernel: its kernel disagrees with eager" in caplog.text
+    assert "no dynamic kernel: compiled kernel disagrees with eager" in caplog.text
     assert not any(entry["dynamic"] for entry in _entries(tmp_path, name).values())
 
 
@@ -183,8 +183,8 @@ def test_a_call_outside_the_guards_is_not_run_by_the_dynamic_kernel(tmp_path, mo
 
     start = _row(name)["compiles"]
     assert [calls(torch.randn(n, 16), torch.randn(n, 16)) for n in (2, 3)] == [start + 1, start + 2]
-    (family,) = [f for (directory, _), f in _regions._families.items() if directory.startswith(str(tmp_path)) and f.decided]
-    (decided,) = family.decided.values()
+    (family,) = [f for (directory, _), f in _regions._families.items() if directory.startswith(str(tmp_path)) and f.decisions]
+    (decided,) = family.decisions.values()
     kernel = decided.kernel
     monkeypatch.setattr(decided, "kernel", type("Spy", (), {
         "num_outputs": kernel.num_outputs, "run": lambda self, inputs: runs.append(inputs[-1].shape) or kernel.run(inputs)})())
@@ -257,21 +257,21 @@ def test_a_new_process_serves_a_new_length_with_the_family_kernel(gpt2_lengths):
 
 
 def test_a_shape_no_dynamic_kernel_admits_compiles_a_wider_one_only_for_dims_none_takes():
-    from aoti_eager._region_families import RegionFamily
+    from aoti_eager._planner import Family
     from aoti_eager.kernels.dynamic import ShapeFamily
 
-    family = RegionFamily(seen=[[(2, 8, 32), (1, 8)]])
+    family = Family(seen=[[(2, 8, 32), (1, 8)]])
     # The second length: its dims, of the hidden states and the position ids.
-    assert family.to_compile([(2, 12, 32), (1, 12)]) == ShapeFamily(((1,), (1,)))
+    assert family.moved_dims([(2, 12, 32), (1, 12)]) == ShapeFamily(((1,), (1,)))
     family.published["k"] = ShapeFamily(((1,), (1,)))
-    family.see([(2, 12, 32), (1, 12)])
+    family.saw([(2, 12, 32), (1, 12)], "k2")
     # A batch that moved: batch and length; a length of 1 stays fixed (export would fix it).
-    assert family.to_compile([(3, 12, 32), (1, 12)]) == ShapeFamily(((0, 1), (1,)))
-    assert family.to_compile([(3, 1, 32), (1, 1)]) == ShapeFamily(((0,), ()))
+    assert family.moved_dims([(3, 12, 32), (1, 12)]) == ShapeFamily(((0, 1), (1,)))
+    assert family.moved_dims([(3, 1, 32), (1, 1)]) == ShapeFamily(((0,), ()))
     # Only dims the kernel takes moved (its guards refused the call): a static kernel.
-    assert family.to_compile([(2, 16, 32), (1, 12)]) is None
-    family.static = "export fixed dim 1 of args[0] to 8"
-    assert family.to_compile([(3, 12, 32), (1, 12)]) is None
+    assert family.moved_dims([(2, 16, 32), (1, 12)]) is None
+    family.dynamic_failed = "export fixed dim 1 of args[0] to 8"
+    assert family.moved_dims([(3, 12, 32), (1, 12)]) is None
 
 
 def test_gpt2_attention_mask_takes_the_hidden_states_length_symbol(gpt2_lengths):

@@ -10,9 +10,10 @@ import torch
 
 import aoti_eager
 from aoti_eager import _mechanism, _regions
-from aoti_eager.kernels import region
+from aoti_eager.kernels import pipeline
 from aoti_eager.kernels.pipeline import Published
 from aoti_eager.kernels.region import RegionCall, region_name, state_of, state_structure
+from aoti_eager.kernels.region_target import RegionTarget
 from helpers import FakeKernel
 from test_pipeline import fake_artifact
 from test_regions import _cache_entries, _row
@@ -63,7 +64,7 @@ def test_a_float32_kernel_as_near_float64_as_eager_is_published(cache, tmp_path,
         with pytest.raises(AssertionError):
             torch.testing.assert_close(kernel.run([module.offset, x])[0], expected)  # what float32's tolerance refuses
     call = _call(module, x)
-    outcome, _ = region.compile_region(module, call, cache, lambda library, counts: kernel)
+    outcome = pipeline.compile_target(RegionTarget(module, call), cache, lambda library, counts: kernel)
     assert isinstance(outcome, Published), outcome
     assert cache.lookup(call.name, call.key).library is not None
 
