@@ -31,7 +31,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from aoti_eager import _background, _extension, _ops, _prewarm, _regions, _runtime, settings
+from aoti_eager import _background, _extension, _ops, _overrides, _prewarm, _regions, settings
 from aoti_eager._ops import OpSpec
 from aoti_eager._options import Compile, Options
 from aoti_eager.cache import default_root
@@ -63,29 +63,6 @@ _prewarm.default_cache_dir = cache_dir
 
 def _default_devices() -> list[str]:
     return ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
-
-
-def _selected(ops: Iterable[OpSpec] | OpSpec) -> list[torch._ops.OpOverload]:
-    """The overloads ``ops`` names; refuses the ineligible ones it names explicitly."""
-    if isinstance(ops, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        ops = [ops]
-    selected: list[torch._ops.OpOverload] = []
-    skipped: list[str] = []
-    for spec in ops:
-        resolved = _ops.resolve(spec)
-        for op in resolved.overloads:
-            reason = _ops.refusal(op)
-            if reason is None:
-                selected.append(op)
-            elif resolved.packet:
-                skipped.append(f"{_ops.qualified_name(op)} ({reason})")
-            else:
-                raise ValueError(f"aoti_eager: cannot override {_ops.qualified_name(op)}: {reason}")
-        if resolved.packet and not any(op in selected for op in resolved.overloads):
-            raise ValueError(f"aoti_eager: no overload of {resolved.spec} can be overridden: {'; '.join(skipped)}")
-    if skipped:
-        warnings.warn("aoti_eager: left these overloads to eager: " + "; ".join(skipped), stacklevel=3)
-    return selected
 
 
 def _fleet_url(remote: str | None) -> str | None:
@@ -188,7 +165,7 @@ def enable(
             raise ValueError(f"aoti_eager: devices are {sorted(_ops.DISPATCH_KEYS)}, not {device!r}")
     if "cuda" in devices and not torch.cuda.is_available():
         raise ValueError("aoti_eager: devices=['cuda'] was asked for, but torch.cuda.is_available() is False")
-    _install(_selected(ops), devices, options)
+    _install(_ops.selected(ops), devices, options)
     _keep_root(options, cache_dir)
 
 
@@ -198,7 +175,7 @@ def _install(selected: list[torch._ops.OpOverload], devices: list[str], options:
         warnings.filterwarnings("ignore", message="(?s).*previously registered kernel")
         for op in selected:
             for device in devices:
-                _runtime.install(op, device, options)
+                _overrides.install(op, device, options)
     if options.compile == Compile.BACKGROUND:
         _background.prestart(devices)
 
@@ -223,13 +200,13 @@ def disable(ops: Iterable[OpSpec] | OpSpec | None = None) -> None:
         >>> aoti_eager.disable()                # every original kernel is back
     """
     if ops is None:
-        _runtime.uninstall()
+        _overrides.uninstall()
         return
     if isinstance(ops, (str, torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         ops = [ops]
     for spec in ops:
         for op in _ops.resolve(spec).overloads:
-            _runtime.uninstall(op)
+            _overrides.uninstall(op)
 
 
 @contextlib.contextmanager
@@ -255,14 +232,14 @@ def enabled(ops: Iterable[OpSpec] | OpSpec, **kwargs: Any) -> Iterator[None]:
         ...     y = torch.abs(x)            # the compiled kernel
         >>> y = torch.abs(x)                # the original kernel again
     """
-    before = {(o.op, o.device) for o in _runtime.installed()}
+    before = {(o.op, o.device) for o in _overrides.installed()}
     enable(ops, **kwargs)
     try:
         yield
     finally:
-        for override in _runtime.installed():
+        for override in _overrides.installed():
             if (override.op, override.device) not in before:
-                _runtime.uninstall(override.op, override.device)
+                _overrides.uninstall(override.op, override.device)
 
 
 def fuse(
@@ -354,7 +331,7 @@ def fuse(
         >>> aoti_eager.unfuse(model)                 # the blocks' forwards are back; the ops stay enabled
         >>> aoti_eager.disable()                     # the ops' original kernels are back
     """
-    selected = _selected(ops) if ops is not None else []
+    selected = _ops.selected(ops) if ops is not None else []
     options = _options(compile, cache_dir, remote, record)
     _regions.fuse(model, modules, options)
     _install(selected, _default_devices(), options)
@@ -438,27 +415,7 @@ def stats() -> dict[str, dict[str, Any]]:
         >>> sorted(row)
         ['cache_loads', 'calls', 'compile_seconds', 'compiles', 'compiling', 'fallback_reason', 'fallbacks', 'hits', 'misses', 'queued']
     """
-    result: dict[str, dict[str, Any]] = {}
-    for override in _runtime.installed():
-        counters = override.handle.counters()
-        row = result.setdefault(
-            override.name,
-            dict(calls=0, hits=0, misses=0, compiles=0, cache_loads=0, fallbacks=0, fallback_reason=None, compile_seconds=0.0, queued=0,
-                 compiling=0),
-        )
-        row["calls"] += counters["calls"]
-        row["hits"] += counters["hits"]
-        row["misses"] += counters["misses"]
-        row["fallbacks"] += counters["eager_calls"]
-        row["compiles"] += override.stats.compiles
-        row["cache_loads"] += override.stats.cache_loads
-        row["queued"] += override.stats.queued
-        row["compiling"] += override.compiles_running()
-        row["compile_seconds"] = round(row["compile_seconds"] + override.stats.compile_seconds, 3)
-        if counters["eager_calls"]:  # a reason kept from before the op was enabled again says nothing of these calls
-            row["fallback_reason"] = override.stats.last_fallback_reason or row["fallback_reason"]
-    result.update(_regions.stats())
-    return result
+    return {**_overrides.stats(), **_regions.stats()}
 
 
 atexit.register(disable)

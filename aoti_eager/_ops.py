@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
-from typing import Union
+from typing import Iterable, Union
 
 import torch
 from torch._ops import OpOverload, OpOverloadPacket
@@ -117,6 +118,32 @@ def refusal(op: OpOverload) -> str | None:
     if shims.proxy_only(per_item_overload(op) or op):  # what a kernel of the op traces
         return f"AOTInductor has no C shim for {qualified_name(op)}: a kernel would only call the eager op through its proxy executor"
     return None
+
+
+def selected(ops: Iterable[OpSpec] | OpSpec) -> list[OpOverload]:
+    """The overloads ``ops`` names that can be overridden. Raises ValueError
+    for one named on its own that cannot, and for a packet none of whose
+    overloads can; warns of the rest of a packet's, left to eager."""
+    if isinstance(ops, (str, OpOverload, OpOverloadPacket)):
+        ops = [ops]
+    chosen: list[OpOverload] = []
+    skipped: list[str] = []
+    for spec in ops:
+        resolved = resolve(spec)
+        for op in resolved.overloads:
+            reason = refusal(op)
+            if reason is None:
+                chosen.append(op)
+            elif resolved.packet:
+                skipped.append(f"{qualified_name(op)} ({reason})")
+            else:
+                raise ValueError(f"aoti_eager: cannot override {qualified_name(op)}: {reason}")
+        if resolved.packet and not any(op in chosen for op in resolved.overloads):
+            raise ValueError(f"aoti_eager: no overload of {resolved.spec} can be overridden: {'; '.join(skipped)}")
+    if skipped:
+        # At the caller of enable() or fuse(), whose arguments named them.
+        warnings.warn("aoti_eager: left these overloads to eager: " + "; ".join(skipped), stacklevel=3)
+    return chosen
 
 
 def decomposes(op: OpOverload, dispatch_keys: tuple[str, ...] = ("CPU", "CUDA")) -> bool:

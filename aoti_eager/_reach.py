@@ -9,7 +9,7 @@ from torch._ops import OpOverload
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from aoti_eager import _ops, _runtime
+from aoti_eager import _ops, _overrides
 from aoti_eager.kernels.signature import qualified_name
 
 
@@ -81,7 +81,7 @@ def ops_reached(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> ReachedOps
         >>> y = model(x)
     """
     observer = _Observer()
-    with _runtime.misses_held_back(), observer:
+    with _overrides.misses_held_back(), observer:
         fn(*args, **kwargs)
     return observer.reached()
 

@@ -1,7 +1,8 @@
-"""Installed overrides and the miss path.
+"""The miss path: what one overridden op's calls of a new signature run.
 
 The C++ kernel (csrc/op_override.cpp) serves every call whose signature it has
-seen. On a new signature it calls :func:`_on_miss`, which decides once per
+seen. On a new signature its miss handler (:mod:`aoti_eager._overrides`, which
+installs the overrides) asks the op's :class:`Override`, which decides once per
 signature: a kernel from the persistent cache, a fresh compile, or eager.
 
 The decision is one of the classes of :mod:`aoti_eager._decisions`; which
@@ -10,27 +11,20 @@ kernel to compile, the planner's (:mod:`aoti_eager._planner`).
 A dynamic kernel is timed against eager again in each range of sizes
 (:meth:`ShapeFamily.size_range`) that a call brings it to, and keeps eager in
 the ranges where it loses: the first call of a new range misses.
-
-An override that ``uninstall()`` removes keeps what it knows, and
-``install()`` puts it back as it was: enabling an op again costs no lookup,
-load or compile.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import itertools
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch._ops import OpOverload
 
-from aoti_eager import _background, _extension, _mechanism, settings
-from aoti_eager._ops import DISPATCH_KEYS
+from aoti_eager import _background, _mechanism, settings
 from aoti_eager._options import Compile, Options
 from aoti_eager._decisions import BACKGROUND_RETRY_SECONDS, Decision, RetryLater, RunEagerly, UseKernel
 from aoti_eager._planner import Eager, IntLookup, Planner
@@ -93,6 +87,23 @@ class Override:
     def compiles_running(self) -> int:
         """Background compiles of this op not finished yet, and one for those that wait for the CPU's vector-ISA probe."""
         return self.queued.running() + self._waits_for_probe
+
+    def enabled_again(self, options: Options) -> None:
+        """Takes ``options``' recorder and compile mode, and its fleet cache
+        where one is given; the cache's root stays."""
+        remote = self.options.remote if options.remote is None else options.remote
+        if remote != self.options.remote:
+            self._caches.clear()  # each was opened with the old fleet cache behind it
+        self.options = dataclasses.replace(options, root=self.options.root, remote=remote)
+
+    def unkeyable(self, args: list[Any]) -> Decision:
+        """A call the C++ side could not key: it runs eagerly, and only why is recorded."""
+        try:
+            CallSignature.of(self.op, self.device, args)
+            why = "arguments of a kind the C++ call key does not cover"
+        except Unsupported as e:
+            why = str(e)
+        return RetryLater(self._eager(f"unsupported input: {why}").reason)
 
     def decide(self, args: list[Any]) -> Decision:
         """The miss path: what calls of the signature of ``args`` run."""
@@ -314,142 +325,6 @@ class Override:
         return self._remember(signature, self.planner.eager(signature, verdict))
 
 
-@dataclass
-class _Registry:
-    """The overrides of this process, by token (the C++ side's handle) and by
-    (op, device); those that uninstall() took out of the dispatcher, with
-    what they know: install() puts one back as it was (decisions, loaded
-    kernels, verdicts), so that enabling again costs no lookup, load or compile."""
-
-    tokens: Iterator[int] = field(default_factory=itertools.count)
-    by_token: dict[int, Override] = field(default_factory=dict)
-    installed: dict[tuple[OpOverload, str], Override] = field(default_factory=dict)
-    removed: dict[tuple[OpOverload, str], Override] = field(default_factory=dict)
-    handler_set: bool = False
-    # Per thread: how deep it is in misses_held_back().
-    holding_back: threading.local = field(default_factory=threading.local)
-
-
-_registry = _Registry()
-_registry_lock = threading.RLock()
-
-
-@contextlib.contextmanager
-def misses_held_back() -> Iterator[None]:
-    """Misses of enabled ops on this thread run the original kernel, and are
-    decided at their next call after the block: nothing is compiled or
-    loaded. Hits run their kernels, and other threads are unaffected."""
-    holding_back = _registry.holding_back
-    holding_back.depth = getattr(holding_back, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        holding_back.depth -= 1
-
-
-def _on_miss(token: int, args: list[Any], decide: bool) -> Decision:
-    """The miss handler of csrc/op_override.h. With ``decide`` false the call
-    could not be keyed: it runs eagerly, and only why is recorded."""
-    override = _registry.by_token.get(token)
-    if override is None:
-        return RetryLater("the override was removed")
-    try:
-        if not decide:
-            decision = RetryLater(override._eager(f"unsupported input: {_unkeyable(override, args)}").reason)
-        elif getattr(_registry.holding_back, "depth", 0):
-            decision = RetryLater("misses are held back on this thread")
-        else:
-            decision = override.decide(args)
-    except Exception:  # noqa: BLE001 - never let a miss take the user's call down
-        log.exception("aoti_eager: internal error while handling a call of %s; running it eagerly", override.name)
-        decision = RetryLater("internal error")
-    if decision.kernel is None:
-        # However it was decided (now, remembered, or read from the cache), the call runs eagerly: stats() says why.
-        override.stats.last_fallback_reason = decision.reason
-    return decision
-
-
-def install(op: OpOverload, device: str, options: Options) -> Override | None:
-    """Overrides ``op`` at ``device``'s dispatch key as ``options`` say; for an
-    op already overridden, only the recorder, the compile mode and the fleet
-    cache (where one is given) change."""
-    key = (op, device)
-    with _registry_lock:
-        if key in _registry.installed:
-            override = _registry.installed[key]
-            remote = override.options.remote if options.remote is None else options.remote
-            if remote != override.options.remote:
-                override._caches.clear()
-            override.options = dataclasses.replace(options, root=override.options.root, remote=remote)
-            return override
-        if (restored := _restore(key, options)) is not None:
-            return restored
-        if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), DISPATCH_KEYS[device]):
-            return None
-        C = _extension.load()
-        if not _registry.handler_set:
-            C.set_miss_handler(_on_miss)
-            _registry.handler_set = True
-        override = Override(op, device, options, next(_registry.tokens))
-        override.handle = C.Override(op._schema.name, op._schema.overload_name, DISPATCH_KEYS[device], override.token)
-        _kernels_changed(op)
-        _registry.by_token[override.token] = override
-        _registry.installed[key] = override
-        return override
-
-
-def _restore(key: tuple[OpOverload, str], options: Options) -> Override | None:
-    """The override that uninstall() removed for ``key``, installed again with
-    its stats at zero (but the last reason a call ran eagerly), where it was
-    enabled the same way (cache, compile mode, manifest: a run that records
-    its misses, or compiles them, starts from the cache); else None."""
-    override = _registry.removed.pop(key, None)
-    if override is None or not override.options.same(options):
-        return None
-    # The C++ side keeps the decisions, and runs those for eager without asking: their reason stays.
-    override.stats = OpStats(last_fallback_reason=override.stats.last_fallback_reason)
-    override.handle.restore()
-    _kernels_changed(override.op)
-    _registry.by_token[override.token] = override
-    _registry.installed[key] = override
-    return override
-
-
-def uninstall(op: OpOverload | None = None, device: str | None = None) -> None:
-    """Restores the original kernels of ``op`` (every op if None) on ``device``
-    (every device if None). What the overrides know stays, for :func:`install`."""
-    with _registry_lock:
-        for key in [k for k in _registry.installed if op in (None, k[0]) and device in (None, k[1])]:
-            override = _registry.installed.pop(key)
-            override.handle.remove()
-            _kernels_changed(override.op)
-            _registry.by_token.pop(override.token, None)
-            _registry.removed[key] = override
-
-
-def _kernels_changed(op: OpOverload) -> None:
-    """Forgets which kernel the Python dispatcher (export and Dynamo trace
-    under it) found for each dispatch key of ``op``: it caches the key whose
-    kernel serves a call. For an op with no kernel of its own at the
-    overridden key (``clone``: CompositeExplicitAutograd's only), that is the
-    key itself while the override is installed; after it is removed, that key
-    has no kernel, and the next traced call (export's own ``torch.clone`` of
-    the RNG state) jumps to a null one. PyTorch's ``py_impl`` clears it so."""
-    op._dispatch_cache.clear()
-
-
-def forget() -> None:
-    """Drops what removed overrides knew: ops enabled again start as in a new
-    process, from the cache."""
-    with _registry_lock:
-        _registry.removed.clear()
-
-
-def installed() -> list[Override]:
-    with _registry_lock:
-        return list(_registry.installed.values())
-
-
 def _published_ints(override: Override, device: torch.device, lookups: list[IntLookup]) -> frozenset[Position]:
     """The ints of the first of ``lookups`` (the planner's) whose kernel the cache holds, or none."""
     try:
@@ -462,15 +337,6 @@ def _published_ints(override: Override, device: torch.device, lookups: list[IntL
     except (DamagedEntry, UntrustedEntry, OSError):
         pass  # the miss finds it out again, and says so
     return frozenset()
-
-
-def _unkeyable(override: Override, args: list[Any]) -> str:
-    """Why the C++ side could not key a call of ``override`` (it runs eagerly)."""
-    try:
-        CallSignature.of(override.op, override.device, args)
-        return "arguments of a kind the C++ call key does not cover"
-    except Unsupported as e:
-        return str(e)
 
 
 def _record(cache: EntryStore, signature: CallSignature, verdict: Eager) -> None:

@@ -1,5 +1,6 @@
 // aoti_eager._C: the C++ fast path. aoti_eager/_extension.py builds it and is
-// its only importer; aoti_eager/_runtime.py is its only caller.
+// its only importer; only aoti_eager/'s runtime calls it (the overrides are
+// installed by aoti_eager/_overrides.py).
 
 #include "call_key.h"
 #include "compiled_kernel.h"

@@ -40,7 +40,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="aoti_eager-bench-") as scratch:
         for name, op, fn in cases(args.device):
             # Each case as in a process of its own: add with alpha=2 after alpha=1 would take alpha at run time.
-            aoti_eager._runtime.forget()
+            aoti_eager._overrides.forget()
             compiled, eager = compare(fn, [op], calls=args.calls, devices=[args.device], cache_dir=args.cache_dir or scratch)
             rows.append(dict(case=name, device=args.device, aoti_us=compiled * 1e6, eager_us=eager * 1e6, ratio=compiled / eager))
     if args.json:

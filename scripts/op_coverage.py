@@ -240,7 +240,7 @@ def _serve(connection: Any, cache_dir: str | None, log_path: str) -> None:
     import torch._inductor.config
 
     import aoti_eager
-    from aoti_eager import _runtime
+    from aoti_eager import _overrides
 
     # The jobs are the parallelism: a pool of Triton compile processes in each
     # worker would keep jobs x cores processes up on a GPU host.
@@ -264,7 +264,7 @@ def _serve(connection: Any, cache_dir: str | None, log_path: str) -> None:
             # would: no decision or shape count of an earlier unit's (four mm
             # shapes of other units must not cap this unit's mm).
             aoti_eager.disable()
-            _runtime.forget()
+            _overrides.forget()
         connection.send((row, _usable(unit.device)))
 
 

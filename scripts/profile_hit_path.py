@@ -20,7 +20,7 @@ import tempfile
 import torch
 
 import aoti_eager
-from aoti_eager import _extension, _runtime
+from aoti_eager import _extension, _overrides
 from aoti_eager.kernels import CallSignature
 from aoti_eager.kernels.compile import call_op, flat_tensor_inputs
 
@@ -43,7 +43,7 @@ def profile(op, args, device: str, calls: int, cache_dir: str) -> dict[str, floa
     name, overload = op._schema.name, op._schema.overload_name
     aoti_eager.enable([op], devices=[device], cache_dir=cache_dir)
     call_op(op, args)  # decide the signature: compile or load
-    override = next(o for o in _runtime.installed() if o.op == op)
+    override = next(o for o in _overrides.installed() if o.op == op)
     signature = CallSignature.of(op, device, args)
     kernel = getattr(override.decisions.get(signature.decision_key), "kernel", None)
     if kernel is None:

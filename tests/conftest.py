@@ -114,4 +114,4 @@ def _restore_kernels():
     yield
     aoti_eager.disable()
     # Each test starts as a new process would: from the cache, not from what an earlier test decided.
-    aoti_eager._runtime.forget()
+    aoti_eager._overrides.forget()

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 import aoti_eager
-from aoti_eager import _ops, _runtime
+from aoti_eager import _ops, _overrides
 
 A = torch.ops.aten
 
 
 def overridden() -> set[tuple[str, str]]:
-    return {(o.name, o.device) for o in _runtime.installed()}
+    return {(o.name, o.device) for o in _overrides.installed()}
 
 
 @pytest.mark.parametrize(

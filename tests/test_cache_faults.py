@@ -17,7 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import aoti_eager
-from aoti_eager import _mechanism, _runtime, cli
+from aoti_eager import _mechanism, _overrides, cli
 from aoti_eager._ops import qualified_name
 from aoti_eager.cache import KernelCache, inventory, signing
 from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE, read_entry, sha256_of
@@ -73,7 +73,7 @@ def run_abs(cache_dir):
     with pipeline.scope(compile=no_compile), aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=cache_dir):
         results = [torch.abs(X) for _ in range(3)]
         stats = aoti_eager.stats()["aten::abs"]
-    _runtime.forget()  # the next call starts as a new process
+    _overrides.forget()  # the next call starts as a new process
     for result in results:
         assert_same_as_eager(result, X.abs())
     return stats, compiles

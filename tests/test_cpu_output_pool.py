@@ -101,7 +101,7 @@ def test_the_setting_sizes_the_pool_as_a_cpu_kernel_loads(shared_cache, pool_lim
         torch.add(x, x)  # freed at once, and kept
     assert held() == 128 << 10  # after disable() too
     monkeypatch.setenv("AOTI_EAGER_CPU_POOL", "0")
-    aoti_eager._runtime.forget()  # the kernel loads again, as in a new process
+    aoti_eager._overrides.forget()  # the kernel loads again, as in a new process
     with aoti_eager.enabled(["aten::add.Tensor"], devices=["cpu"], cache_dir=shared_cache):
         assert_same_as_eager(torch.add(x, x), x + x)
     assert held() == 0

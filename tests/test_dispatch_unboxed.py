@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import aoti_eager
-from aoti_eager import _runtime
+from aoti_eager import _overrides
 from aoti_eager.kernels import CompileError
 from helpers import assert_same_as_eager
 
@@ -56,7 +56,7 @@ def calls(case: str, count: int) -> list[tuple[object, list[bool]]]:
 
 
 def counters(op: str) -> dict[str, int]:
-    (override,) = [o for o in _runtime.installed() if o.name == op.removesuffix(".default")]
+    (override,) = [o for o in _overrides.installed() if o.name == op.removesuffix(".default")]
     assert override.handle.unboxed, f"{op} is overridden boxed"
     return override.handle.counters()
 

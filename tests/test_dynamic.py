@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import aoti_eager
-from aoti_eager import _runtime
+from aoti_eager import _overrides
 from aoti_eager.cli import main
 from aoti_eager.cache import KernelCache
 from aoti_eager.kernels.compile import compile_options
@@ -172,7 +172,7 @@ def test_a_second_shape_compiles_one_kernel_that_serves_later_shapes(tmp_path, d
     assert stats["hits"] == 5 and stats["fallbacks"] == 0
 
     # A new process finds the dynamic kernel in the cache: no compile for a new size.
-    _runtime.forget()
+    _overrides.forget()
     compiles, stats = run_shapes("aten::add.Tensor", tmp_path, torch.add, [21, 3], make, device)
     assert compiles == [0, 0] and stats["cache_loads"] == 1 and stats["hits"] == 1
 

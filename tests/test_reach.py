@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import aoti_eager
-from aoti_eager import _runtime
+from aoti_eager import _overrides
 
 A = torch.ops.aten
 VIEW = "view or aliasing"
@@ -71,7 +71,7 @@ def test_enabling_what_a_model_reaches(block, shared_cache):
     expected = block(x)
     reached = aoti_eager.ops_reached(block, x)
     aoti_eager.enable(ops=reached, devices=["cpu"], cache_dir=shared_cache)
-    assert {o.name for o in _runtime.installed()} == set(reached.names)
+    assert {o.name for o in _overrides.installed()} == set(reached.names)
     torch.testing.assert_close(block(x), expected)
     stats = aoti_eager.stats()
     torch.testing.assert_close(block(x), expected)

@@ -495,9 +495,9 @@ def test_prewarm_takes_what_the_fleet_holds_without_starting_a_worker(server, ke
 # ---- the command line ----
 
 def test_push_stats_and_pull(server, keys, tmp_path, capsys):
-    from aoti_eager import cli
+    from aoti_eager import _cli_cache, cli
 
-    here = cli._environments_here()[0]
+    here = _cli_cache._environments_here()[0]
     machine_a = KernelCache(tmp_path / "a", here)
     for key in ("k1", "k2"):
         publish_kernel(machine_a, tmp_path, key=key, content=f"\x7fELF {key}".encode())

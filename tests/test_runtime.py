@@ -12,7 +12,7 @@ import torch
 from torch._dispatch.python import enable_python_dispatcher
 
 import aoti_eager
-from aoti_eager import _runtime
+from aoti_eager import _overrides
 from aoti_eager.cache import KernelCache, UntrustedEntry
 from aoti_eager.kernels import CompileError, pipeline
 from aoti_eager.kernels.inductor import load_probe
@@ -90,7 +90,7 @@ def test_a_failed_cpp_compiler_is_not_recorded_in_the_cache(tmp_path, swap_compi
         aoti_eager.enable(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path)
         results = [torch.abs(x) for _ in range(2)]
         aoti_eager.disable()
-        _runtime.forget()
+        _overrides.forget()
         for r in results:
             assert_same_as_eager(r, x.abs())
     assert len(attempts) == 2  # once per process: the failure may have been the machine's
@@ -129,7 +129,7 @@ def test_waiting_on_another_process_compile_times_out_to_eager(tmp_path, monkeyp
     swap_compiler(compile=lambda *a, **k: pytest.fail("must not compile without the lock"))
     x = torch.randn(8)
     aoti_eager.enable(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path)
-    override = _runtime.installed()[0]
+    override = _overrides.installed()[0]
     key = CallSignature.of(torch.ops.aten.abs.default, "cpu", [x]).key
     with override.cache(torch.device("cpu")).signature_lock("aten::abs", key):  # as if another process were compiling it
         ys = [torch.abs(x) for _ in range(2)]
@@ -145,7 +145,7 @@ def test_another_signature_of_the_op_compiles_while_one_is_compiling(tmp_path, m
     monkeypatch.setenv("AOTI_EAGER_LOCK_TIMEOUT", "1")
     x, other = torch.randn(8), torch.randn(9)
     aoti_eager.enable(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path)
-    cache = _runtime.installed()[0].cache(torch.device("cpu"))
+    cache = _overrides.installed()[0].cache(torch.device("cpu"))
     with cache.lock_signature("aten::abs", CallSignature.of(torch.ops.aten.abs.default, "cpu", [x]).key):
         y = torch.abs(other)
     stats = aoti_eager.stats()["aten::abs"]
@@ -197,7 +197,7 @@ def test_a_compile_limit_on_numbers_is_recorded_for_a_new_process(tmp_path, monk
     with aoti_eager.enabled(["aten::mul.Tensor"], devices=["cpu"], cache_dir=tmp_path):
         [torch.mul(x, s) for s in (2, 3, 4)]
     assert len(attempts) == 2
-    _runtime.forget()  # a new process, as far as the cache can tell
+    _overrides.forget()  # a new process, as far as the cache can tell
     with aoti_eager.enabled(["aten::mul.Tensor"], devices=["cpu"], cache_dir=tmp_path):
         results = [torch.mul(x, s) for s in (5, 6)]
         stats = aoti_eager.stats()["aten::mul.Tensor"]
@@ -214,7 +214,7 @@ def test_a_compile_limit_on_shapes_is_recorded_for_a_new_process(tmp_path, monke
     with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
         [torch.abs(torch.randn(n)) for n in (4, 6)]
     assert len(attempts) == 1
-    _runtime.forget()
+    _overrides.forget()
     xs = [torch.randn(n) for n in (8, 10)]
     with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
         results = [torch.abs(x) for x in xs]
@@ -256,7 +256,7 @@ def test_numbers_decided_eager_for_every_value_say_why_in_a_later_block_and_proc
     x = torch.randn(8)
     for s in (2.0, 3.0, 4.0):
         if s == 4.0:
-            _runtime.forget()  # a new process, as far as the cache can tell
+            _overrides.forget()  # a new process, as far as the cache can tell
         with aoti_eager.enabled(["aten::mul.Tensor"], devices=["cpu"], cache_dir=tmp_path):
             result = torch.mul(x, s)
             stats = aoti_eager.stats()["aten::mul.Tensor"]
@@ -294,7 +294,7 @@ def test_many_values_of_a_runtime_number_keep_the_call_table_bounded(shared_cach
     scales = [1.0 + i / 5000 for i in range(5000)]
     with aoti_eager.enabled(["aten::mul.Tensor"], devices=["cpu"], cache_dir=shared_cache):
         products = [torch.mul(x, s) for s in scales]
-        (override,) = [o for o in _runtime.installed() if o.op == A.mul.Tensor]
+        (override,) = [o for o in _overrides.installed() if o.op == A.mul.Tensor]
         entries = override.handle.num_entries
         stats = aoti_eager.stats()["aten::mul.Tensor"]
     for i in (0, 4095, 4096, 4999):
@@ -308,7 +308,7 @@ def test_a_cleared_override_misses_again_though_its_calls_were_hot(shared_cache)
     x = torch.randn(16)
     with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=shared_cache):
         torch.abs(x), torch.abs(x)
-        (override,) = [o for o in _runtime.installed() if o.op == A.abs.default]
+        (override,) = [o for o in _overrides.installed() if o.op == A.abs.default]
         before = override.handle.counters()
         override.handle.clear()
         result = torch.abs(x)
@@ -384,12 +384,12 @@ def test_compiling_never_recurses_into_overrides(tmp_path):
 # after disable(), as export traces its own torch.clone of the RNG state.
 TRACED_CALLS_AFTER_DISABLE = """
 import sys, torch, aoti_eager
-from aoti_eager import _runtime
+from aoti_eager import _overrides
 from torch._dispatch.python import enable_python_dispatcher
 def traced_calls():
     with enable_python_dispatcher():
         torch.empty(4).copy_(torch.clone(torch.randn(4)))
-with aoti_eager.enabled([sys.argv[2]], devices=["cpu"], cache_dir=sys.argv[1]), _runtime.misses_held_back():
+with aoti_eager.enabled([sys.argv[2]], devices=["cpu"], cache_dir=sys.argv[1]), _overrides.misses_held_back():
     traced_calls()
 traced_calls()
 """
@@ -408,7 +408,7 @@ def test_an_op_enabled_after_a_traced_call_is_overridden_there_too(tmp_path):
     x = torch.randn(4)
     with enable_python_dispatcher():
         torch.clone(x)  # resolves clone's CPU key to CompositeExplicitAutograd's kernel
-    with aoti_eager.enabled(["aten::clone"], devices=["cpu"], cache_dir=tmp_path), _runtime.misses_held_back():
+    with aoti_eager.enabled(["aten::clone"], devices=["cpu"], cache_dir=tmp_path), _overrides.misses_held_back():
         with enable_python_dispatcher():
             torch.clone(x)
         stats = aoti_eager.stats()["aten::clone"]

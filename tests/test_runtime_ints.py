@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import aoti_eager
-from aoti_eager import _runtime
+from aoti_eager import _overrides
 from aoti_eager.cache import KernelCache
 from aoti_eager.kernels.compile import compile_options
 from aoti_eager.kernels.signature import CallSignature
@@ -30,7 +30,7 @@ def run(op_names: list[str], calls, cache_dir, device="cpu", **options):
     with aoti_eager.enabled(op_names, devices=[device], cache_dir=cache_dir, **options):
         results = calls()
         stats = aoti_eager.stats()
-        ints = {o.name: o.planner.ints for o in _runtime.installed()}
+        ints = {o.name: o.planner.ints for o in _overrides.installed()}
     for name in op_names:
         xfail_if_kernels_cannot_load(stats[name.removesuffix(".default")])
     return results, stats, ints

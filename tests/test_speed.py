@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import aoti_eager
-from aoti_eager import _runtime
+from aoti_eager import _overrides
 from aoti_eager.cache import KernelCache
 from aoti_eager.kernels import pipeline, speed
 from aoti_eager.kernels.compile import compile_options
@@ -72,7 +72,7 @@ def test_a_kernel_slower_than_eager_keeps_eager_once_per_machine(tmp_path, swap_
     assert list(tmp_path.rglob("kernel.so")) == []  # an eager entry keeps no library
 
     # A fresh enable, as a new process would, finds the verdict: no compile, no timing.
-    _runtime.forget()
+    _overrides.forget()
     swap_compiler(compile=lambda *a, **k: pytest.fail("must not compile again"))
     with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
         y = torch.abs(x)
@@ -192,7 +192,7 @@ def test_with_the_timing_off_a_signature_kept_eager_for_speed_gets_its_kernel(tm
     assert published(tmp_path, A.abs.default, "cpu", [x])["library"] is None
 
     monkeypatch.setenv("AOTI_EAGER_KEEP_FASTER", "0")
-    _runtime.forget()  # a new process, with the timing off
+    _overrides.forget()  # a new process, with the timing off
     with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=tmp_path):
         results = [torch.abs(x) for _ in range(2)]
         stats = aoti_eager.stats()["aten::abs"]
@@ -235,7 +235,7 @@ def abs_calls(timer: SlowerFrom, cache_dir, rows: list[int]) -> tuple[list[torch
     kernels: the results, the inputs, and the op's stats."""
     inputs = [torch.randn(n, 16) for n in rows]
     with aoti_eager.enabled(["aten::abs.default"], devices=["cpu"], cache_dir=cache_dir):
-        for override in _runtime.installed():
+        for override in _overrides.installed():
             override.timer = timer
         results = [torch.abs(x) for x in inputs]
         stats = aoti_eager.stats()["aten::abs"]
@@ -269,7 +269,7 @@ def test_a_dynamic_kernel_slower_in_a_new_range_of_sizes_keeps_eager_there_only(
 
     # A new process: the kernel's own range was judged when it was compiled
     # (the cache entry's timing); the range of 100 rows is judged again.
-    _runtime.forget()
+    _overrides.forget()
     timer = SlowerFrom(rows=64)
     results, inputs, stats = abs_calls(timer, tmp_path, [13, 100, 9])
     for r, x in zip(results, inputs):
@@ -283,7 +283,7 @@ def test_a_range_kept_eager_compiles_no_kernel_with_its_numbers_compiled_in(tmp_
     timer = SlowerFrom(rows=64)
     calls = [(torch.randn(n, 16), torch.randn(n, 16)) for n in (8, 12, 100, 100)]
     with aoti_eager.enabled(["aten::add.Tensor"], devices=["cpu"], cache_dir=tmp_path):
-        for override in _runtime.installed():
+        for override in _overrides.installed():
             override.timer = timer
         results = [torch.add(x, y, alpha=0.5) for x, y in calls]
         stats = aoti_eager.stats()["aten::add.Tensor"]
@@ -302,7 +302,7 @@ def test_a_range_verdict_holds_for_new_values_of_the_kernels_runtime_numbers(tmp
     calls = [(torch.randn(n, 16), torch.randn(n, 16), alpha) for n, alpha in
              ((8, 0.5), (12, 0.5), (100, 0.5), (120, 0.25), (13, 0.75), (100, 2.0))]
     with aoti_eager.enabled(["aten::add.Tensor"], devices=["cpu"], cache_dir=tmp_path):
-        for override in _runtime.installed():
+        for override in _overrides.installed():
             override.timer = timer
         results = [torch.add(x, y, alpha=alpha) for x, y, alpha in calls]
         stats = aoti_eager.stats()["aten::add.Tensor"]

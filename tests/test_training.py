@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import aoti_eager
-from aoti_eager import _runtime
+from aoti_eager import _overrides
 from helpers import assert_same_as_eager
 from training_loop import LOG_PREFIX, model_and_steps
 
@@ -76,12 +76,12 @@ def test_enabling_again_reuses_every_decision_and_kernel(cold_run):
     ops = aoti_eager.ops_reached(probe)
     aoti_eager.enable(ops, devices=["cpu"], cache_dir=cache)
     losses = [step() for _ in range(3)]
-    kept = {(o.op, o.device): (o, dict(o.decisions)) for o in _runtime.installed()}
+    kept = {(o.op, o.device): (o, dict(o.decisions)) for o in _overrides.installed()}
     aoti_eager.disable()
     aoti_eager.enable(ops, devices=["cpu"], cache_dir=cache)
     losses.append(step())
     stats = aoti_eager.stats()
-    after = {(o.op, o.device): o for o in _runtime.installed()}
+    after = {(o.op, o.device): o for o in _overrides.installed()}
     aoti_eager.disable()
     for loss in losses:
         torch.testing.assert_close(torch.tensor(loss), torch.tensor(eager_step()))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import aoti_eager
-from aoti_eager import _runtime
+from aoti_eager import _overrides
 from aoti_eager.cache import layout
 from aoti_eager.kernels.inductor import wrapper_split
 from conftest import DEVICES
@@ -36,7 +36,7 @@ def compile_abs(root, *sizes):
     results = [torch.abs(x) for x in xs]
     stats = aoti_eager.stats()["aten::abs"]
     aoti_eager.disable()
-    _runtime.forget()  # the next call starts as a new process
+    _overrides.forget()  # the next call starts as a new process
     return results, [x.abs() for x in xs], stats
 
 
