@@ -2,14 +2,18 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
 
 import aoti_eager
-from aoti_eager.cache import KernelCache, signing
+from aoti_eager import settings
+from aoti_eager.cache import KernelCache, remote, signing
 from aoti_eager.kernels import pipeline, toolchain
 from aoti_eager.kernels.toolchain import environment_name
+from helpers import REDIS_SERVER, RedisServer
 
 # The tests check that compiled kernels run (hits, compiles); timing them
 # against eager could keep tiny test calls eager. Off for the session, and
@@ -59,6 +63,36 @@ def key(tmp_path):
     """A private signing key; its public key is beside it as ``key.pub``."""
     signing.generate_key_pair(tmp_path / "key")
     return tmp_path / "key"
+
+
+@pytest.fixture(scope="session")
+def redis_session(tmp_path_factory) -> Iterator[RedisServer]:
+    """A redis-server for the session; a test asks for :func:`server`."""
+    pytest.importorskip("redis", reason="the fleet cache's tests need the redis client: pip install 'aoti-eager[remote]'")
+    if REDIS_SERVER is None:
+        pytest.skip("redis-server is not installed (scripts/setup_env.sh installs it)")
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def server(redis_session, monkeypatch) -> RedisServer:
+    """The session's server, emptied, and this process's view of every
+    server forgotten (breakers, warnings given)."""
+    redis_session.client.flushall()
+    monkeypatch.setattr(remote, "_servers", {})
+    return redis_session
+
+
+@pytest.fixture
+def keys(tmp_path, monkeypatch) -> Path:
+    """A signing key set in the environment (what the fleet cache signs with), its
+    public key trusted; returns the private key."""
+    signing.generate_key_pair(tmp_path / "fleet-key")
+    monkeypatch.setenv(settings.signing_key.name, str(tmp_path / "fleet-key"))
+    monkeypatch.setenv(settings.trusted_keys.name, str(tmp_path / "fleet-key.pub"))
+    return tmp_path / "fleet-key"
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ Every kernel here is a stand-in (bytes, never loaded): nothing compiles.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import stat
@@ -22,7 +21,7 @@ from aoti_eager.cli import main
 from aoti_eager.kernels import toolchain
 from aoti_eager.kernels.compile import compile_options
 from aoti_eager.kernels.toolchain import environment_name
-from helpers import publish_kernel
+from helpers import publish_kernel, rewrite, with_crafted_library
 
 
 @pytest.fixture(autouse=True)
@@ -64,20 +63,6 @@ def assert_refused(code: int, out: str, err: str, target: Path, *why: str) -> No
     for words in why:
         assert words in err, err
     assert inventory.entries(target) == []
-
-
-def rewrite(path: Path, change, name: str = "changed.tar") -> Path:
-    """A copy of the bundle ``path`` whose members went through ``change(info, data)``
-    (returning None drops a member)."""
-    copy = path.with_name(name)
-    with tarfile.open(path) as source, tarfile.open(copy, "w") as target:
-        for info in source.getmembers():
-            changed = change(info, source.extractfile(info).read())
-            if changed is not None:
-                info, data = changed
-                info.size = len(data)
-                target.addfile(info, io.BytesIO(data))
-    return copy
 
 
 def members(path: Path) -> dict[str, bytes]:
@@ -139,23 +124,10 @@ def test_a_bundle_signed_by_an_untrusted_key_is_refused(stand_in_cache, key, tmp
     assert_refused(*import_into(capsys, target, path, "--trust-key", missing), target, f"{missing}")
 
 
-def _crafted(info: tarfile.TarInfo, data: bytes):
-    """The attack: another library, with entry.json's sha256 made to match it."""
-    if info.name.endswith(LIBRARY_FILE):
-        return info, b"attacker's library"
-    if info.name.endswith(ENTRY_FILE):
-        import hashlib
-
-        entry = json.loads(data)
-        entry["sha256"] = hashlib.sha256(b"attacker's library").hexdigest()
-        return info, json.dumps(entry).encode()
-    return info, data
-
-
 def test_a_crafted_library_in_a_signed_bundle_is_refused(stand_in_cache, key, tmp_path, capsys):
     path = export(capsys, stand_in_cache, tmp_path / "kernels.tar.gz", "--sign-key", key)
     target = tmp_path / "target"
-    crafted = import_into(capsys, target, rewrite(path, _crafted), "--trust-key", f"{key}.pub")
+    crafted = import_into(capsys, target, rewrite(path, with_crafted_library), "--trust-key", f"{key}.pub")
     assert_refused(*crafted, target, "do not match its signed manifest")
     dropped = rewrite(path, lambda info, data: None if info.name.endswith(LIBRARY_FILE) else (info, data), "dropped.tar")
     assert_refused(*import_into(capsys, target, dropped, "--trust-key", f"{key}.pub"), target, "signed manifest")

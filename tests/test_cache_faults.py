@@ -25,8 +25,7 @@ from aoti_eager.kernels import CallSignature, CompileError, pipeline
 from aoti_eager.kernels.inductor import load_probe
 from aoti_eager.kernels.compile import compile_options
 from aoti_eager.kernels.toolchain import environment_name
-from helpers import assert_same_as_eager, edit_entry_json
-from test_regions import CHILD, ROOT, Block, _compiled, _cpu_cache
+from helpers import ROOT, ROW_IN_A_CHILD, Block, assert_same_as_eager, compile_block, cpu_cache, edit_entry_json
 
 A = torch.ops.aten
 X = torch.linspace(-3, 3, 128)
@@ -324,18 +323,18 @@ def test_a_cut_library_whose_sha256_was_recorded_again_is_set_aside_unloaded(
 
 @pytest.fixture(scope="module")
 def compiled_region_entry(tmp_path_factory):
-    """The entry of test_regions' Block region for a call on a (4, 16) tensor, compiled once."""
+    """The entry of the region of helpers.Block for a call on a (4, 16) tensor, compiled once."""
     root = tmp_path_factory.mktemp("region-cache")
-    _compiled(root, Block)
-    [(op, key)] = _cpu_cache(root).entries()
-    return _cpu_cache(root).entry_dir(op, key)
+    compile_block(root, Block)
+    [(op, key)] = cpu_cache(root).entries()
+    return cpu_cache(root).entry_dir(op, key)
 
 
 def call_regions_in_a_child(cache_dir, verdicts):
-    """test_regions' CHILD (two fused Blocks called, each result compared with eager's, its type and
+    """ROW_IN_A_CHILD (two fused Blocks called, each result compared with eager's, its type and
     structure too), its load probe's verdicts kept in ``verdicts``: its region's stats and what it printed."""
     argv = [str(cache_dir), str(ROOT), str(ROOT / "tests"), Block.__module__, Block.__name__, str(verdicts)]
-    child = subprocess.run([sys.executable, "-c", VERDICTS_IN_LAST_ARGUMENT + CHILD, *argv], capture_output=True,
+    child = subprocess.run([sys.executable, "-c", VERDICTS_IN_LAST_ARGUMENT + ROW_IN_A_CHILD, *argv], capture_output=True,
                            text=True, timeout=600)
     assert child.returncode == 0, f"exit code {child.returncode}: {child.stderr[-3000:]}"
     return json.loads(child.stdout.strip().splitlines()[-1]), child.stderr

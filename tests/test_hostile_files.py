@@ -17,8 +17,7 @@ from aoti_eager.cli import main
 from aoti_eager.kernels import compile as compile_module
 from aoti_eager.kernels import toolchain
 from aoti_eager.kernels.toolchain import environment_name
-from helpers import publish_kernel
-from test_remote import ENVIRONMENT, keys, machine, redis_session, refusals, server  # noqa: F401 - fixtures
+from helpers import ENVIRONMENT, machine, publish_kernel, refusals, rewrite
 
 NESTED = "[" * 200000
 
@@ -66,8 +65,6 @@ def test_a_nested_entry_json_is_set_aside_and_verify_reports_it_and_goes_on(cach
 
 def test_a_bundle_with_a_nested_signature_is_refused_and_one_with_a_nested_entry_is_imported_without_it(
         cache, tmp_path, key, capsys):
-    from test_bundle import rewrite
-
     publish_kernel(cache, tmp_path, key="0123abcd")
     publish_kernel(cache, tmp_path, key="4567cdef")
     bundle = tmp_path / "kernels.tar.gz"
@@ -87,7 +84,7 @@ def test_a_bundle_with_a_nested_signature_is_refused_and_one_with_a_nested_entry
     assert [key for _, key in imported.entries()] == ["0123abcd"]
 
 
-def test_a_fleet_entry_with_a_nested_signature_is_refused_with_one_warning(server, keys, tmp_path, caplog):  # noqa: F811
+def test_a_fleet_entry_with_a_nested_signature_is_refused_with_one_warning(server, keys, tmp_path, caplog):
     from aoti_eager.cache import remote
 
     publish_kernel(machine(tmp_path / "a", server.url), tmp_path, key="k")

@@ -2,7 +2,9 @@
 kernels/ (aoti_eager.kernels) -> cache/ (aoti_eager.cache), with
 aoti_eager.settings and aoti_eager.version, stdlib-only leaves, open to every
 layer. Inside aoti_eager/ too, each module imports only those below it in
-RUNTIME_ORDER. Checked on the source, imports inside functions included."""
+RUNTIME_ORDER. Checked on the source, imports inside functions included.
+The tests' modules import no test module: what they share is in
+tests/helpers.py, and their fixtures in tests/conftest.py."""
 
 from __future__ import annotations
 
@@ -140,3 +142,14 @@ def test_what_a_kernel_is_built_with_is_defined_in_one_module():
     home = {"known_vec_isas": "aoti_eager.kernels.inductor.vec_isa", "machine_record": "aoti_eager.cache.layout"}
     assert defined == {(fact, home.get(fact, "aoti_eager.kernels.toolchain")) for fact in facts}
 
+
+def test_no_module_of_the_tests_imports_a_test_module():
+    tests = ROOT / "tests"
+    test_modules = {path.stem for path in tests.glob("test_*.py")}
+    found = sorted(
+        f"{path.name} imports {name}"
+        for path in tests.glob("*.py")
+        for name in imported(path)
+        if name.split(".")[0] in test_modules
+    )
+    assert not found

@@ -8,7 +8,6 @@ import dataclasses
 
 import pytest
 import torch
-from test_planner import compiled
 
 from aoti_eager import settings
 from aoti_eager._planner import Eager, Planner
@@ -16,6 +15,7 @@ from aoti_eager.kernels import CallSignature
 from aoti_eager.kernels.dynamic import ShapeFamily, family_key, family_limit_key
 from aoti_eager.kernels.matmul import fixed_dims, inductor_options, is_template_matmul
 from aoti_eager.kernels.signature import TensorArg
+from helpers import compiled
 
 A = torch.ops.aten
 

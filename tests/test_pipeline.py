@@ -3,7 +3,6 @@ published entry, and each way it ends without a kernel."""
 
 from __future__ import annotations
 
-import tempfile
 import threading
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from aoti_eager.kernels.compile import Artifact, compile_call, compile_options, 
 from aoti_eager.kernels.signature import qualified_name
 from aoti_eager.kernels.speed import Timing
 from aoti_eager.kernels.toolchain import environment_name
+from helpers import fake_artifact
 
 A = torch.ops.aten
 NAME = "aten::abs"
@@ -45,15 +45,6 @@ class Negated:
 
     def run(self, inputs):
         return [-inputs[0].abs()]
-
-
-def fake_artifact(tmp_path: Path):
-    def compile_call(signature, *args, **kwargs):
-        workdir = tempfile.TemporaryDirectory(dir=tmp_path)
-        library = Path(workdir.name) / LIBRARY_FILE
-        library.write_bytes(b"\x7fELF never loaded")
-        return Artifact(library, [-1], {"export": 0.0}, workdir)
-    return compile_call
 
 
 def test_a_kernel_is_validated_and_published(store):

@@ -16,6 +16,7 @@ from aoti_eager._decisions import RunEagerly, UseKernel
 from aoti_eager._planner import Eager, Planner
 from aoti_eager.kernels import CallSignature, CompileRequest
 from aoti_eager.kernels.dynamic import ShapeFamily, family_key, family_limit_key
+from helpers import compiled
 
 A = torch.ops.aten
 
@@ -31,14 +32,6 @@ def add_of(rows: int, alpha: int = 1) -> CallSignature:
 
 def arange_to(end: int) -> CallSignature:
     return CallSignature.of(A.arange.default, "cpu", [end, None, None, torch.device("cpu"), None])
-
-
-def compiled(planner: Planner, signature: CallSignature) -> CompileRequest:
-    """What ``planner`` compiles for ``signature``, told that the compile made a kernel."""
-    request = planner.to_compile(signature)
-    assert isinstance(request, CompileRequest), request
-    planner.compiled(signature, None, kernel=True)
-    return request
 
 
 def test_a_familys_first_shape_compiles_a_static_kernel():

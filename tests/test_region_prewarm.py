@@ -18,7 +18,7 @@ import torch
 import aoti_eager
 from aoti_eager import _regions
 from aoti_eager.manifest import read_entries, read_manifest, regions_note
-from test_regions import Block, Model, _cache_entries, _delta, _row
+from helpers import Block, Model, cache_entries, delta_since, row
 
 SIZES = (4, 6, 9)  # 4: a static kernel; 6: the family's dynamic kernel; 9: served by it
 REGION = f"region::{Block.__module__}.Block"
@@ -86,11 +86,11 @@ def test_a_run_records_one_line_per_region_miss(recorded):
 
 NEW_PROCESS = r"""
 import json, sys, torch, aoti_eager
-from test_regions import Model, Block, _row
+from helpers import Block, Model, row
 model = aoti_eager.fuse(Model().eval(), cache_dir=sys.argv[1])
 with torch.no_grad():
     model(torch.randn(9, 16))
-print(json.dumps({k: _row(Block)[k] for k in ("calls", "hits", "compiles", "cache_loads")}))
+print(json.dumps({k: row(Block)[k] for k in ("calls", "hits", "compiles", "cache_loads")}))
 """
 
 
@@ -98,15 +98,15 @@ def test_a_model_prewarmed_from_the_manifest_runs_with_no_compile(recorded, tmp_
     model = _model(1)
     reference = copy.deepcopy(model)
     aoti_eager.fuse(model, cache_dir=tmp_path)
-    before = _row(Block)
+    before = row(Block)
     report = aoti_eager.prewarm(recorded, model=model, cache_dir=tmp_path)
     assert [(r.entry.op, r.outcome.status) for r in report.results] == [(REGION, "compiled")] * 2
-    assert report.skipped_regions == [] and _delta(before, Block)["compiles"] == 2
+    assert report.skipped_regions == [] and delta_since(before, Block)["compiles"] == 2
     # The static kernel, then the family's dynamic one, as the run compiled them.
-    assert sorted("-" in key for _, key in _cache_entries(tmp_path)) == [False, True]
-    before = _row(Block)
+    assert sorted("-" in key for _, key in cache_entries(tmp_path)) == [False, True]
+    before = row(Block)
     _run(model, reference)
-    assert _delta(before, Block) == {"calls": 9, "hits": 9, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
+    assert delta_since(before, Block) == {"calls": 9, "hits": 9, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
     # A new process, at a batch size the dynamic kernel serves: its first call a hit too.
     child = subprocess.run([sys.executable, "-c", NEW_PROCESS, str(tmp_path)], capture_output=True, text=True, timeout=600,
                            cwd=Path(__file__).parent)
@@ -178,7 +178,7 @@ def test_the_cli_prewarms_the_ops_and_notes_the_regions(mixed, tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert (done.stdout + done.stderr).count(regions_note(2)) == 1
     assert "aten::abs" in done.stdout and "Traceback" not in done.stderr
-    assert {op for op, _ in _cache_entries(cache)} == {"aten::abs"}
+    assert {op for op, _ in cache_entries(cache)} == {"aten::abs"}
     again = subprocess.run([sys.executable, "-m", "aoti_eager", "--cache-dir", str(cache), "prewarm", str(mixed), "--json"],
                            capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and again.stderr.count(regions_note(2)) == 1, again.stdout + again.stderr
@@ -194,10 +194,10 @@ def test_a_mixed_manifest_prewarms_ops_in_workers_and_regions_with_the_model(mix
     report = aoti_eager.prewarm(mixed, model=model, cache_dir=tmp_path / "cache", jobs=1)
     assert sorted((r.entry.op, r.outcome.status) for r in report.results) == [
         ("aten::abs", "compiled"), (REGION, "compiled"), (REGION, "compiled")]
-    assert {op for op, _ in _cache_entries(tmp_path / "cache")} == {"aten::abs", REGION}
-    before = _row(Block)
+    assert {op for op, _ in cache_entries(tmp_path / "cache")} == {"aten::abs", REGION}
+    before = row(Block)
     _run(model, reference)
-    assert _delta(before, Block)["compiles"] == 0
+    assert delta_since(before, Block)["compiles"] == 0
 
 
 def test_a_line_the_model_does_not_match_is_skipped_with_its_reason(recorded, tmp_path):
@@ -213,7 +213,7 @@ def test_a_line_the_model_does_not_match_is_skipped_with_its_reason(recorded, tm
     report = aoti_eager.prewarm(recorded, model=wide, cache_dir=tmp_path)
     assert report.results == [] and all("another state structure" in s.reason for s in report.skipped_regions)
     assert "SKIPPED" in aoti_eager._prewarm.summary(report)
-    assert _cache_entries(tmp_path) == []
+    assert cache_entries(tmp_path) == []
 
 
 def test_a_recorded_call_keyed_otherwise_here_fails_with_its_reason(recorded, tmp_path):
@@ -226,7 +226,7 @@ def test_a_recorded_call_keyed_otherwise_here_fails_with_its_reason(recorded, tm
     assert [(r.outcome.status, r.outcome.reason) for r in report.results] == [
         ("failed", "its call rebuilt here is keyed differently from the recorded one (the values its forward reads, "
                    "or its code, differ)")]
-    assert _cache_entries(tmp_path) == []
+    assert cache_entries(tmp_path) == []
 
 
 def test_a_region_line_that_is_not_one_names_its_line(recorded, tmp_path):
@@ -259,12 +259,12 @@ def test_gpt2_blocks_prewarmed_from_a_recorded_run(tmp_path):
     aoti_eager.fuse(fresh, cache_dir=tmp_path / "fresh")
     report = aoti_eager.prewarm(tmp_path / "gpt2.jsonl", model=fresh, cache_dir=tmp_path / "fresh")
     assert [r.outcome.status for r in report.results] == ["compiled"] * 2, [r.outcome.reason for r in report.results]
-    before = _row(block)
+    before = row(block)
     with torch.no_grad():
         for length in (8, 12, 16):
             ids = torch.randint(0, 100, (2, length))
             torch.testing.assert_close(fresh(ids, use_cache=False).logits, reference(ids, use_cache=False).logits)
-    assert _delta(before, block) == {"calls": 6, "hits": 6, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
+    assert delta_since(before, block) == {"calls": 6, "hits": 6, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
 
 
 class Indexed(torch.nn.Module):
@@ -300,10 +300,10 @@ def test_a_call_whose_random_integers_eager_refuses_is_prewarmed_with_zeros(tmp_
     aoti_eager.fuse(fresh, cache_dir=tmp_path / "fresh")
     report = aoti_eager.prewarm(tmp_path / "ids.jsonl", model=fresh, cache_dir=tmp_path / "fresh")
     assert [r.outcome.status for r in report.results] == ["compiled"], [r.outcome.reason for r in report.results]
-    before = _row(Indexed)
+    before = row(Indexed)
     with torch.no_grad():
         torch.testing.assert_close(fresh(x, ids), reference(x, ids))
-    assert _delta(before, Indexed) == {"calls": 2, "hits": 2, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
+    assert delta_since(before, Indexed) == {"calls": 2, "hits": 2, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
 
 
 def test_a_worker_handed_a_region_line_answers_it_and_goes_on(recorded, tmp_path):

@@ -21,21 +21,15 @@ from aoti_eager import _regions
 from aoti_eager.kernels import region_shapes
 from aoti_eager.kernels.compile import compile_module
 from aoti_eager.kernels.validate import Mismatch, compare
+from helpers import Block
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class Block(torch.nn.Module):
-    """A 2-layer MLP with a residual and a norm."""
-
-    def __init__(self, width: int = 16):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(width, 2 * width)
-        self.fc2 = torch.nn.Linear(2 * width, width)
-        self.norm = torch.nn.LayerNorm(width)
-
-    def forward(self, x):
-        return self.norm(x + self.fc2(torch.nn.functional.gelu(self.fc1(x))))
+class ShapesBlock(Block):
+    """:class:`helpers.Block` as a region of this module's own: what a block's
+    forward reads is recorded once a process (aoti_eager/_regions.py), and these
+    tests count the call that records it."""
 
 
 class Biased(Block):
@@ -54,7 +48,7 @@ class Branching(Block):
 
 
 class Model(torch.nn.Module):
-    def __init__(self, block: type = Block, blocks: int = 3):
+    def __init__(self, block: type = ShapesBlock, blocks: int = 3):
         super().__init__()
         self.blocks = torch.nn.ModuleList(block() for _ in range(blocks))
 
@@ -108,8 +102,8 @@ def _compiles_at(model: Model, reference: Model, name: str, batches: list[int], 
 
 
 def test_a_second_batch_size_compiles_one_dynamic_kernel_for_every_later_one(tmp_path):
-    model, reference = _fused(Block, tmp_path)
-    name = _name(Block)
+    model, reference = _fused(ShapesBlock, tmp_path)
+    name = _name(ShapesBlock)
     before = _row(name)
     # Batch 1 too: the kernel was checked against eager there (traced size-obliviously).
     assert _compiles_at(model, reference, name, [2, 3, 5, 8, 1]) == [before["compiles"] + n for n in (1, 2, 2, 2, 2)]
@@ -127,8 +121,8 @@ def _comparing(before: Callable[[list[torch.Tensor]], None]) -> Callable[..., No
 
 def test_the_dynamic_kernel_is_checked_against_eager_at_another_size(tmp_path, swap_compiler):
     checked = []
-    model, reference = _fused(Block, tmp_path)
-    _compiles_at(model, reference, _name(Block), [2])
+    model, reference = _fused(ShapesBlock, tmp_path)
+    _compiles_at(model, reference, _name(ShapesBlock), [2])
     swap_compiler(compare=_comparing(lambda actual: checked.append(actual[0].shape[0])))
     x, random_state = torch.randn(3, 16), torch.get_rng_state()
     with torch.no_grad():
@@ -145,8 +139,8 @@ def test_a_dynamic_kernel_that_disagrees_with_eager_keeps_static_kernels(tmp_pat
             raise Mismatch("the region's result: made to differ at another batch size")
 
     swap_compiler(compare=_comparing(disagrees_elsewhere))
-    model, reference = _fused(Block, tmp_path)
-    name = _name(Block)
+    model, reference = _fused(ShapesBlock, tmp_path)
+    name = _name(ShapesBlock)
     before = _row(name)["compiles"]
     with caplog.at_level("INFO", logger="aoti_eager"):
         assert _compiles_at(model, reference, name, [2, 3, 5]) == [before + n for n in (1, 2, 3)]

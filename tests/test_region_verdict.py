@@ -14,9 +14,7 @@ from aoti_eager.kernels import pipeline
 from aoti_eager.kernels.pipeline import Published
 from aoti_eager.kernels.region import RegionCall, region_name, state_of, state_structure
 from aoti_eager.kernels.region_target import RegionTarget
-from helpers import FakeKernel
-from test_pipeline import fake_artifact
-from test_regions import _cache_entries, _row
+from helpers import FakeKernel, cache_entries, fake_artifact, row
 
 WIDTH = 1024
 
@@ -85,9 +83,9 @@ def test_a_kernel_that_disagrees_is_refused_for_this_process_and_not_recorded(tm
                 torch.testing.assert_close(module(x), reference, rtol=0, atol=0)
 
     calls(Spread())
-    assert _row(Spread)["fallback_reason"].startswith("compiled kernel disagrees with eager: the region's result")
-    assert (len(compiled), _cache_entries(tmp_path)) == (1, [])  # decided once for this process, recorded nowhere
+    assert row(Spread)["fallback_reason"].startswith("compiled kernel disagrees with eager: the region's result")
+    assert (len(compiled), cache_entries(tmp_path)) == (1, [])  # decided once for this process, recorded nowhere
     # A new process (no decision of this one), a block of the same structure with other weights: checked again.
     _regions.forget()
     calls(Spread(offset=20.0))
-    assert (len(compiled), _cache_entries(tmp_path)) == (2, [])
+    assert (len(compiled), cache_entries(tmp_path)) == (2, [])

@@ -22,35 +22,7 @@ from aoti_eager import _background, _regions, settings
 from aoti_eager.kernels import speed
 from aoti_eager.kernels.compile import compile_module
 from aoti_eager.kernels.inductor import shims
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-class Block(torch.nn.Module):
-    """A 2-layer MLP with a residual and a norm."""
-
-    def __init__(self, width: int = 16):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(width, 2 * width)
-        self.fc2 = torch.nn.Linear(2 * width, width)
-        self.norm = torch.nn.LayerNorm(width)
-
-    def forward(self, x):
-        return self.norm(x + self.fc2(torch.nn.functional.gelu(self.fc1(x))))
-
-
-class Model(torch.nn.Module):
-    def __init__(self, block=Block, blocks: int = 3):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(block() for _ in range(blocks))
-        self.head = torch.nn.Linear(16, 4)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-            x = x[0] if isinstance(x, tuple) else x
-        return self.head(x)
-
+from helpers import ROOT, Block, Model, cache_entries, compile_block, cpu_cache, delta_since, row, row_in_a_child
 
 class Gate(torch.nn.Module):
     """Data-dependent control flow, which torch.export does not trace."""
@@ -164,18 +136,6 @@ def _models_let_go():
     gc.collect()
 
 
-def _row(region: type) -> dict:
-    return aoti_eager.stats().get(f"region::{region.__module__}.{region.__qualname__}", {
-        "calls": 0, "hits": 0, "fallbacks": 0, "fallback_reason": None, "compiles": 0, "compile_seconds": 0.0, "cache_loads": 0,
-        "queued": 0, "compiling": 0,
-    })
-
-
-def _delta(before: dict, region: type) -> dict:
-    after = _row(region)
-    return {k: after[k] - before[k] for k in ("calls", "hits", "fallbacks", "compiles", "cache_loads")}
-
-
 def _model(block=Block, seed: int = 0) -> Model:
     torch.manual_seed(seed)
     return Model(block).eval()
@@ -185,7 +145,7 @@ def test_repeated_blocks_share_one_compile(tmp_path):
     model, x = _model(), torch.randn(4, 16)
     reference = copy.deepcopy(model)
     assert aoti_eager.fuse(model, cache_dir=tmp_path) is model
-    before = _row(Block)  # a region's row is there while fused modules are
+    before = row(Block)  # a region's row is there while fused modules are
     # The blocks, not the Linears inside them nor the head (one of its kind).
     assert [m for m in model.modules() if "forward" in m.__dict__] == list(model.blocks)
     with torch.no_grad():
@@ -193,22 +153,10 @@ def test_repeated_blocks_share_one_compile(tmp_path):
     torch.testing.assert_close(actual, expected)
     # The first call runs the original forward, which records what it reads of its modules (region_values.py),
     # unless an earlier test of this process did.
-    delta = _delta(before, Block)
+    delta = delta_since(before, Block)
     assert delta["hits"] in (2, 3) and delta == {"calls": 3, "hits": delta["hits"], "fallbacks": 0, "compiles": 1, "cache_loads": 0}
-    assert [key for op, key in _cache_entries(tmp_path)] and {op for op, _ in _cache_entries(tmp_path)} == {
+    assert [key for op, key in cache_entries(tmp_path)] and {op for op, _ in cache_entries(tmp_path)} == {
         f"region::{Block.__module__}.Block"}
-
-
-def _cpu_cache(root: Path):
-    from aoti_eager.cache import KernelCache
-    from aoti_eager.kernels.compile import compile_options
-    from aoti_eager.kernels.toolchain import environment_name
-
-    return KernelCache(root, environment_name(torch.device("cpu"), compile_options("cpu")))
-
-
-def _cache_entries(root: Path) -> list[tuple[str, str]]:
-    return list(_cpu_cache(root).entries())
 
 
 def test_changed_weights_need_no_compile(shared_cache):
@@ -217,50 +165,14 @@ def test_changed_weights_need_no_compile(shared_cache):
     aoti_eager.fuse(model, cache_dir=shared_cache)
     with torch.no_grad():
         model(x)
-        before = _row(Block)
+        before = row(Block)
         for m in (model, reference):
             m.blocks[1].fc1.weight.mul_(1.5)  # in place
             m.blocks[2].fc2.bias = torch.nn.Parameter(torch.randn(16, generator=torch.Generator().manual_seed(1)))
             m.blocks[0].norm.weight.data = torch.full((16,), 0.5)  # as .to() does
         expected, actual = reference(x), model(x)
     torch.testing.assert_close(actual, expected)
-    assert _delta(before, Block) == {"calls": 3, "hits": 3, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
-
-
-CHILD = """
-import copy, json, sys, importlib
-import torch, aoti_eager
-import torch.utils._pytree as pytree
-sys.path[:0] = [sys.argv[2], sys.argv[3]]
-tests = importlib.import_module(sys.argv[4])
-block = getattr(tests, sys.argv[5])
-torch.manual_seed(0)
-model, x = tests.Model(block).eval(), torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
-reference = copy.deepcopy(model)
-aoti_eager.fuse(model, cache_dir=sys.argv[1], remote=(sys.argv[6:] or [None])[0])
-original, eager_calls = block.forward, []
-def counted(*args, **kwargs):
-    eager_calls.append(1)
-    return original(*args, **kwargs)
-block.forward = counted  # fused instances run their class's forward where they run eagerly
-with torch.no_grad():
-    results = [model.blocks[0](x), model.blocks[1](x)]
-    block.forward = original
-    expected = reference.blocks[0](x), reference.blocks[1](x)
-for r, e in zip(results, expected):
-    assert type(r) is type(e) and pytree.tree_structure(r) == pytree.tree_structure(e)
-    torch.testing.assert_close(pytree.tree_leaves(r), pytree.tree_leaves(e))
-print(json.dumps({**tests._row(block), "eager_calls": len(eager_calls)}))
-"""
-
-
-def _child(cache: Path, block: type, remote: str | None = None) -> dict:
-    """The stats row of ``block``'s region in a new process that calls two fused blocks (with the
-    fleet cache ``remote`` behind ``cache``), with ``eager_calls``: the calls of the original forward."""
-    argv = [str(cache), str(ROOT), str(ROOT / "tests"), block.__module__, block.__name__, *([remote] if remote else [])]
-    child = subprocess.run([sys.executable, "-c", CHILD, *argv], capture_output=True, text=True, timeout=600)
-    assert child.returncode == 0, child.stderr[-2000:]
-    return {**json.loads(child.stdout.strip().splitlines()[-1]), "stderr": child.stderr}
+    assert delta_since(before, Block) == {"calls": 3, "hits": 3, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
 
 
 def test_a_kept_structure_is_used_only_where_it_fits_the_kernel():
@@ -275,18 +187,9 @@ def test_a_kept_structure_is_used_only_where_it_fits_the_kernel():
     assert Outputs.of(Pair(t, t)).to_json() is None  # a type registered without a name pytree can write
 
 
-def _compiled(cache: Path, block: type) -> None:
-    """Compiles the region of ``block`` for a call on a (4, 16) tensor into ``cache``."""
-    torch.manual_seed(0)
-    model = Model(block).eval()
-    aoti_eager.fuse(model, cache_dir=cache)
-    with torch.no_grad():
-        model.blocks[0](torch.randn(4, 16))
-
-
 def test_the_kept_structure_is_under_the_entrys_integrity_check(tmp_path):
-    _compiled(tmp_path, TupleBlock)
-    cache = _cpu_cache(tmp_path)
+    compile_block(tmp_path, TupleBlock)
+    cache = cpu_cache(tmp_path)
     [(op, key)] = cache.entries()
     path = cache.entry_dir(op, key) / "entry.json"
     data = json.loads(path.read_text())
@@ -299,16 +202,16 @@ def test_the_kept_structure_is_under_the_entrys_integrity_check(tmp_path):
 
 @pytest.mark.parametrize("block", [Block, TupleBlock, NamedBlock, PassingBlock])
 def test_a_new_process_loads_the_region_from_the_cache(tmp_path, block):
-    _compiled(tmp_path, block)
-    row = _child(tmp_path, block)
+    compile_block(tmp_path, block)
+    row = row_in_a_child(tmp_path, block)
     # Loaded once, the result's structure read from the entry: the original forward runs once, to record what it
     # reads (its values are in the key), then every call is a hit.
     assert (row["compiles"], row["cache_loads"], row["calls"], row["hits"], row["eager_calls"]) == (0, 1, 2, 1, 1)
 
 
 def test_a_result_type_that_the_forward_registers_is_usable_after_its_first_call(tmp_path):
-    _compiled(tmp_path, LazyBlock)
-    row = _child(tmp_path, LazyBlock)  # Lazy is registered by the first forward that returns one
+    compile_block(tmp_path, LazyBlock)
+    row = row_in_a_child(tmp_path, LazyBlock)  # Lazy is registered by the first forward that returns one
     # The first call, which records what the forward reads, registers Lazy: the kept structure is then usable.
     assert (row["compiles"], row["cache_loads"], row["calls"], row["hits"], row["eager_calls"]) == (0, 1, 2, 1, 1)
 
@@ -318,13 +221,13 @@ def test_a_region_that_does_not_export_runs_eagerly_with_its_reason(tmp_path, ca
     model = torch.nn.Sequential(Gate(), Gate())
     reference = copy.deepcopy(model)
     aoti_eager.fuse(model, cache_dir=tmp_path)
-    before = _row(Gate)
+    before = row(Gate)
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="aoti_eager"):
         for x in (torch.randn(4, 16), torch.randn(4, 16).abs(), -torch.randn(4, 16).abs()):
             torch.testing.assert_close(model(x), reference(x))
-    delta = _delta(before, Gate)
+    delta = delta_since(before, Gate)
     assert (delta["compiles"], delta["hits"], delta["fallbacks"]) == (0, 0, 5)  # and the call that recorded its reads
-    assert _row(Gate)["fallback_reason"].startswith("torch.export failed")
+    assert row(Gate)["fallback_reason"].startswith("torch.export failed")
     lines = [r.getMessage() for r in caplog.records if "Gate" in r.getMessage()]
     assert len(lines) == 1 and "runs eagerly: torch.export failed" in lines[0]
 
@@ -340,13 +243,13 @@ def _fused_pair(block: type, cache: Path) -> tuple[torch.nn.Module, torch.nn.Mod
 
 def test_a_region_that_mutates_its_state_runs_eagerly(tmp_path):
     blocks, reference = _fused_pair(Counting, tmp_path)
-    before = _row(Counting)
+    before = row(Counting)
     x = torch.randn(4, 16)
     with torch.no_grad():
         for _ in range(2):
             torch.testing.assert_close(blocks(x), reference(x))
     assert [int(b.calls) for b in blocks] == [2, 2]
-    assert _delta(before, Counting)["fallbacks"] == 3 and "writes into its input 6" in _row(Counting)["fallback_reason"]
+    assert delta_since(before, Counting)["fallbacks"] == 3 and "writes into its input 6" in row(Counting)["fallback_reason"]
 
 
 class AddsInPlace(torch.nn.Module):
@@ -371,7 +274,7 @@ class ScalesInPlace(AddsInPlace):
 
 def test_a_region_that_writes_into_its_input_is_compiled_and_writes_it_as_eager_does(tmp_path):
     blocks, reference = _fused_pair(AddsInPlace, tmp_path)
-    before = _row(AddsInPlace)
+    before = row(AddsInPlace)
     with torch.no_grad():
         for _ in range(3):
             x = torch.randn(4, 16)
@@ -380,23 +283,24 @@ def test_a_region_that_writes_into_its_input_is_compiled_and_writes_it_as_eager_
             got = blocks[0](x)
             assert got is x and expected is expected_x  # the result is the input, written, as eager's
             torch.testing.assert_close(x, expected_x)
-    delta = _delta(before, AddsInPlace)
+    delta = delta_since(before, AddsInPlace)
     assert delta["compiles"] == 1 and delta["hits"] == 2 and delta["fallbacks"] == 0
-    cache = _cpu_cache(tmp_path)
+    cache = cpu_cache(tmp_path)
     [(op, key)] = cache.entries()
     assert cache.lookup(op, key).result_structure["writes"] == [0]
     # A new process learns what the kernel writes from the entry, and finds it shared where it is.
     argv = [str(tmp_path), str(ROOT), str(ROOT / "tests"), AddsInPlace.__module__]
     child = subprocess.run([sys.executable, "-c", CHILD_WRITES, *argv], capture_output=True, text=True, timeout=600)
     assert child.returncode == 0, child.stderr[-2000:]
-    row = json.loads(child.stdout.strip().splitlines()[-1])
-    assert (row["compiles"], row["cache_loads"], row["hits"]) == (0, 1, 2)
+    child_row = json.loads(child.stdout.strip().splitlines()[-1])
+    assert (child_row["compiles"], child_row["cache_loads"], child_row["hits"]) == (0, 1, 2)
 
 
 CHILD_WRITES = """
 import copy, json, sys, importlib
 import torch, aoti_eager
 sys.path[:0] = [sys.argv[2], sys.argv[3]]
+from helpers import row
 tests = importlib.import_module(sys.argv[4])
 torch.manual_seed(0)
 blocks = torch.nn.Sequential(tests.AddsInPlace(), tests.AddsInPlace()).eval()
@@ -409,7 +313,7 @@ with torch.no_grad():
         expected = reference[0](expected_x)
         assert blocks[0](x) is x
         torch.testing.assert_close(x, expected_x)
-print(json.dumps(tests._row(tests.AddsInPlace)))
+print(json.dumps(row(tests.AddsInPlace)))
 """
 
 
@@ -421,13 +325,13 @@ def test_a_call_whose_written_input_shares_memory_with_another_runs_eagerly(tmp_
             x_eager = x.clone()
             torch.testing.assert_close(blocks[0](x, y), reference[0](x_eager, y))
             torch.testing.assert_close(x, x_eager)
-        before = _row(ScalesInPlace)
+        before = row(ScalesInPlace)
         x = torch.randn(4, 16)
         x_eager = x.clone()
         torch.testing.assert_close(blocks[0](x, x), reference[0](x_eager, x_eager))  # y is x: it reads x doubled
         torch.testing.assert_close(x, x_eager)
-    assert _delta(before, ScalesInPlace)["fallbacks"] == 1
-    assert "shares memory with another of its tensors" in _row(ScalesInPlace)["fallback_reason"]
+    assert delta_since(before, ScalesInPlace)["fallbacks"] == 1
+    assert "shares memory with another of its tensors" in row(ScalesInPlace)["fallback_reason"]
 
 
 def test_a_kernel_that_disagrees_with_eager_is_not_used(tmp_path, swap_compiler):
@@ -440,11 +344,11 @@ def test_a_kernel_that_disagrees_with_eager_is_not_used(tmp_path, swap_compiler)
     model, x = _model(seed=3), torch.randn(4, 16)
     reference = copy.deepcopy(model)
     aoti_eager.fuse(model, cache_dir=tmp_path)
-    before = _row(Block)
+    before = row(Block)
     with torch.no_grad():
         torch.testing.assert_close(model(x), reference(x))
-    assert _delta(before, Block)["hits"] == 0
-    assert _row(Block)["fallback_reason"] == "compiled kernel disagrees with eager: the region's result: made to differ"
+    assert delta_since(before, Block)["hits"] == 0
+    assert row(Block)["fallback_reason"] == "compiled kernel disagrees with eager: the region's result: made to differ"
 
 
 class Layer(torch.nn.Module):
@@ -481,10 +385,10 @@ def test_a_bf16_block_compiled_whole_is_judged_against_float64(tmp_path):
     blocks, x = _bf16_deep_blocks()
     reference, float64 = copy.deepcopy(blocks), copy.deepcopy(blocks).double()
     aoti_eager.fuse(blocks, cache_dir=tmp_path)
-    before = _row(Deep)
+    before = row(Deep)
     with torch.no_grad():
         actual, expected, exact = blocks(x), reference(x), float64(x.double())
-    assert _delta(before, Deep) == {"calls": 2, "hits": 1, "fallbacks": 0, "compiles": 1, "cache_loads": 0}, _row(Deep)["fallback_reason"]
+    assert delta_since(before, Deep) == {"calls": 2, "hits": 1, "fallbacks": 0, "compiles": 1, "cache_loads": 0}, row(Deep)["fallback_reason"]
     assert (actual.dtype, actual.shape, actual.stride()) == (expected.dtype, expected.shape, expected.stride())
     with pytest.raises(AssertionError):
         torch.testing.assert_close(actual, expected)  # what one op's tolerance would refuse
@@ -511,17 +415,17 @@ def test_a_bf16_kernel_further_from_float64_than_eager_is_refused(tmp_path, monk
     blocks, x = _bf16_deep_blocks()
     reference = copy.deepcopy(blocks)
     aoti_eager.fuse(blocks, cache_dir=tmp_path)
-    before = _row(Deep)
+    before = row(Deep)
     with torch.no_grad():
         torch.testing.assert_close(blocks(x), reference(x), rtol=0, atol=0)
-    assert _delta(before, Deep)["hits"] == 0
-    reason = _row(Deep)["fallback_reason"]
+    assert delta_since(before, Deep)["hits"] == 0
+    reason = row(Deep)["fallback_reason"]
     assert reason.startswith("compiled kernel disagrees with eager: the region's result[0]: Tensor-likes are not close!")
     assert "against a float64 run of the forward: RMSE (res-fp64)" in reason
 
 
 def _region_entries(root: Path, region: type) -> list:
-    cache = _cpu_cache(root)
+    cache = cpu_cache(root)
     return [cache.lookup(op, key) for op, key in cache.entries() if op.endswith(f".{region.__qualname__}")]
 
 
@@ -556,10 +460,10 @@ def _fused_against_eager(cache: Path, seed: int) -> tuple[dict, str | None]:
     model, x = _model(seed=seed), torch.randn(4, 16)
     reference = copy.deepcopy(model)
     aoti_eager.fuse(model, cache_dir=cache)
-    before = _row(Block)
+    before = row(Block)
     with torch.no_grad():
         torch.testing.assert_close(model(x), reference(x))
-    return _delta(before, Block), _row(Block)["fallback_reason"]
+    return delta_since(before, Block), row(Block)["fallback_reason"]
 
 
 def test_a_region_timed_faster_than_eager_keeps_its_kernel(tmp_path, monkeypatch, swap_compiler):
@@ -584,13 +488,13 @@ def test_a_number_read_from_the_data_keeps_eager(tmp_path):
     torch.manual_seed(0)
     blocks = torch.nn.ModuleList(Scoring() for _ in range(2)).eval()
     aoti_eager.fuse(blocks, cache_dir=tmp_path)
-    before = _row(Scoring)
+    before = row(Scoring)
     with torch.no_grad():
         for x in (torch.randn(4, 16), torch.randn(4, 16)):
             y, total = blocks[0](x)
             assert total == y.sum().item()
-    assert _delta(before, Scoring)["hits"] == 0
-    assert "computed from its tensors (their data or sizes)" in _row(Scoring)["fallback_reason"]
+    assert delta_since(before, Scoring)["hits"] == 0
+    assert "computed from its tensors (their data or sizes)" in row(Scoring)["fallback_reason"]
 
 
 def test_a_kernel_that_fails_to_run_falls_back_with_one_line(shared_cache, monkeypatch, caplog):
@@ -606,11 +510,11 @@ def test_a_kernel_that_fails_to_run_falls_back_with_one_line(shared_cache, monke
         for decided in list(_regions._decided.values()):
             if decided.kernel is not None:
                 monkeypatch.setattr(decided, "kernel", Failing())
-        before = _row(Block)
+        before = row(Block)
         with caplog.at_level(logging.WARNING, logger="aoti_eager"):
             torch.testing.assert_close(model(x), reference(x))
-    assert _delta(before, Block)["fallbacks"] == 3
-    assert _row(Block)["fallback_reason"] == "compiled kernel failed to run: RuntimeError: a C++ error"
+    assert delta_since(before, Block)["fallbacks"] == 3
+    assert row(Block)["fallback_reason"] == "compiled kernel failed to run: RuntimeError: a C++ error"
     assert [r.getMessage() for r in caplog.records if "failed to run" in r.getMessage()] == [
         f"aoti_eager: region::{Block.__module__}.Block runs eagerly: compiled kernel failed to run: RuntimeError: a C++ error"]
 
@@ -620,14 +524,14 @@ def test_eager_error_reaches_the_caller_and_the_next_call_compiles(tmp_path):
     lookups = torch.nn.ModuleList(Lookup() for _ in range(2))
     reference = copy.deepcopy(lookups)
     aoti_eager.fuse(lookups, cache_dir=tmp_path)
-    before = _row(Lookup)
+    before = row(Lookup)
     with torch.no_grad():
         with pytest.raises(IndexError):
             lookups[0](torch.tensor([[11]]))
         ids = torch.tensor([[1]])
         torch.testing.assert_close(lookups[1](ids), reference[1](ids))
     # Eager's error comes from the call that records what the forward reads; the next records again, then compiles.
-    assert _delta(before, Lookup) == {"calls": 2, "hits": 0, "fallbacks": 0, "compiles": 1, "cache_loads": 0}
+    assert delta_since(before, Lookup) == {"calls": 2, "hits": 0, "fallbacks": 0, "compiles": 1, "cache_loads": 0}
 
 
 def test_an_instance_with_forward_hooks_runs_them_around_its_kernel(shared_cache):
@@ -637,11 +541,11 @@ def test_an_instance_with_forward_hooks_runs_them_around_its_kernel(shared_cache
     reference = copy.deepcopy(model)
     aoti_eager.fuse(model, cache_dir=shared_cache)
     _warm(model, x)
-    before = _row(Block)
+    before = row(Block)
     with torch.no_grad():
         torch.testing.assert_close(model(x), reference(x))
     assert seen == [torch.Size([4, 16])] * 4  # once a call of each model, not twice in the fused one
-    assert _delta(before, Block)["hits"] == 3 and _delta(before, Block)["fallbacks"] == 0
+    assert delta_since(before, Block)["hits"] == 3 and delta_since(before, Block)["fallbacks"] == 0
 
 
 def test_a_region_compiles_beside_enabled_ops(tmp_path):
@@ -649,13 +553,13 @@ def test_a_region_compiles_beside_enabled_ops(tmp_path):
     reference = copy.deepcopy(model)
     with aoti_eager.enabled(ops=["aten::gelu"], devices=["cpu"], cache_dir=tmp_path), torch.no_grad():
         aoti_eager.fuse(model, cache_dir=tmp_path)
-        before = _row(Block)
+        before = row(Block)
         actual = model(x)  # the compile's own eager runs and checks use the original gelu, not its override
         gelu = aoti_eager.stats()["aten::gelu"]
     with torch.no_grad():
         torch.testing.assert_close(actual, reference(x))
     assert (gelu["calls"], gelu["compiles"]) == (0, 0)
-    assert _delta(before, Block) == {"calls": 3, "hits": 3, "fallbacks": 0, "compiles": 1, "cache_loads": 0}
+    assert delta_since(before, Block) == {"calls": 3, "hits": 3, "fallbacks": 0, "compiles": 1, "cache_loads": 0}
 
 
 class Solving(Block):
@@ -686,12 +590,12 @@ def test_a_block_is_fused_around_an_op_left_to_the_proxy_executor(tmp_path, monk
     model, x = _model(block, seed=6), torch.randn(4, 16)
     reference = copy.deepcopy(model)
     aoti_eager.fuse(model, cache_dir=tmp_path)
-    before = _row(block)
+    before = row(block)
     with torch.no_grad():
         model(x)
         torch.testing.assert_close(model(x), reference(x))
-    delta = _delta(before, block)
-    assert delta["compiles"] == 1 and delta["fallbacks"] == 0 and delta["hits"] >= 5, _row(block)
+    delta = delta_since(before, block)
+    assert delta["compiles"] == 1 and delta["fallbacks"] == 0 and delta["hits"] >= 5, row(block)
     nodes = [node["node"]["target"] for path in tmp_path.rglob("kernel.json") for node in json.loads(path.read_text())["nodes"]]
     assert left in nodes, nodes
 
@@ -700,15 +604,15 @@ def test_grad_enabled_calls_run_eagerly(shared_cache):
     model, x = _model(), torch.randn(4, 16)
     reference = copy.deepcopy(model)
     aoti_eager.fuse(model, cache_dir=shared_cache)
-    before = _row(Block)
+    before = row(Block)
     actual = model(x)
     expected = reference(x)
     torch.testing.assert_close(actual, expected)
     actual.sum().backward()
     expected.sum().backward()
     torch.testing.assert_close(model.blocks[0].fc1.weight.grad, reference.blocks[0].fc1.weight.grad)
-    assert _delta(before, Block) == {"calls": 3, "hits": 0, "fallbacks": 3, "compiles": 0, "cache_loads": 0}
-    assert "grad is enabled" in _row(Block)["fallback_reason"]
+    assert delta_since(before, Block) == {"calls": 3, "hits": 0, "fallbacks": 3, "compiles": 0, "cache_loads": 0}
+    assert "grad is enabled" in row(Block)["fallback_reason"]
 
 
 @pytest.mark.parametrize("block", [PairBlock, TupleBlock])
@@ -717,7 +621,7 @@ def test_output_pytrees(shared_cache, block):
     blocks = torch.nn.ModuleList(block() for _ in range(2)).eval()
     reference = copy.deepcopy(blocks)
     aoti_eager.fuse(blocks, cache_dir=shared_cache)
-    before = _row(block)
+    before = row(block)
     x = torch.randn(4, 16)
     kwargs = {"scale": 0.5, "mask": None} if block is TupleBlock else {}
     with torch.no_grad():
@@ -732,7 +636,7 @@ def test_output_pytrees(shared_cache, block):
                 else:
                     assert a == e
     # 1: the first call records what its forward reads, unless an earlier test of this process did.
-    assert _delta(before, block)["hits"] in (1, 2)
+    assert delta_since(before, block)["hits"] in (1, 2)
 
 
 def test_one_call_fuses_the_blocks_and_enables_the_ops_around_them(shared_cache):
@@ -743,11 +647,11 @@ def test_one_call_fuses_the_blocks_and_enables_the_ops_around_them(shared_cache)
         assert aoti_eager.fuse(model, ops=ops, cache_dir=shared_cache) is model
         # Compiles or loads; a block structure's first call in a process runs its original forward.
         torch.testing.assert_close(model(x), expected)
-        first, before = aoti_eager.stats(), _row(Block)
+        first, before = aoti_eager.stats(), row(Block)
         actual = model(x)
     torch.testing.assert_close(actual, expected)
     stats = aoti_eager.stats()
-    assert _delta(before, Block)["hits"] == 3
+    assert delta_since(before, Block)["hits"] == 3
     # The head, outside the blocks: its kernel ran (compiled or loaded in the first forward).
     assert stats["aten::addmm"]["calls"] == first["aten::addmm"]["calls"] + 1
     assert stats["aten::addmm"]["fallbacks"] == first["aten::addmm"]["fallbacks"]
@@ -819,10 +723,10 @@ def test_unfuse_restores_the_original_forward(shared_cache):
     assert all(block.forward.__func__ is not Block.forward for block in model.blocks)
     assert aoti_eager.unfuse(model) is model
     assert all("forward" not in block.__dict__ and block.forward.__func__ is Block.forward for block in model.blocks)
-    before = _row(Block)
+    before = row(Block)
     with torch.no_grad():
         model(torch.randn(4, 16))
-    assert _delta(before, Block)["calls"] == 0
+    assert delta_since(before, Block)["calls"] == 0
 
 
 class Unused(Block):
@@ -857,18 +761,18 @@ def test_compile_never_runs_eagerly_on_a_miss(tmp_path):
     model, x = _model(), torch.randn(4, 16)
     reference = copy.deepcopy(model)
     aoti_eager.fuse(model, compile="never", cache_dir=tmp_path)
-    before = _row(Block)
+    before = row(Block)
     with torch.no_grad():
         torch.testing.assert_close(model(x), reference(x))
-    assert _delta(before, Block) == {"calls": 3, "hits": 0, "fallbacks": 3, "compiles": 0, "cache_loads": 0}
-    assert "compile='never'" in _row(Block)["fallback_reason"]
-    assert _cache_entries(tmp_path) == []
+    assert delta_since(before, Block) == {"calls": 3, "hits": 0, "fallbacks": 3, "compiles": 0, "cache_loads": 0}
+    assert "compile='never'" in row(Block)["fallback_reason"]
+    assert cache_entries(tmp_path) == []
     aoti_eager.unfuse(model)
     aoti_eager.fuse(model, cache_dir=tmp_path)  # compile="now" is not held back by what "never" decided
-    before = _row(Block)
+    before = row(Block)
     with torch.no_grad():
         torch.testing.assert_close(model(x), reference(x))
-    assert _delta(before, Block) == {"calls": 3, "hits": 3, "fallbacks": 0, "compiles": 1, "cache_loads": 0}
+    assert delta_since(before, Block) == {"calls": 3, "hits": 3, "fallbacks": 0, "compiles": 1, "cache_loads": 0}
 
 
 def test_compile_background_runs_eagerly_until_the_kernel_is_published(tmp_path, swap_compiler):
@@ -883,18 +787,18 @@ def test_compile_background_runs_eagerly_until_the_kernel_is_published(tmp_path,
     model, x = _model(seed=10), torch.randn(4, 16)
     reference = copy.deepcopy(model)
     aoti_eager.fuse(model, compile="background", cache_dir=tmp_path)
-    before = _row(Block)
+    before = row(Block)
     with torch.no_grad():
         for _ in range(2):
             torch.testing.assert_close(model(x), reference(x))
-        assert (_row(Block)["queued"], _row(Block)["compiling"], _row(Block)["fallback_reason"]) == (
+        assert (row(Block)["queued"], row(Block)["compiling"], row(Block)["fallback_reason"]) == (
             before["queued"] + 1, 1, "its kernel is compiling in the background")
         go.set()
         assert aoti_eager.wait(timeout=600)
-        assert _row(Block)["compiling"] == 0
+        assert row(Block)["compiling"] == 0
         torch.testing.assert_close(model(x), reference(x))
     assert len(compiled_on) == 1 and compiled_on[0] is not threading.current_thread()
-    assert _delta(before, Block) == {"calls": 9, "hits": 3, "fallbacks": 6, "compiles": 1, "cache_loads": 0}
+    assert delta_since(before, Block) == {"calls": 9, "hits": 3, "fallbacks": 6, "compiles": 1, "cache_loads": 0}
 
 
 def test_training_flags_and_autocast_are_part_of_the_call(shared_cache):
@@ -907,12 +811,12 @@ def test_training_flags_and_autocast_are_part_of_the_call(shared_cache):
     assert instance.state().structure != in_eval
     model.eval()
     assert instance.state().structure == in_eval
-    before = _row(Block)
+    before = row(Block)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         actual, expected = model(x), reference(x)
     assert actual.dtype == expected.dtype == torch.bfloat16
     torch.testing.assert_close(actual, expected)
-    assert _delta(before, Block)["fallbacks"] == 3 and "autocast" in _row(Block)["fallback_reason"]
+    assert delta_since(before, Block)["fallbacks"] == 3 and "autocast" in row(Block)["fallback_reason"]
 
 
 def test_gpt2_blocks(shared_cache):
@@ -923,7 +827,7 @@ def test_gpt2_blocks(shared_cache):
     reference = copy.deepcopy(model)
     block = type(model.transformer.h[0])
     aoti_eager.fuse(model, cache_dir=shared_cache)
-    before = _row(block)
+    before = row(block)
     # The blocks; not the final norm nor the embeddings' dropout, whose kind repeats only inside the blocks.
     assert [name for name, m in model.named_modules() if "forward" in m.__dict__] == ["transformer.h.0", "transformer.h.1"]
     ids = torch.randint(0, 100, (2, 12))
@@ -931,9 +835,9 @@ def test_gpt2_blocks(shared_cache):
         actual = model(ids, use_cache=False).logits
         expected = reference(ids, use_cache=False).logits
     torch.testing.assert_close(actual, expected)
-    delta = _delta(before, block)
+    delta = delta_since(before, block)
     # 1 hit: the first call records what its forward reads, unless an earlier test of this process did.
-    assert delta["compiles"] == 1 and delta["hits"] in (1, 2), _row(block)["fallback_reason"]
+    assert delta["compiles"] == 1 and delta["hits"] in (1, 2), row(block)["fallback_reason"]
 
 
 def test_gpt2_generate_with_its_kv_cache_runs_the_blocks_eagerly(shared_cache):
@@ -949,7 +853,7 @@ def test_gpt2_generate_with_its_kv_cache_runs_the_blocks_eagerly(shared_cache):
         tokens = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
         expected = reference.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert tokens.tolist() == expected.tolist()
-    assert "unsupported input: a value of type DynamicCache" in _row(type(model.transformer.h[0]))["fallback_reason"]
+    assert "unsupported input: a value of type DynamicCache" in row(type(model.transformer.h[0]))["fallback_reason"]
 
 
 # The hit path: a call keyed like one decided before, with the instance's state unchanged, runs the kernel at once.
@@ -963,7 +867,7 @@ def test_a_repeated_call_is_neither_described_nor_flattened(shared_cache, monkey
     aoti_eager.fuse(model, cache_dir=shared_cache)
     with torch.no_grad():
         model(x), model(x)  # decided
-        before = _row(Block)
+        before = row(Block)
         counted = {"described": 0, "pytree": 0}
 
         def counting(name, original):
@@ -981,7 +885,7 @@ def test_a_repeated_call_is_neither_described_nor_flattened(shared_cache, monkey
     for a in actual:
         torch.testing.assert_close(a, expected)
     assert counted == {"described": 0, "pytree": 0}
-    assert _delta(before, Block) == {"calls": 9, "hits": 9, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
+    assert delta_since(before, Block) == {"calls": 9, "hits": 9, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
 
 
 def _warm(model, x, calls: int = 2):
@@ -1006,12 +910,12 @@ def test_to_dtype_prepares_the_state_again(shared_cache):
     _warm(blocks, x)
     for m in (blocks, reference):
         m.to(torch.float64)
-    before = _row(Casting)
+    before = row(Casting)
     with torch.no_grad():
         actual, expected = blocks(x), reference(x)
     assert actual.dtype == torch.float64
     torch.testing.assert_close(actual, expected)
-    assert _delta(before, Casting)["hits"] == 1  # a new structure: its first call records what its forward reads
+    assert delta_since(before, Casting)["hits"] == 1  # a new structure: its first call records what its forward reads
 
 
 def test_data_assigned_with_other_strides_prepares_the_state_again(shared_cache):
@@ -1030,13 +934,13 @@ def test_load_state_dict_uses_the_new_values_without_a_compile(shared_cache):
     model, x = _model(), torch.randn(4, 16)
     aoti_eager.fuse(model, cache_dir=shared_cache)
     _warm(model, x)
-    before = _row(Block)
+    before = row(Block)
     for seed, assign in ((7, False), (8, True)):  # copied into the parameters; new parameter objects
         other = _model(seed=seed)
         model.load_state_dict(other.state_dict(), assign=assign)
         with torch.no_grad():
             torch.testing.assert_close(model(x), other(x))
-    assert _delta(before, Block) == {"calls": 6, "hits": 6, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
+    assert delta_since(before, Block) == {"calls": 6, "hits": 6, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
 
 
 class Training(Block):
@@ -1092,22 +996,22 @@ def test_grad_mode_and_requires_grad_are_seen_by_the_hit_path(shared_cache):
     reference = copy.deepcopy(model)
     aoti_eager.fuse(model, cache_dir=shared_cache)
     _warm(model, x)
-    before = _row(Block)
+    before = row(Block)
     actual = model(x)  # grad enabled, parameters that require it: eager, with autograd
     assert actual.requires_grad
     actual.sum().backward()
     reference(x).sum().backward()
     torch.testing.assert_close(model.blocks[0].fc1.weight.grad, reference.blocks[0].fc1.weight.grad)
-    assert _delta(before, Block)["fallbacks"] == 3
+    assert delta_since(before, Block)["fallbacks"] == 3
     model.requires_grad_(False)
     _warm(model, x)
-    before = _row(Block)
+    before = row(Block)
     torch.testing.assert_close(model(x), reference(x))  # grad enabled, nothing requires it: the kernel
     model.blocks[2].requires_grad_(True)
     actual = model(x)
     assert actual.requires_grad
     torch.testing.assert_close(actual, reference(x))
-    assert _delta(before, Block) == {"calls": 6, "hits": 5, "fallbacks": 1, "compiles": 0, "cache_loads": 0}
+    assert delta_since(before, Block) == {"calls": 6, "hits": 5, "fallbacks": 1, "compiles": 0, "cache_loads": 0}
 
 
 def test_a_new_shape_is_decided_anew_and_the_old_one_still_hits(shared_cache):
@@ -1116,11 +1020,11 @@ def test_a_new_shape_is_decided_anew_and_the_old_one_still_hits(shared_cache):
     aoti_eager.fuse(model, cache_dir=shared_cache)
     small, large = torch.randn(4, 16), torch.randn(8, 16)
     _warm(model, small)
-    before = _row(Block)
+    before = row(Block)
     with torch.no_grad():
         for x in (large, small, large):
             torch.testing.assert_close(model(x), reference(x))
-    assert _delta(before, Block)["compiles"] <= 1 and _delta(before, Block)["hits"] == 9
+    assert delta_since(before, Block)["compiles"] <= 1 and delta_since(before, Block)["hits"] == 9
 
 
 class Scaled(Block):
@@ -1145,7 +1049,7 @@ def test_the_hit_path_keys_values_by_type_and_value(shared_cache):
         for _ in range(3):  # decided, then hits
             for args, kwargs in calls:
                 torch.testing.assert_close(blocks[0](*args, **kwargs), reference[0](*args, **kwargs))
-    assert _row(Scaled)["fallbacks"] == 0, _row(Scaled)["fallback_reason"]
+    assert row(Scaled)["fallbacks"] == 0, row(Scaled)["fallback_reason"]
 
 
 class Nested(Block):
@@ -1171,7 +1075,7 @@ def test_nested_arguments_are_keyed_by_their_pytree(shared_cache, monkeypatch):
                 monkeypatch.setattr(region.RegionCall, "of", lambda *a, **k: described.append(a))
             for args in calls:
                 torch.testing.assert_close(blocks[0](*args), reference[0](*args))
-    assert described == [] and _row(Nested)["fallbacks"] == 0, _row(Nested)["fallback_reason"]
+    assert described == [] and row(Nested)["fallbacks"] == 0, row(Nested)["fallback_reason"]
 
 
 def test_new_values_of_a_number_compile_up_to_the_limit_then_run_eagerly(tmp_path):
@@ -1180,13 +1084,13 @@ def test_new_values_of_a_number_compile_up_to_the_limit_then_run_eagerly(tmp_pat
     blocks = torch.nn.ModuleList(TupleBlock() for _ in range(2)).eval()
     reference = copy.deepcopy(blocks)
     aoti_eager.fuse(blocks, cache_dir=tmp_path)
-    before = _row(TupleBlock)
+    before = row(TupleBlock)
     x = torch.randn(4, 16)
     with settings.max_value_variants.set_to("2"), torch.no_grad():
         for scale in (0.5, 1.5, 2.5, 3.5):
             torch.testing.assert_close(blocks[0](x, scale)[0], reference[0](x, scale)[0])
-    assert _delta(before, TupleBlock)["compiles"] == 2
-    assert "AOTI_EAGER_MAX_VALUE_VARIANTS=2" in _row(TupleBlock)["fallback_reason"]
+    assert delta_since(before, TupleBlock)["compiles"] == 2
+    assert "AOTI_EAGER_MAX_VALUE_VARIANTS=2" in row(TupleBlock)["fallback_reason"]
 
 
 class Measuring(Block):
@@ -1202,15 +1106,15 @@ def test_new_shapes_compile_up_to_the_limit_then_run_eagerly(tmp_path):
     blocks = torch.nn.ModuleList(Measuring() for _ in range(2)).eval()
     reference = copy.deepcopy(blocks)
     aoti_eager.fuse(blocks, cache_dir=tmp_path)
-    before = _row(Measuring)
+    before = row(Measuring)
     with settings.max_shape_compiles.set_to("3"), torch.no_grad():
         for batch in range(1, 8):
             x = torch.randn(batch, 16)
             actual, expected = blocks[0](x), reference[0](x)
             torch.testing.assert_close(actual[0], expected[0])
             assert actual[1] == expected[1]
-    assert _delta(before, Measuring)["compiles"] <= 3
-    assert "AOTI_EAGER_MAX_SHAPE_COMPILES=3" in _row(Measuring)["fallback_reason"]
+    assert delta_since(before, Measuring)["compiles"] <= 3
+    assert "AOTI_EAGER_MAX_SHAPE_COMPILES=3" in row(Measuring)["fallback_reason"]
 
 
 class Slicing(Model):
@@ -1233,7 +1137,7 @@ def test_an_assignment_outside_the_regions_keeps_their_prepared_state(shared_cac
     aoti_eager.fuse(model, cache_dir=shared_cache)
     _warm(model, x)
     prepared = _prepared(model)
-    before = _row(Block)
+    before = row(Block)
     model.head = torch.nn.Linear(16, 4)  # outside the regions, on their parent
     reference.head = copy.deepcopy(model.head)
     torch.nn.Linear(2, 2).weight = torch.nn.Parameter(torch.ones(2, 2))  # anywhere else
@@ -1241,7 +1145,7 @@ def test_an_assignment_outside_the_regions_keeps_their_prepared_state(shared_cac
         for _ in range(3):
             torch.testing.assert_close(model(x), reference(x))
     assert all(a is b for a, b in zip(_prepared(model), prepared))
-    assert _delta(before, Block) == {"calls": 9, "hits": 9, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
+    assert delta_since(before, Block) == {"calls": 9, "hits": 9, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
 
 
 @pytest.mark.parametrize("change", ["parameter", "submodule", "buffer", "deleted"])
@@ -1296,11 +1200,11 @@ def test_a_refused_call_is_decided_once(shared_cache, monkeypatch, why):
     described = []
     monkeypatch.setattr(region.RegionCall, "of", lambda *a, **k: described.append(a))
     monkeypatch.setattr(_regions._Instance, "state", lambda *a: described.append(a))
-    before = _row(Cached)
+    before = row(Cached)
     for _ in range(3):
         torch.testing.assert_close(blocks[0](x, **kwargs), reference[0](x))
     assert described == []
-    assert _delta(before, Cached) == {"calls": 3, "hits": 0, "fallbacks": 3, "compiles": 0, "cache_loads": 0}
+    assert delta_since(before, Cached) == {"calls": 3, "hits": 0, "fallbacks": 3, "compiles": 0, "cache_loads": 0}
 
 
 def test_a_call_refused_for_grad_is_decided_again_once_its_parameters_are_frozen(shared_cache):
@@ -1309,16 +1213,16 @@ def test_a_call_refused_for_grad_is_decided_again_once_its_parameters_are_frozen
     aoti_eager.fuse(model, cache_dir=shared_cache)
     _warm(model, x)
     model.requires_grad_(True)
-    before = _row(Block)
+    before = row(Block)
     torch.testing.assert_close(model(x), reference(x))  # grad enabled: refused
     model.blocks[0].note = "a value the forward does not read"
     torch.testing.assert_close(model(x), reference(x))  # still refused: eager's result is right whatever changed
-    assert _delta(before, Block)["fallbacks"] == 6
+    assert delta_since(before, Block)["fallbacks"] == 6
     model.requires_grad_(False)  # the refusal's tensors changed: decided again, with grad still enabled
     with torch.no_grad():
         expected = reference(x)
     torch.testing.assert_close(model(x), expected)
-    assert _delta(before, Block)["hits"] == 3
+    assert delta_since(before, Block)["hits"] == 3
 
 
 class Biased(Block):
@@ -1341,12 +1245,12 @@ def test_a_block_class_of_two_structures_is_fused_with_a_kernel_each(tmp_path):
     # The blocks, both structures; not the ReLUs nor the Linears, leaves that repeat.
     assert [name for name, m in model.named_modules() if "forward" in m.__dict__] == ["0", "1", "2"]
     x = torch.randn(4, 16)
-    before = _row(Biased)
+    before = row(Biased)
     with torch.no_grad():
         for _ in range(2):
             torch.testing.assert_close(model(x), reference(x))
-    delta = _delta(before, Biased)
-    assert delta["compiles"] == 2 and delta["fallbacks"] == 0 and delta["hits"] >= 3, _row(Biased)["fallback_reason"]
+    delta = delta_since(before, Biased)
+    assert delta["compiles"] == 2 and delta["fallbacks"] == 0 and delta["hits"] >= 3, row(Biased)["fallback_reason"]
 
 
 def test_leaf_modules_are_regions_only_where_named(shared_cache):

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -27,89 +25,15 @@ from aoti_eager.cache import KernelCache, remote, signing
 from aoti_eager.cache.entry_store import LockedElsewhere
 from aoti_eager.cache.store import LIBRARY_FILE
 from aoti_eager.kernels.toolchain import environment_name
-from helpers import assert_same_as_eager, publish_kernel, run_shapes
+from helpers import (
+    ENVIRONMENT, REDIS_SERVER, RedisServer, assert_same_as_eager, free_port, machine, publish_kernel, refusals, run_shapes,
+)
 
-redis = pytest.importorskip("redis", reason="the fleet cache's tests need the redis client: pip install 'aoti-eager[remote]'")
-REDIS_SERVER = shutil.which("redis-server")
+pytest.importorskip("redis", reason="the fleet cache's tests need the redis client: pip install 'aoti-eager[remote]'")
 pytestmark = pytest.mark.skipif(
     REDIS_SERVER is None,
     reason="redis-server is not installed (Debian: apt-get install -y redis-server; scripts/setup_env.sh installs it as root)",
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RedisServer:
-    """A ``redis-server`` of the test's own, on a free loopback port, keeping nothing on disk."""
-
-    def __init__(self, directory: Path, *options: str):
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process = subprocess.Popen(
-            [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(directory), *options],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        self.client = redis.Redis(host="127.0.0.1", port=self.port, password=self._password(options))
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                self.client.ping()
-                return
-            except redis.ConnectionError:
-                assert self.process.poll() is None and time.monotonic() < deadline, "redis-server did not start"
-                time.sleep(0.02)
-
-    @staticmethod
-    def _password(options: tuple[str, ...]) -> str | None:
-        return options[options.index("--requirepass") + 1] if "--requirepass" in options else None
-
-    def stop(self) -> None:
-        self.process.kill()
-        self.process.wait()
-
-
-@pytest.fixture(scope="session")
-def redis_session(tmp_path_factory) -> Iterator[RedisServer]:
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def server(redis_session, monkeypatch) -> RedisServer:
-    """The session's server, emptied, and this process's view of every
-    server forgotten (breakers, warnings given)."""
-    redis_session.client.flushall()
-    monkeypatch.setattr(remote, "_servers", {})
-    return redis_session
-
-
-@pytest.fixture
-def keys(tmp_path, monkeypatch) -> Path:
-    """A signing key set, and its public key trusted; returns the private key."""
-    signing.generate_key_pair(tmp_path / "fleet-key")
-    monkeypatch.setenv(settings.signing_key.name, str(tmp_path / "fleet-key"))
-    monkeypatch.setenv(settings.trusted_keys.name, str(tmp_path / "fleet-key.pub"))
-    return tmp_path / "fleet-key"
-
-
-ENVIRONMENT = "cpu-test-environment"
-
-
-def machine(root: Path, url: str) -> KernelCache:
-    """A machine's local cache at ``root``, the fleet cache at ``url`` behind it."""
-    cache = KernelCache(root, ENVIRONMENT)
-    cache.behind = remote.tier(url, ENVIRONMENT)
-    return cache
-
-
-def refusals(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "aoti_eager" in r.getMessage()]
 
 
 def test_an_entry_published_on_one_machine_is_used_on_another(server, keys, tmp_path):
