@@ -16,8 +16,9 @@ import logging
 import os
 import re
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -31,6 +32,7 @@ from aoti_eager.kernels.compile import compile_options, flat_tensor_inputs
 from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily
 from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad, check_loads, runtime_crashes
 from aoti_eager.kernels.pipeline import Loader, NotCompiled, Outcome, Published, compile_signature, time_kernel
+from aoti_eager.kernels.seam import Seam
 from aoti_eager.kernels.speed import Timer
 from aoti_eager.kernels.signature import qualified_name
 from aoti_eager.kernels.toolchain import environment_name
@@ -153,7 +155,16 @@ def load_library(
 ) -> Any:
     """A library of ``cache`` loaded as a kernel on ``device`` (probed first
     where none of its environment has loaded yet), checked to take the
-    ``inputs`` tensors that the call ``call`` gives it."""
+    ``inputs`` tensors that the call ``call`` gives it; ``known_good``: a
+    published entry's, not one a compile is about to check. What loads it
+    is :func:`current`'s :class:`Loading`."""
+    return _loading.current().library(cache, device, library, output_counts, inputs, call, known_good, runtime_arguments)
+
+
+def _load_library(
+    cache: EntryStore, device: torch.device, library: Path, output_counts: list[int], inputs: int, call: str,
+    known_good: bool, runtime_arguments: list[Any] | tuple[Any, ...],
+) -> Any:
     check_loads(cache.directory.name, library, str(device), output_counts, known_good)
     extension = _extension.load()
     if device.type == "cpu":
@@ -163,6 +174,20 @@ def load_library(
     if kernel.num_inputs != inputs:
         raise DamagedEntry(f"its library takes {kernel.num_inputs} inputs, a call ({call}) gives {inputs}")
     return kernel
+
+
+@dataclass(frozen=True)
+class Loading:
+    """What a library is loaded as, for a compile's checks and for the calls
+    it serves: ``library`` as :func:`load_library` takes its arguments (by
+    default the library loaded by ``_C``; a test gives a stand-in kernel, or
+    one that wraps the loaded one, with :func:`scope`)."""
+
+    library: Callable[..., Any] = _load_library
+
+
+_loading = Seam(Loading())
+current, scope = _loading.current, _loading.scope
 
 
 def load_entry(cache: EntryStore, signature: CallSignature, entry: Entry) -> Any:

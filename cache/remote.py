@@ -277,6 +277,13 @@ def server(url: str) -> Server:
         return _servers.setdefault(url, Server(url))
 
 
+def forget() -> None:
+    """Drops what this process knows of every server (breakers, warnings
+    given): a later call asks each again, as a new process does."""
+    with _servers_lock:
+        _servers.clear()
+
+
 def tier(url: str, environment: str, wait: float = 0.0) -> RedisTier:
     """The fleet cache at ``url`` for one environment (see the module's docstring)."""
     return RedisTier(server(url), environment, wait)

@@ -30,6 +30,7 @@ from torch._prims_common import (
 from torch.fx.experimental import _config as fx_config
 
 from aoti_eager.cache.store import LIBRARY_FILE
+from aoti_eager.kernels import toolchain
 from aoti_eager.kernels.inductor import headers, scratch, shims
 from aoti_eager.kernels.inductor.parallel_grain import parallel_above_grain
 from aoti_eager.kernels.inductor.vec_isa import known_vec_isas
@@ -525,7 +526,7 @@ def _export_and_compile(
             # Dynamic threads: a dynamic-shape kernel (see _dynamic_options).
             grain = parallel_above_grain() if inductor_options.get("cpp.dynamic_threads") else contextlib.nullcontext()
             patterns = contextlib.nullcontext() if whole_graph else _without_whole_graph_patterns(device_type)
-            with split_wrapper_builds(shared_dir, seconds, linker()), grain, patterns, shims.declared_only(device_type):
+            with split_wrapper_builds(shared_dir, seconds, linker()), grain, patterns, shims.declared_only(device_type, toolchain.current().declared_shims(device_type)):
                 torch._inductor.aot_compile(
                     exported.module(), example,
                     options={**inductor_options, "aot_inductor.output_path": str(library)},

@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 
 from aoti_eager.cache import layout
-from aoti_eager.kernels.inductor import vec_isa
+from aoti_eager.kernels.inductor import shims, vec_isa
 from aoti_eager.kernels.seam import Seam
 from aoti_eager.version import __version__
 
@@ -176,6 +176,7 @@ class Toolchain:
     usable_vec_isas: Callable[[], dict[str, list[str]]] = vec_isa.usable
     remembered_vec_isas: Callable[[], dict[str, list[str]] | None] = vec_isa.remembered
     vec_isas_known: Callable[[], bool] = vec_isa.known
+    declared_shims: Callable[[str], frozenset[str] | None] = shims.declared_shims  # (device type): by name
 
 
 _toolchain = Seam(Toolchain())

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import aoti_eager
-from aoti_eager import settings
+from aoti_eager import _mechanism, settings
 from aoti_eager.cache import KernelCache, remote, signing
 from aoti_eager.kernels import pipeline, toolchain
 from aoti_eager.kernels.toolchain import environment_name
@@ -50,6 +50,15 @@ def swap_compiler():
 
 
 @pytest.fixture
+def swap_loading():
+    """``swap_loading(library=...)``: what loads every library, for a
+    compile's checks and for the calls its kernel serves, for the rest of the
+    test (:func:`aoti_eager._mechanism.scope`)."""
+    with contextlib.ExitStack() as scopes:
+        yield lambda **parts: scopes.enter_context(_mechanism.scope(**parts))
+
+
+@pytest.fixture
 def swap_toolchain():
     """``swap_toolchain(cpu_isa=..., ...)``: those answers of the
     :class:`~aoti_eager.kernels.toolchain.Toolchain` for the rest of the test
@@ -77,11 +86,11 @@ def redis_session(tmp_path_factory) -> Iterator[RedisServer]:
 
 
 @pytest.fixture
-def server(redis_session, monkeypatch) -> RedisServer:
+def server(redis_session) -> RedisServer:
     """The session's server, emptied, and this process's view of every
     server forgotten (breakers, warnings given)."""
     redis_session.client.flushall()
-    monkeypatch.setattr(remote, "_servers", {})
+    remote.forget()
     return redis_session
 
 

@@ -6,6 +6,8 @@ new process that loads them."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import hashlib
 import io
 import json
@@ -16,10 +18,11 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -70,6 +73,45 @@ class FakeKernel:
     def __init__(self, run: Callable[[list[torch.Tensor]], list[torch.Tensor]], output_counts: list[int]):
         self.run = run
         self.output_counts = output_counts
+
+
+class Wrapped:
+    """A loaded kernel whose ``run`` is ``run(kernel, inputs)``: a stand-in
+    that checks, records or alters what the kernel does, handed out by
+    ``swap_loading`` (tests/conftest.py). Everything else is the kernel's."""
+
+    def __init__(self, kernel: Any, run: Callable[[Any, list[torch.Tensor]], list[torch.Tensor]]):
+        self.kernel, self._run = kernel, run
+
+    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self._run(self.kernel, inputs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.kernel, name)
+
+
+@contextlib.contextmanager
+def calls_to(*functions: Callable[..., Any]) -> Iterator[collections.Counter]:
+    """Counts, by qualified name, the calls of ``functions`` that the block
+    makes in any thread, watching (``sys.setprofile``) rather than replacing
+    them."""
+    watched = {getattr(f, "__func__", f) for f in functions}
+    codes = {f.__code__: f.__qualname__ for f in watched if hasattr(f, "__code__")}
+    counted: collections.Counter = collections.Counter()
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code in codes:
+            counted[codes[frame.f_code]] += 1
+        elif event == "c_call" and arg in watched:
+            counted[arg.__qualname__] += 1
+
+    sys.setprofile(profile)
+    threading.setprofile(profile)
+    try:
+        yield counted
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
 
 
 def clone_tree(value: Any, memo: dict[int, torch.Tensor] | None = None) -> Any:

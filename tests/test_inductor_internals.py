@@ -77,18 +77,18 @@ def test_an_op_whose_c_shim_the_headers_gate_on_a_later_torch_goes_to_the_proxy_
     from torchgen.aoti.fallback_ops import inductor_fallback_ops
 
     listed = dict(inductor_fallback_ops)
-    with shims.declared_only("cpu"):  # the installed headers: CUDA's attention has no CPU shim
+    with shims.declared_only("cpu", shims.declared_shims("cpu")):  # the installed headers: CUDA's attention has no CPU shim
         assert "aten._cdist_forward.default" in inductor_fallback_ops
         assert "aten._flash_attention_forward.default" not in inductor_fallback_ops
     assert inductor_fallback_ops == listed
     monkeypatch.setattr(torch, "__version__", "2.11.0")  # whose CUDA header gates _grouped_mm's shim on 2.12
-    shims._declared.cache_clear()
+    shims.declared_shims.cache_clear()
     try:
-        with shims.declared_only("cuda"):
+        with shims.declared_only("cuda", shims.declared_shims("cuda")):
             assert "aten._grouped_mm.default" not in inductor_fallback_ops
             assert "aten.bucketize.Tensor" in inductor_fallback_ops
     finally:
-        shims._declared.cache_clear()
+        shims.declared_shims.cache_clear()
     assert inductor_fallback_ops == listed
 
 

@@ -129,7 +129,7 @@ def test_a_region_published_to_the_fleet_is_loaded_by_another_machine(server, ke
 
 
 def test_a_fleet_that_does_not_answer_leaves_regions_on_the_local_cache(compiled, keys, tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(remote, "_servers", {})
+    remote.forget()
     dead = f"redis://127.0.0.1:{free_port()}/0"
     torch.manual_seed(0)
     model, x, y = Model(Block).eval(), torch.randn(4, 16), torch.randn(5, 16)

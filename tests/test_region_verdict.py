@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import aoti_eager
-from aoti_eager import _mechanism, _regions
+from aoti_eager import _regions
 from aoti_eager.kernels import pipeline
 from aoti_eager.kernels.pipeline import Published
 from aoti_eager.kernels.region import RegionCall, region_name, state_of, state_structure
@@ -67,12 +67,11 @@ def test_a_float32_kernel_as_near_float64_as_eager_is_published(cache, tmp_path,
     assert cache.lookup(call.name, call.key).library is not None
 
 
-def test_a_kernel_that_disagrees_is_refused_for_this_process_and_not_recorded(tmp_path, monkeypatch, swap_compiler):
+def test_a_kernel_that_disagrees_is_refused_for_this_process_and_not_recorded(tmp_path, swap_loading, swap_compiler):
     compiled = []
     compile = fake_artifact(tmp_path)
     swap_compiler(compile_module=lambda *args, **kwargs: compiled.append(1) or compile(*args, **kwargs))
-    monkeypatch.setattr(_mechanism, "load_library", lambda *args, known_good, **kwargs: (
-        pytest.fail("nothing was published to load") if known_good else FakeKernel(wrong, [-1])))
+    swap_loading(library=lambda *args: pytest.fail("nothing was published to load") if args[6] else FakeKernel(wrong, [-1]))
     x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(0))
 
     def calls(module: Spread) -> None:

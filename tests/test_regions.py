@@ -18,11 +18,11 @@ import torch
 import torch.utils._pytree as pytree
 
 import aoti_eager
-from aoti_eager import _background, _regions, settings
+from aoti_eager import _background, _mechanism, _regions, settings
 from aoti_eager.kernels import speed
 from aoti_eager.kernels.compile import compile_module
 from aoti_eager.kernels.inductor import shims
-from helpers import ROOT, Block, Model, cache_entries, compile_block, cpu_cache, delta_since, row, row_in_a_child
+from helpers import ROOT, Block, Model, Wrapped, cache_entries, calls_to, compile_block, cpu_cache, delta_since, row, row_in_a_child
 
 class Gate(torch.nn.Module):
     """Data-dependent control flow, which torch.export does not trace."""
@@ -396,9 +396,7 @@ def test_a_bf16_block_compiled_whole_is_judged_against_float64(tmp_path):
     assert _rmse(actual, exact) <= 3 * _rmse(expected, exact) + 1e-4
 
 
-def test_a_bf16_kernel_further_from_float64_than_eager_is_refused(tmp_path, monkeypatch):
-    from aoti_eager import _mechanism
-
+def test_a_bf16_kernel_further_from_float64_than_eager_is_refused(tmp_path, swap_loading):
     class Skewed:
         """The kernel, its first output 3% too large."""
 
@@ -409,9 +407,9 @@ def test_a_bf16_kernel_further_from_float64_than_eager_is_refused(tmp_path, monk
             outputs = self.kernel.run(inputs)
             return [outputs[0].mul_(1.03), *outputs[1:]]
 
-    load = _mechanism.load_library
-    monkeypatch.setattr(_mechanism, "load_library", lambda *args, known_good, **kwargs: (
-        load(*args, known_good=known_good, **kwargs) if known_good else Skewed(load(*args, known_good=known_good, **kwargs))))
+    load = _mechanism.current().library
+    # A compile checks the skewed kernel; nothing disagreeing is published for a call to load.
+    swap_loading(library=lambda *args: load(*args) if args[6] else Skewed(load(*args)))
     blocks, x = _bf16_deep_blocks()
     reference = copy.deepcopy(blocks)
     aoti_eager.fuse(blocks, cache_dir=tmp_path)
@@ -497,22 +495,24 @@ def test_a_number_read_from_the_data_keeps_eager(tmp_path):
     assert "computed from its tensors (their data or sizes)" in row(Scoring)["fallback_reason"]
 
 
-def test_a_kernel_that_fails_to_run_falls_back_with_one_line(shared_cache, monkeypatch, caplog):
-    class Failing:
-        def run(self, inputs):
-            raise RuntimeError("a C++ error\nwith a frame dump")
+def test_a_kernel_that_fails_to_run_falls_back_with_one_line(tmp_path, swap_loading, caplog):
+    def failing(kernel, inputs):
+        raise RuntimeError("a C++ error\nwith a frame dump")
 
     model, x = _model(), torch.randn(4, 16)
     reference = copy.deepcopy(model)
-    aoti_eager.fuse(model, cache_dir=shared_cache)
-    with torch.no_grad():
-        model(x)  # decided: the kernel
-        for decided in list(_regions._decided.values()):
-            if decided.kernel is not None:
-                monkeypatch.setattr(decided, "kernel", Failing())
+    aoti_eager.fuse(model, cache_dir=tmp_path)
+    _warm(model, x)  # its kernel in the cache
+    # As in a new process: the kernel loaded from the cache (this test's own) fails to run.
+    aoti_eager.unfuse(model)
+    _regions.forget()
+    load = _mechanism.current().library
+    swap_loading(library=lambda *args: Wrapped(load(*args), failing) if args[6] else load(*args))
+    aoti_eager.fuse(model, cache_dir=tmp_path)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="aoti_eager"):
+        torch.testing.assert_close(model(x), reference(x))  # its result's structure learnt, then the kernel runs
         before = row(Block)
-        with caplog.at_level(logging.WARNING, logger="aoti_eager"):
-            torch.testing.assert_close(model(x), reference(x))
+        torch.testing.assert_close(model(x), reference(x))
     assert delta_since(before, Block)["fallbacks"] == 3
     assert row(Block)["fallback_reason"] == "compiled kernel failed to run: RuntimeError: a C++ error"
     assert [r.getMessage() for r in caplog.records if "failed to run" in r.getMessage()] == [
@@ -584,9 +584,9 @@ class Projecting(Block):
     # choice whose C shim the headers do not declare.
     (Projecting, "aten::mm", {"aoti_torch_cpu_mm_out", "aoti_torch_aten_mm_out"}),
 ])
-def test_a_block_is_fused_around_an_op_left_to_the_proxy_executor(tmp_path, monkeypatch, block, left, undeclared):
-    declared = shims._declared("cpu") - undeclared
-    monkeypatch.setattr(shims, "_declared", lambda device_type: declared)
+def test_a_block_is_fused_around_an_op_left_to_the_proxy_executor(tmp_path, swap_toolchain, block, left, undeclared):
+    declared = shims.declared_shims("cpu") - undeclared
+    swap_toolchain(declared_shims=lambda device_type: declared)
     model, x = _model(block, seed=6), torch.randn(4, 16)
     reference = copy.deepcopy(model)
     aoti_eager.fuse(model, cache_dir=tmp_path)
@@ -859,7 +859,7 @@ def test_gpt2_generate_with_its_kv_cache_runs_the_blocks_eagerly(shared_cache):
 # The hit path: a call keyed like one decided before, with the instance's state unchanged, runs the kernel at once.
 
 
-def test_a_repeated_call_is_neither_described_nor_flattened(shared_cache, monkeypatch):
+def test_a_repeated_call_is_neither_described_nor_flattened(shared_cache):
     from aoti_eager.kernels import region
 
     model, x = _model(), torch.randn(4, 16)
@@ -868,23 +868,13 @@ def test_a_repeated_call_is_neither_described_nor_flattened(shared_cache, monkey
     with torch.no_grad():
         model(x), model(x)  # decided
         before = row(Block)
-        counted = {"described": 0, "pytree": 0}
-
-        def counting(name, original):
-            def wrapper(*args, **kwargs):
-                counted[name] += 1
-                return original(*args, **kwargs)
-            return wrapper
-
-        monkeypatch.setattr(region.RegionCall, "of", counting("described", region.RegionCall.of))
-        for name in ("tree_flatten", "tree_unflatten", "tree_flatten_with_path"):
-            monkeypatch.setattr(pytree, name, counting("pytree", getattr(pytree, name)))
-        actual = [model(x) for _ in range(3)]
+        with calls_to(region.RegionCall.of, pytree.tree_flatten, pytree.tree_unflatten, pytree.tree_flatten_with_path) as counted:
+            actual = [model(x) for _ in range(3)]
     with torch.no_grad():
         expected = reference(x)
     for a in actual:
         torch.testing.assert_close(a, expected)
-    assert counted == {"described": 0, "pytree": 0}
+    assert not counted, counted
     assert delta_since(before, Block) == {"calls": 9, "hits": 9, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
 
 
@@ -1059,7 +1049,7 @@ class Nested(Block):
         return super().forward(xs[0] + xs[1] * (1 if weights is None else weights["b"]))
 
 
-def test_nested_arguments_are_keyed_by_their_pytree(shared_cache, monkeypatch):
+def test_nested_arguments_are_keyed_by_their_pytree(shared_cache):
     from aoti_eager.kernels import region
 
     torch.manual_seed(0)
@@ -1068,14 +1058,14 @@ def test_nested_arguments_are_keyed_by_their_pytree(shared_cache, monkeypatch):
     aoti_eager.fuse(blocks, cache_dir=shared_cache)
     x, y, w = torch.randn(4, 16), torch.randn(4, 16), torch.randn(16)
     calls = [((x, y),), ([x, y],), ([y, x],), ((x, y), {"b": w}), ((x, y), {"b": 2.0})]
-    described = []
     with torch.no_grad():
-        for round in range(3):
-            if round == 2:
-                monkeypatch.setattr(region.RegionCall, "of", lambda *a, **k: described.append(a))
+        for round in range(2):
             for args in calls:
                 torch.testing.assert_close(blocks[0](*args), reference[0](*args))
-    assert described == [] and row(Nested)["fallbacks"] == 0, row(Nested)["fallback_reason"]
+        with calls_to(region.RegionCall.of) as described:
+            for args in calls:
+                torch.testing.assert_close(blocks[0](*args), reference[0](*args))
+    assert not described and row(Nested)["fallbacks"] == 0, row(Nested)["fallback_reason"]
 
 
 def test_new_values_of_a_number_compile_up_to_the_limit_then_run_eagerly(tmp_path):
@@ -1197,13 +1187,12 @@ def test_a_refused_call_is_decided_once(shared_cache, monkeypatch, why):
         blocks[0].fc1.register_forward_hook(lambda *_: None)
     x, kwargs = torch.randn(4, 16), {"cache": Cache()} if why == "input" else {}
     blocks[0](x, **kwargs)  # decided
-    described = []
-    monkeypatch.setattr(region.RegionCall, "of", lambda *a, **k: described.append(a))
-    monkeypatch.setattr(_regions._Instance, "state", lambda *a: described.append(a))
     before = row(Cached)
-    for _ in range(3):
-        torch.testing.assert_close(blocks[0](x, **kwargs), reference[0](x))
-    assert described == []
+    fused = type(blocks[0].forward.__self__)  # what fuse() set as the forward
+    with calls_to(region.RegionCall.of, fused.state) as described:
+        for _ in range(3):
+            torch.testing.assert_close(blocks[0](x, **kwargs), reference[0](x))
+    assert not described, described
     assert delta_since(before, Cached) == {"calls": 3, "hits": 0, "fallbacks": 3, "compiles": 0, "cache_loads": 0}
 
 

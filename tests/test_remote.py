@@ -153,7 +153,7 @@ def test_an_unreachable_server_costs_one_short_try_then_is_tried_again_later(ser
 
 
 def test_an_unroutable_server_waits_at_most_the_connect_timeout(keys, tmp_path, monkeypatch):
-    monkeypatch.setattr(remote, "_servers", {})
+    remote.forget()
     monkeypatch.setenv(settings.remote_connect_timeout.name, "0.1")
     cache = machine(tmp_path / "a", "redis://192.0.2.1:6379/0")  # TEST-NET-1: never answers
     started = time.monotonic()
@@ -192,7 +192,7 @@ def garbage_server() -> Iterator[str]:
 
 
 def test_a_server_answering_garbage_is_not_used(keys, tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(remote, "_servers", {})
+    remote.forget()
     with garbage_server() as url:
         cache = machine(tmp_path / "a", url)
         started = time.monotonic()
@@ -205,7 +205,7 @@ def test_a_server_answering_garbage_is_not_used(keys, tmp_path, monkeypatch, cap
 
 
 def test_a_wrong_password_is_refused_with_a_clear_error(keys, tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(remote, "_servers", {})
+    remote.forget()
     protected = RedisServer(tmp_path, "--requirepass", "right")
     try:
         url = f"redis://:wrong@127.0.0.1:{protected.port}/0"
@@ -227,7 +227,7 @@ def test_a_tls_url_to_a_plain_server_is_refused_with_a_clear_error(server, keys,
 
 
 def test_a_full_server_leaves_the_entry_local(keys, tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(remote, "_servers", {})
+    remote.forget()
     full = RedisServer(tmp_path, "--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
     try:
         published = publish_kernel(machine(tmp_path / "a", full.url), tmp_path, key="k", content=os.urandom(4 << 20))
@@ -356,7 +356,7 @@ def test_eight_processes_on_two_machines_compile_once(server, keys, tmp_path):
 
 def test_calls_are_right_and_prompt_when_the_server_is_killed_mid_run(keys, tmp_path, monkeypatch, caplog):
     # compile="never": misses consult the caches (local, then the fleet's) and run eagerly; nothing compiles.
-    monkeypatch.setattr(remote, "_servers", {})
+    remote.forget()
     inputs = [torch.randn(size) for size in (3, 5, 7, 9, 11, 13)]
     expected = [torch.sigmoid(x) for x in inputs]
     doomed = RedisServer(tmp_path)
@@ -465,7 +465,7 @@ def test_doctor_says_whether_the_server_answers_and_which_keys_are_trusted(serve
     assert report["reachable"] and problems == []
     assert report["signing_key"]["fingerprint"] == fingerprint == report["trusted_keys"][0]["fingerprint"]
     assert "answers in" in cli._remote_line(report) and fingerprint in cli._remote_line(report)
-    monkeypatch.setattr(remote, "_servers", {})
+    remote.forget()
     monkeypatch.setenv(settings.remote.name, f"redis://127.0.0.1:{free_port()}/0")
     report, problems = cli._remote_report()
     assert not report["reachable"] and "cannot connect" in problems[0]
@@ -562,7 +562,7 @@ def scripted_server(reply: bytes, byte_seconds: float = 0.0) -> Iterator[tuple[s
 
 
 def test_a_server_that_trickles_its_reply_holds_a_call_one_deadline_then_is_not_asked(keys, tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(remote, "_servers", {})
+    remote.forget()
     # A valid reply of 52 bytes, one byte every 0.5 s: 26 s; each read comes well within the 1 s socket timeout.
     reply = b"*8\r\n" + b"$0\r\n\r\n" * 8
     inputs = [torch.randn(size) for size in (5, 3, 7)]
@@ -585,7 +585,7 @@ def test_a_server_that_trickles_its_reply_holds_a_call_one_deadline_then_is_not_
                                    b"$999999999999\r\n", b"*1\r\n" * 100 + b":1\r\n"],
                          ids=["integer", "status", "nested", "bulk", "announced-huge", "deeply-nested"])
 def test_a_reply_of_an_unexpected_type_trips_the_breaker(reply, keys, tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(remote, "_servers", {})
+    remote.forget()
     inputs = [torch.randn(size) for size in (5, 9)]
     expected = [torch.sigmoid(x) for x in inputs]
     with scripted_server(reply) as (url, received):
@@ -679,7 +679,7 @@ def test_a_manifest_without_a_creation_time_is_accepted_as_the_oldest(server, ke
 
 
 def test_a_refused_publication_releases_the_fleet_lock(keys, tmp_path, monkeypatch, caplog):
-    monkeypatch.setattr(remote, "_servers", {})
+    remote.forget()
     full = RedisServer(tmp_path, "--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
     try:
         cache = machine(tmp_path / "a", full.url)
@@ -776,7 +776,7 @@ def test_a_listing_of_the_servers_entries_leaves_out_keys_that_no_entry_has(serv
 
 
 def test_a_scan_that_never_comes_back_to_its_start_is_given_up(keys, monkeypatch):
-    monkeypatch.setattr(remote, "_servers", {})
+    remote.forget()
     monkeypatch.setattr(remote, "MAX_SCAN_PAGES", 5)
     with scripted_server(b"*2\r\n$1\r\n1\r\n*0\r\n") as (url, received):  # "more to come", forever
         with pytest.raises(remote.ServerUnavailable, match="did not end after 5 pages"):
@@ -785,7 +785,7 @@ def test_a_scan_that_never_comes_back_to_its_start_is_given_up(keys, monkeypatch
 
 
 def test_a_family_listing_holds_at_most_the_cap_whatever_the_server_answers(keys, monkeypatch):
-    monkeypatch.setattr(remote, "_servers", {})
+    remote.forget()
     members = [b"p-%02d" % i for i in range(remote.MAX_LISTED_KEYS + 8)]  # LIMIT ignored
     reply = b"*%d\r\n" % len(members) + b"".join(b"$%d\r\n%s\r\n" % (len(m), m) for m in members)
     with scripted_server(reply) as (url, _):

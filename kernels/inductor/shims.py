@@ -113,7 +113,7 @@ _GATE = re.compile(r"#if TORCH_FEATURE_VERSION >= TORCH_VERSION_(\d+)_(\d+)_(\d+
 
 
 @lru_cache(maxsize=None)
-def _declared(device_type: str) -> frozenset[str] | None:
+def declared_shims(device_type: str) -> frozenset[str] | None:
     """The C shims this torch's headers declare for ``device_type`` (and for
     every device), by name, those gated on a later torch version left out;
     None where the headers are not there to read."""
@@ -142,14 +142,14 @@ def _shim_names(op_name: str, device_type: str) -> tuple[str, str]:
 
 
 @contextlib.contextmanager
-def declared_only(device_type: str) -> Iterator[None]:
-    """Within the block, Inductor calls through a C shim only where the headers
-    declare it for ``device_type``: an op whose shim is missing goes to the
+def declared_only(device_type: str, declared: frozenset[str] | None) -> Iterator[None]:
+    """Within the block, Inductor calls through a C shim only where it is
+    ``declared`` for ``device_type`` (:func:`declared_shims`; None: the
+    headers were not there to read, and nothing changes): an op whose shim is missing goes to the
     proxy executor instead of a call that does not compile. Two places name
     shims: Inductor's list of fallbacks with one, and the ATen choices of its
     matmul and convolution lowerings (torch 2.11's ``_grouped_mm``), whose
     lowerings become fallbacks here."""
-    declared = _declared(device_type)
     try:
         shims, lowerings, fallback, choice = (resolve(name) for name in (_SHIMS, _LOWERINGS, _FALLBACK, _CHOICE))
     except InternalMoved:
