@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from aoti_eager import _extension, settings
-from aoti_eager._planner import Eager
+from aoti_eager._planner import Eager, Family
 from aoti_eager.cache import DamagedEntry, KernelCache, UntrustedEntry, inventory, remote
 from aoti_eager.cache.entry_store import Entry, EntryStore, LockedElsewhere
 from aoti_eager.cache.store import TEMPORARY_PREFIX
@@ -33,6 +33,7 @@ from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily
 from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad, check_loads, runtime_crashes
 from aoti_eager.kernels.pipeline import Loader, NotCompiled, Outcome, Published, compile_signature, time_kernel
 from aoti_eager.kernels.seam import Seam
+from aoti_eager.kernels.target import Target
 from aoti_eager.kernels.speed import Timer
 from aoti_eager.kernels.signature import qualified_name
 from aoti_eager.kernels.toolchain import environment_name
@@ -215,6 +216,39 @@ def dynamic_kernel(cache: EntryStore, name: str, key: str) -> ShapeFamily | None
         return ShapeFamily.from_json(entry.dynamic) if entry is not None and entry.dynamic else None
     except (DamagedEntry, NotDynamic):  # damaged, or an entry of an earlier format: its guards meant something else
         return None
+
+
+def held(cache: EntryStore, name: str, key: str, adopt: Callable[[Entry], Any]) -> Any:
+    """What ``adopt`` makes of ``name``'s entry ``key`` in ``cache``, which
+    is held meanwhile (no eviction removes its library while it loads); None
+    where there is none, it is damaged (set aside: compiled again), or it is a
+    verdict on speed that the timing's switch turned off (compiled again)."""
+    try:
+        with cache.hold(name, key) as entry:
+            if entry is None or entry.library is None and entry.timing is not None and not settings.keep_faster.get():
+                return None
+            return adopt(entry)
+    except DamagedEntry:
+        return None
+
+
+def from_family(
+    cache: EntryStore, family: Family, target: Target, load: Callable[[str, ShapeFamily], Any],
+) -> tuple[str, ShapeFamily, Any] | None:
+    """The first of ``family``'s dynamic kernels, narrowest first, whose
+    guards admit ``target``'s call, this process's or another's that the
+    cache holds (looking one up in the fleet cache publishes it locally,
+    verified), with what its calls run: its decision in this process, else
+    ``load(key, family)``'s; None where none does. A kernel whose entry is
+    gone is forgotten."""
+    keys = [key for key in cache.keys(target.name, target.family_key() + "-") if key not in family.published]
+    family.published.update({key: dynamic_kernel(cache, target.name, key) for key in keys})
+    for key, dynamic in family.dynamic():
+        if target.admitted_by(dynamic, key):
+            if (decision := family.decisions.get(key) or load(key, dynamic)) is not None:
+                return key, dynamic, decision
+            family.published.pop(key)
+    return None
 
 
 def recorded_verdict(cache: EntryStore, name: str, keys: list[tuple[str, str]]) -> Eager | None:

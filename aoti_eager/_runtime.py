@@ -30,9 +30,10 @@ from aoti_eager._decisions import BACKGROUND_RETRY_SECONDS, Decision, RetryLater
 from aoti_eager._planner import Eager, IntLookup, Planner
 from aoti_eager.cache import DamagedEntry, Entry, UntrustedEntry
 from aoti_eager.cache.entry_store import EntryStore, LockedElsewhere
-from aoti_eager.kernels import CallSignature, CompileRequest, Unsupported
-from aoti_eager.kernels.dynamic import ShapeFamily, family_key, tensor_args, tensor_sizes
+from aoti_eager.kernels import CallSignature, Unsupported
+from aoti_eager.kernels.dynamic import ShapeFamily, tensor_args, tensor_sizes
 from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad
+from aoti_eager.kernels.op_target import OpTarget
 from aoti_eager.kernels.pipeline import NotCompiled, Published, publish_verdict
 from aoti_eager.kernels.signature import Position, qualified_name
 from aoti_eager.kernels.speed import Timer
@@ -211,31 +212,22 @@ class Override:
     def _from_cache(self, cache: EntryStore, signature: CallSignature, key: str | None = None, dynamic: ShapeFamily | None = None) -> Decision | None:
         """The decision the published entry ``key`` holds (None: the signature's
         own; ``dynamic``: that dynamic kernel's), or None if there is none."""
-        try:
-            with cache.hold(self.name, key or signature.key) as entry:
-                if entry is None:
-                    return None
-                if dynamic is None:  # a shape another process compiled is one of its family's shapes here too
-                    self.planner.family(signature).see(signature)
-                decision = self._adopt(signature, entry, loaded=True, dynamic=dynamic)
-                if dynamic is not None and isinstance(decision, UseKernel) and entry.timing is not None:
-                    self.planner.judged_at_compile(signature, key, dynamic, tensor_sizes(entry.signature))
-                return decision
-        except DamagedEntry:  # set aside: compiled again, as a damaged entry is
-            return None
+
+        def adopt(entry: Entry) -> Decision | None:
+            if dynamic is None:  # a shape another process compiled is one of its family's shapes here too
+                self.planner.family(signature).see(signature)
+            decision = self._adopt(signature, entry, loaded=True, dynamic=dynamic)
+            if dynamic is not None and isinstance(decision, UseKernel) and entry.timing is not None:
+                self.planner.judged_at_compile(signature, key, dynamic, tensor_sizes(entry.signature))
+            return decision
+
+        return _mechanism.held(cache, self.name, key or signature.key, adopt)
 
     def _from_family(self, cache: EntryStore, signature: CallSignature) -> Decision | None:
         """The decision of a dynamic kernel whose guards admit ``signature`` (this process's, or another's), or None."""
-        family = self.planner.family(signature)
-        # The local cache's, and the fleet's (looking one up publishes it locally, verified).
-        keys = [key for key in cache.keys(self.name, family_key(signature) + "-") if key not in family.published]
-        family.published.update({key: _mechanism.dynamic_kernel(cache, self.name, key) for key in keys})
-        for key, dynamic in family.dynamic():
-            if dynamic.admits(signature, key):
-                if decision := family.decisions.get(key) or self._from_cache(cache, signature, key, dynamic):
-                    return self._use_dynamic(signature, key, dynamic, decision)
-                family.published.pop(key)
-        return None
+        found = _mechanism.from_family(cache, self.planner.family(signature), OpTarget(self.op, signature),
+                                       lambda key, dynamic: self._from_cache(cache, signature, key, dynamic))
+        return None if found is None else self._use_dynamic(signature, *found)
 
     def _use_dynamic(self, signature: CallSignature, key: str, dynamic: ShapeFamily, decision: Decision) -> Decision:
         """The dynamic kernel ``key``'s ``decision`` for ``signature``'s range of sizes."""

@@ -18,7 +18,7 @@ import torch.utils._pytree as pytree
 
 from aoti_eager.kernels import matmul
 from aoti_eager.kernels.compile import Artifact, call_op, compile_options
-from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily
+from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily, family_key
 from aoti_eager.kernels.signature import CallSignature, clone_args, qualified_name
 from aoti_eager.kernels.speed import Timing, measured
 from aoti_eager.kernels.target import EagerRaised
@@ -62,6 +62,12 @@ class OpTarget:
         if family is None:
             return self.signature.key
         return family.entry_key(self.signature) if self._example(family) is not None else None
+
+    def family_key(self) -> str:
+        return family_key(self.signature)
+
+    def admitted_by(self, family: ShapeFamily, key: str) -> bool:
+        return family.admits(self.signature, key)
 
     def values_key(self) -> str | None:
         return self.signature.values_key

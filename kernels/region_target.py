@@ -69,6 +69,12 @@ class RegionTarget:
     def key(self, family: ShapeFamily | None) -> str:
         return self.call.key if family is None else region_shapes.entry_key(self.call, family)
 
+    def family_key(self) -> str:
+        return region_shapes.family_key(self.call)
+
+    def admitted_by(self, family: ShapeFamily, key: str) -> bool:
+        return region_shapes.admits(family, key, self.call)
+
     def values_key(self) -> None:
         return None
 

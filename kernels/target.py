@@ -6,6 +6,8 @@ takes either through the same steps, and knows no more of it than this
 protocol says::
 
     target.key(family)            the entry it is published under
+    target.family_key()           what its family's entry keys begin with
+    target.admitted_by(family, k) whether the dynamic kernel published under k serves it
     target.reference()            eager's result, on copies          -> EagerRaised, Unfit
     target.export(compiler, ...)  torch.export and AOTInductor       -> CompileError
     target.guarded(family, ...)   a dynamic kernel's guards          -> NotDynamic
@@ -63,6 +65,12 @@ class Target(Protocol):
         """The entry its kernel is published under: its own, or (``family``)
         the dynamic kernel's for calls like it; None where no kernel of
         ``family`` is made from this call."""
+
+    def family_key(self) -> str:
+        """What the keys of its shape family's dynamic kernels begin with (then ``-``)."""
+
+    def admitted_by(self, family: ShapeFamily, key: str) -> bool:
+        """Whether the dynamic kernel of ``family`` published under ``key`` serves this call."""
 
     def values_key(self) -> str | None:
         """Where a verdict that holds at every value of its numbers is
