@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import aoti_eager
-from aoti_eager import _regions
+from aoti_eager import _region_state, _regions
 from aoti_eager.kernels import region_shapes
 from aoti_eager.kernels.compile import compile_module
 from aoti_eager.kernels.validate import Mismatch, compare
@@ -183,7 +183,7 @@ def test_a_call_outside_the_guards_is_not_run_by_the_dynamic_kernel(tmp_path, mo
 
     start = _row(name)["compiles"]
     assert [calls(torch.randn(n, 16), torch.randn(n, 16)) for n in (2, 3)] == [start + 1, start + 2]
-    (family,) = [f for (directory, _), f in _regions._families.items() if directory.startswith(str(tmp_path)) and f.decisions]
+    (family,) = [f for (directory, _), f in _region_state.regions.families.items() if directory.startswith(str(tmp_path)) and f.decisions]
     (decided,) = family.decisions.values()
     kernel = decided.kernel
     monkeypatch.setattr(decided, "kernel", type("Spy", (), {

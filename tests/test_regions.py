@@ -18,7 +18,7 @@ import torch
 import torch.utils._pytree as pytree
 
 import aoti_eager
-from aoti_eager import _background, _regions, settings
+from aoti_eager import _background, _region_calls, _region_state, _regions, settings
 from aoti_eager.kernels import speed
 from aoti_eager.kernels.compile import compile_module
 from aoti_eager.kernels.inductor import shims
@@ -603,7 +603,7 @@ def test_a_kernel_that_fails_to_run_falls_back_with_one_line(shared_cache, monke
     aoti_eager.fuse(model, cache_dir=shared_cache)
     with torch.no_grad():
         model(x)  # decided: the kernel
-        for decided in list(_regions._decided.values()):
+        for decided in list(_region_state.regions.decided.values()):
             if decided.kernel is not None:
                 monkeypatch.setattr(decided, "kernel", Failing())
         before = _row(Block)
@@ -1295,7 +1295,7 @@ def test_a_refused_call_is_decided_once(shared_cache, monkeypatch, why):
     blocks[0](x, **kwargs)  # decided
     described = []
     monkeypatch.setattr(region.RegionCall, "of", lambda *a, **k: described.append(a))
-    monkeypatch.setattr(_regions._Instance, "state", lambda *a: described.append(a))
+    monkeypatch.setattr(_region_calls._Instance, "state", lambda *a: described.append(a))
     before = _row(Cached)
     for _ in range(3):
         torch.testing.assert_close(blocks[0](x, **kwargs), reference[0](x))
