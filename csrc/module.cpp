@@ -90,7 +90,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("num_inputs", &CompiledKernel::num_inputs)
       .def_property_readonly("num_outputs", &CompiledKernel::num_outputs);
 
-  // aoti_eager/_regions.py's hit path: see csrc/region_state.h.
+  // aoti_eager/_region_calls.py's hit path: see csrc/region_state.h.
   py::class_<RegionState, std::shared_ptr<RegionState>>(m, "RegionState")
       .def(
           py::init([](std::vector<at::Tensor> tensors,

@@ -1,9 +1,9 @@
 #pragma once
 
-// A fused region's hit path (aoti_eager/_regions.py): an instance's state as
-// its kernel takes it, checked unchanged on each call without rebuilding it;
-// the in-process key of a call's arguments; the kernel run on the state's
-// tensors then the call's.
+// A fused region's hit path (aoti_eager/_region_calls.py): an instance's
+// state as its kernel takes it, checked unchanged on each call without
+// rebuilding it; the in-process key of a call's arguments; the kernel run on
+// the state's tensors then the call's.
 
 #include "compiled_kernel.h"
 

@@ -13,7 +13,7 @@ What a forward reads follows its control flow, and its control flow follows
 what it read: an instance whose values equal another's on the attributes
 that one read takes the same path and reads the same ones. So a recording
 serves every instance whose values on its reads are the recorded ones; the
-runtime keeps the recordings (``_regions._variants``).
+runtime keeps the recordings (``_region_state.regions.reads``).
 
 Hooks on a submodule (or global module hooks) would be traced into a kernel
 that every instance shares: :func:`hooked` says so, and such calls run the

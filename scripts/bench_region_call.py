@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 import aoti_eager
-from aoti_eager import _regions
+from aoti_eager import _region_misses, _regions
 from timing import machine, per_call_seconds
 
 
@@ -96,7 +96,7 @@ def measure(case: str, model: torch.nn.Module, block: torch.nn.Module, args: tup
     with torch.no_grad():
         block(*args, **kwargs)  # compiles
         instance = _regions._fused(block)
-        decided, leaves, _, _ = _regions._decide(instance, args, kwargs, None)
+        decided, leaves, _, _ = _region_misses._decide(instance, args, kwargs, None)
         assert decided.kernel is not None, decided.reason
         kernel = decided.kernel
         inputs = [*instance.state().tensors, *(v for v in leaves if isinstance(v, torch.Tensor))]

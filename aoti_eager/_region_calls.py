@@ -1,0 +1,275 @@
+"""The hit path of fused regions: a fused instance and its calls.
+
+A fused module's ``forward`` is :meth:`_Instance.forward`. The instance's
+state is prepared once (:class:`_Prepared`); on each call the C++ side
+(csrc/region_state.h) checks it unchanged, keys the call and finds its
+decision, and a hit runs the kernel on the state's tensors and the call's.
+A call decided nowhere yet goes to the miss policy
+(:mod:`aoti_eager._region_misses`); one decided eager runs the original
+forward. A kernel loaded from the cache learns the structure of its results
+from eager's first (:func:`_learnt`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from aoti_eager import _extension, _mechanism
+from aoti_eager._options import Options
+from aoti_eager._region_misses import _NO_KWARGS, _NOT_RUN, _decide
+from aoti_eager._region_state import COMPILING, RegionStats, _Decided, _log_eager_once, regions
+from aoti_eager.kernels import region_values
+from aoti_eager.kernels.region import (
+    NotARegion, Outputs, bypassed, call_tensors, shared_writes, state_of, state_structure,
+)
+
+
+@dataclass
+class _Prepared:
+    """An instance's state as its kernel takes it, prepared once: valid while
+    ``native`` finds its tree as it was (kernels/region_values.py: the
+    modules, parameters, buffers and values it holds, their tensors'
+    metadata, its training flags and hooks). What is assigned outside the
+    tree does not concern it."""
+
+    names: tuple[str, ...]
+    tensors: tuple[torch.Tensor, ...]
+    native: Any  # _C.RegionState: the check, and the kernel run on these tensors then a call's
+    structure: str
+    hooked: str | None  # why hooks keep its calls from a kernel (region_values.hooked)
+    # The calls decided with this state: their key (_keyed) -> their decision (shared through regions.decided);
+    # those that run eagerly apart, found while the state's tensors are as they were (RegionState.find).
+    memo: dict[Any, _Decided] = field(default_factory=dict)
+    refused: dict[Any, _Decided] = field(default_factory=dict)
+
+    def keep(self, key: Any, decided: _Decided) -> None:
+        (self.memo if decided.kernel is not None else self.refused)[key] = decided
+
+
+_RegionState: Any = None
+
+
+def _native() -> Any:
+    """The C++ side of the hit path (csrc/region_state.h)."""
+    global _RegionState
+    if _RegionState is None:
+        _RegionState = _extension.load().RegionState
+    return _RegionState
+
+
+# The types pytree flattens (registered ones may be added later: the dict itself, not a copy).
+_NODES = pytree.SUPPORTED_NODES
+
+
+def _keyed(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    """The memo key of a call (None where it has none) and the arguments its
+    kernel's tensors are taken from: ``args`` and ``kwargs`` themselves where
+    the C++ side keys them whole, else the leaves of their pytree, keyed with its spec."""
+    native = _RegionState or _native()
+    key = native.key(args, kwargs, _NODES)
+    if key is not None:
+        return key, args, kwargs
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    key = native.key(tuple(leaves), _NO_KWARGS, _NODES)
+    return (None if key is None else (spec, key)), tuple(leaves), _NO_KWARGS
+
+
+@dataclass
+class _Instance:
+    """A fused instance: its original forward and its prepared state. It
+    holds its module weakly: the module holds it (its ``forward``), and a
+    model let go of is freed at once, its regions' rows gone from stats()."""
+
+    module_ref: weakref.ReferenceType
+    name: str
+    options: Options  # its compile mode, cache, fleet cache and manifest
+    stats: RegionStats  # its region's
+    prepared: _Prepared | None = None
+    refused: str | None = None  # why no call of it is compiled
+    # A forward set on the instance before fuse() (refused), called instead of its class's.
+    replaced: Any = None
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.module_ref()
+
+    def original(self, *args: Any, **kwargs: Any) -> Any:
+        if self.replaced is not None:
+            return self.replaced(*args, **kwargs)
+        module = self.module_ref()
+        return type(module).forward(module, *args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # Traced (by the region's own compile, torch.export, torch.compile or torch.jit.trace): the code, not a kernel.
+        if bypassed() or torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch._C._is_tracing():
+            return self.original(*args, **kwargs)
+        stats, p = self.stats, self.prepared
+        stats.calls += 1
+        # The C++ side keys the call and finds its decision at once, where its state and arguments allow.
+        decided = None if p is None else p.native.find(p.refused, p.memo, args, kwargs, _NODES)
+        if decided is not None and decided.kernel is None:
+            # Decided eager (and said so) before: a refused call costs what its forward costs.
+            stats.fallbacks += 1
+            stats.fallback_reason = decided.reason
+            module = self.module_ref()
+            return type(module).forward(module, *args, **kwargs)
+        return _call(self, stats, decided, args, kwargs)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # A copy of a fused module (copy.deepcopy, pickle, torch.save) is fused alike, with its own state.
+        return _fused_again, (self.module, self.name, self.options.kept_by_copies(), self.refused, self.replaced)
+
+    def valid(self) -> _Prepared | None:
+        """The prepared state where nothing it depends on changed, else None."""
+        p = self.prepared
+        return p if p is not None and p.native.unchanged() else None
+
+    def state(self) -> _Prepared:
+        """The prepared state, prepared again where it changed. Raises NotARegion."""
+        p = self.valid()
+        if p is None:
+            module = self.module
+            names, tensors = state_of(module)
+            native = _native()(list(tensors), region_values.watched(module), list(region_values.sized(module)))
+            p = self.prepared = _Prepared(names, tensors, native, state_structure(module, names, tensors),
+                                          region_values.hooked(module))
+        return p
+
+
+def _fused_again(module: torch.nn.Module, name: str, options: Options, refused: str | None, replaced: Any) -> _Instance:
+    """The instance of a copy of a fused module (see :meth:`_Instance.__reduce__`),
+    made before the copy's attributes are set."""
+    instance = _Instance(weakref.ref(module), name, options, regions.stats_of(name), refused=refused, replaced=replaced)
+    regions.live[name].add(module)
+    return instance
+
+
+def _call(instance: _Instance, stats: RegionStats, decided: _Decided | None, args: tuple[Any, ...],
+          kwargs: dict[str, Any]) -> Any:
+    """A call that RegionState.find did not find decided eager: ``decided`` is what it found."""
+    if instance.refused is not None:
+        return _eagerly(instance, stats, instance.refused, args, kwargs)
+    leaves, named = args, kwargs
+    if decided is None:
+        key, leaves, named = _keyed(args, kwargs)
+        decided = _memoized(instance, key)
+    if decided is None:
+        try:
+            decided, leaves, named, ran = _decide(instance, args, kwargs, key)
+        except NotARegion as e:
+            decided, ran = _refused(instance, key, str(e)), _NOT_RUN
+        if ran is not _NOT_RUN:
+            # The original forward ran, to learn what it reads: its result checks a kernel loaded from the cache.
+            return _learnt(decided, ran, args, kwargs)
+    if decided.kernel is None:
+        return _eagerly(instance, stats, decided.reason or "decided eager", args, kwargs)
+    if decided.outputs is None:
+        return _learn_outputs(instance, decided, args, kwargs)
+    if decided.outputs.writes and (shared := shared_writes(decided.outputs.writes, call_tensors(args, kwargs),
+                                                           instance.prepared.tensors)) is not None:
+        return _eagerly(instance, stats, shared, args, kwargs)
+    try:
+        tensors = instance.prepared.native.run(decided.kernel, leaves, named)
+    except Exception as e:  # noqa: BLE001 - one line, not the runtime's C++ error
+        said = (str(e).strip().splitlines() or [""])[0][:200]
+        decided.kernel, decided.reason = None, f"compiled kernel failed to run: {type(e).__name__}: {said}"
+        return _eagerly(instance, stats, decided.reason, args, kwargs)
+    stats.hits += 1
+    return decided.outputs.rebuild(tensors, call_tensors(args, kwargs) if decided.outputs.passes else ())
+
+
+def _memoized(instance: _Instance, key: Any) -> _Decided | None:
+    """The decision of a call with ``key`` that this instance's state
+    decided before, while nothing it depends on changed; else None."""
+    p = instance.valid() if key is not None else None
+    return None if p is None else p.refused.get(key) or p.memo.get(key)
+
+
+def _refused(instance: _Instance, key: Any, reason: str) -> _Decided:
+    """Eager for ``reason``, which holds for the calls with ``key`` while the
+    instance's state is as it is (as every reason NotARegion gives does):
+    they run the original forward with no description of theirs again."""
+    decided = _Decided(reason=reason)
+    p = instance.valid() if key is not None else None
+    if p is not None:
+        p.keep(key, decided)
+    return decided
+
+
+def _learn_outputs(instance: _Instance, decided: _Decided, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The result of the original forward, from which a kernel loaded from
+    the cache learns the structure of its results (see :func:`_learnt`)."""
+    return _learnt(decided, instance.original(*args, **kwargs), args, kwargs)
+
+
+def _learnt(decided: _Decided, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``result``, eager's, whose structure a kernel loaded from the cache
+    gives its results in this process where it fits the kernel and the
+    structure its entry keeps. Else the entry is damaged in a way its
+    digests, recorded again, do not show: it is set aside, the calls of its
+    key run eagerly here, and a new process compiles it again."""
+    if decided.kernel is None or decided.outputs is not None:
+        return result
+    try:
+        outputs = Outputs.of(result, call_tensors(args, kwargs))
+    except NotARegion as e:
+        decided.kernel, decided.reason = None, str(e)
+        return result
+    misfit = _misfit(decided, outputs)
+    if misfit is None:
+        # What the kernel writes into, which eager's result does not show: as its entry keeps it.
+        kept = decided.loaded.structure or {}
+        decided.outputs = dataclasses.replace(outputs, writes=tuple(kept.get("writes", ())))
+        return result
+    loaded = decided.loaded
+    loaded.cache.set_aside(loaded.name, loaded.key, misfit)
+    decided.kernel = None
+    decided.reason = f"its cache entry was set aside as damaged ({misfit}); a new process compiles it again"
+    return result
+
+
+def _misfit(decided: _Decided, outputs: Outputs) -> str | None:
+    """How eager's result, of structure ``outputs``, does not fit the kernel
+    loaded from the cache or the structure its entry keeps; None where it
+    fits (or where a type it holds has no name to compare by)."""
+    tensors = decided.kernel.num_outputs
+    if len(outputs.orders) != tensors:
+        return f"its library returns {tensors} tensors, eager's result holds {len(outputs.orders)}"
+    kept, eager = decided.loaded.structure, _kept_form(outputs)
+    if kept is None or eager is None:
+        return None
+    try:
+        kept = _kept_form(Outputs.from_json(kept, tensors))
+    except NotARegion as e:
+        return f"the structure of its result cannot be eager's: {e}"
+    return None if kept[0] == eager[0] else f"the structure of its result, {kept[1]}, is not eager's, {eager[1]}"
+
+
+def _kept_form(outputs: Outputs) -> tuple[str, str] | None:
+    """``outputs`` as a cache entry keeps them, less their tensors' dims
+    orders (which follow the call's sizes): as JSON text to compare (where
+    True is not 1), and in words; None where pytree cannot name a type they hold."""
+    kept = outputs.to_json()
+    if kept is None:
+        return None
+    leaves = ["tensor" if "tensor" in leaf else f"input {leaf['passed']}" if "passed" in leaf else json.dumps(leaf["value"])
+              for leaf in kept["leaves"]]
+    return json.dumps([kept["spec"], leaves]), f"{' '.join(str(outputs.spec).split())} of [{', '.join(leaves)}]"
+
+
+def _eagerly(instance: _Instance, stats: RegionStats, reason: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    stats.fallbacks += 1
+    stats.fallback_reason = reason
+    if (instance.name, reason) not in regions.logged_eager:
+        _log_eager_once(instance.name, reason)
+    # While its kernel compiles, the ops inside are that kernel's to run: none compiled apart meanwhile.
+    with _mechanism.own_work() if reason == COMPILING else contextlib.nullcontext():
+        return instance.original(*args, **kwargs)
