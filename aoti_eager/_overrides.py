@@ -23,7 +23,8 @@ from aoti_eager import _extension
 from aoti_eager._decisions import Decision, RetryLater
 from aoti_eager._ops import DISPATCH_KEYS
 from aoti_eager._options import Options
-from aoti_eager._runtime import OpStats, Override
+from aoti_eager._runtime import Override
+from aoti_eager._stats import Stats
 
 log = logging.getLogger("aoti_eager")
 
@@ -79,7 +80,7 @@ def _on_miss(token: int, args: list[Any], decide: bool) -> Decision:
         decision = RetryLater("internal error")
     if decision.kernel is None:
         # However it was decided (now, remembered, or read from the cache), the call runs eagerly: stats() says why.
-        override.stats.last_fallback_reason = decision.reason
+        override.stats.fallback_reason = decision.reason
     return decision
 
 
@@ -118,7 +119,7 @@ def _restore(key: tuple[OpOverload, str], options: Options) -> Override | None:
     if override is None or not override.options.same(options):
         return None
     # The C++ side keeps the decisions, and runs those for eager without asking: their reason stays.
-    override.stats = OpStats(last_fallback_reason=override.stats.last_fallback_reason)
+    override.stats = Stats(fallback_reason=override.stats.fallback_reason)
     override.handle.restore()
     _kernels_changed(override.op)
     _registry.by_token[override.token] = override
@@ -181,5 +182,5 @@ def stats() -> dict[str, dict[str, Any]]:
         row["compiling"] += override.compiles_running()
         row["compile_seconds"] = round(row["compile_seconds"] + override.stats.compile_seconds, 3)
         if counters["eager_calls"]:  # a reason kept from before the op was enabled again says nothing of these calls
-            row["fallback_reason"] = override.stats.last_fallback_reason or row["fallback_reason"]
+            row["fallback_reason"] = override.stats.fallback_reason or row["fallback_reason"]
     return result

@@ -25,7 +25,8 @@ import torch.utils._pytree as pytree
 from aoti_eager import _extension, _mechanism
 from aoti_eager._options import Options
 from aoti_eager._region_misses import _NO_KWARGS, _NOT_RUN, _decide
-from aoti_eager._region_state import COMPILING, RegionStats, _Decided, _log_eager_once, regions
+from aoti_eager._region_state import COMPILING, _Decided, _log_eager_once, regions
+from aoti_eager._stats import Stats
 from aoti_eager.kernels import region_values
 from aoti_eager.kernels.region import (
     NotARegion, Outputs, bypassed, call_tensors, shared_writes, state_of, state_structure,
@@ -91,7 +92,7 @@ class _Instance:
     module_ref: weakref.ReferenceType
     name: str
     options: Options  # its compile mode, cache, fleet cache and manifest
-    stats: RegionStats  # its region's
+    stats: Stats  # its region's
     prepared: _Prepared | None = None
     refused: str | None = None  # why no call of it is compiled
     # A forward set on the instance before fuse() (refused), called instead of its class's.
@@ -152,7 +153,7 @@ def _fused_again(module: torch.nn.Module, name: str, options: Options, refused: 
     return instance
 
 
-def _call(instance: _Instance, stats: RegionStats, decided: _Decided | None, args: tuple[Any, ...],
+def _call(instance: _Instance, stats: Stats, decided: _Decided | None, args: tuple[Any, ...],
           kwargs: dict[str, Any]) -> Any:
     """A call that RegionState.find did not find decided eager: ``decided`` is what it found."""
     if instance.refused is not None:
@@ -265,7 +266,7 @@ def _kept_form(outputs: Outputs) -> tuple[str, str] | None:
     return json.dumps([kept["spec"], leaves]), f"{' '.join(str(outputs.spec).split())} of [{', '.join(leaves)}]"
 
 
-def _eagerly(instance: _Instance, stats: RegionStats, reason: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _eagerly(instance: _Instance, stats: Stats, reason: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     stats.fallbacks += 1
     stats.fallback_reason = reason
     if (instance.name, reason) not in regions.logged_eager:

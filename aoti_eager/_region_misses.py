@@ -22,9 +22,10 @@ import torch
 from aoti_eager import _background, _mechanism, settings
 from aoti_eager._options import Compile, Options
 from aoti_eager._planner import Family
-from aoti_eager._region_state import COMPILING, RegionStats, _Decided, _Loaded, _log_once, regions
-from aoti_eager.cache import DamagedEntry, UntrustedEntry
-from aoti_eager.cache.entry_store import EntryStore
+from aoti_eager._region_state import COMPILING, _Decided, _Loaded, _log_once, regions
+from aoti_eager._stats import Stats
+from aoti_eager.cache import UntrustedEntry
+from aoti_eager.cache.entry_store import Entry, EntryStore
 from aoti_eager.kernels import region_shapes, region_values
 from aoti_eager.kernels.dynamic import ShapeFamily
 from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad
@@ -41,7 +42,7 @@ class _Fused(Protocol):
 
     name: str
     options: Options
-    stats: RegionStats
+    stats: Stats
     refused: str | None
 
     @property
@@ -160,23 +161,19 @@ def _record(recorder: Recorder, call: RegionCall) -> None:
 def _from_cache(instance: _Fused, cache: EntryStore, call: RegionCall, compiled: bool = False,
                 key: str | None = None) -> _Decided | None:
     """What the cache holds for ``call`` (under ``key``, else its own), its kernel loaded; None where it holds
-    nothing usable (a damaged entry is set aside). ``compiled``: the entry was just published here (not counted
+    nothing usable (:func:`_mechanism.held`). ``compiled``: the entry was just published here (not counted
     as a load)."""
     key = key or call.key
-    try:
-        with cache.hold(call.name, key) as entry:
-            if entry is None:
-                return None
-            if entry.library is None and entry.timing is not None and not settings.keep_faster.get():
-                return None  # a verdict on speed, which the timing's switch turned off: compile
-            if entry.library is None:
-                return _Decided(reason=entry.reason or "decided eager")
-            kernel = _mechanism.entry_kernel(_loader(cache, call, known_good=True), entry)
-    except DamagedEntry:
-        return None
-    regions.stats_of(instance.name).cache_loads += not compiled
-    # The structure of its results: eager's, once its first result here fits what the entry keeps (_learnt).
-    return _Decided(kernel=kernel, loaded=_Loaded(cache, call.name, key, entry.result_structure))
+
+    def adopt(entry: Entry) -> _Decided:
+        if entry.library is None:
+            return _Decided(reason=entry.reason or "decided eager")
+        kernel = _mechanism.entry_kernel(_loader(cache, call, known_good=True), entry)
+        regions.stats_of(instance.name).cache_loads += not compiled
+        # The structure of its results: eager's, once its first result here fits what the entry keeps (_learnt).
+        return _Decided(kernel=kernel, loaded=_Loaded(cache, call.name, key, entry.result_structure))
+
+    return _mechanism.held(cache, call.name, key, adopt)
 
 
 def _compile_apart(instance: _Fused, cache: EntryStore, call: RegionCall) -> _Decided:
@@ -296,9 +293,7 @@ def _loader(cache: EntryStore, call: RegionCall, known_good: bool = False) -> An
 
 
 def _count_compile(instance: _Fused, call: RegionCall, outcome: Published) -> None:
-    stats = regions.stats_of(instance.name)
-    stats.compiles += 1
-    stats.compile_seconds = round(stats.compile_seconds + outcome.seconds, 3)
+    regions.stats_of(instance.name).compiled(outcome.seconds)
     log.info("aoti_eager: compiled %s for (%s) in %.1f s", call.name, call.short(), outcome.seconds)
 
 
@@ -309,17 +304,13 @@ def _family_of(cache: EntryStore, call: RegionCall) -> Family:
 def _from_family(instance: _Fused, cache: EntryStore, call: RegionCall) -> _Decided | None:
     """What a dynamic kernel whose guards admit ``call`` runs (this process's, or another's), or None."""
     family = _family_of(cache, call)
-    # The local cache's, and the fleet's (looking one up publishes it locally, verified).
-    keys = [key for key in cache.keys(call.name, region_shapes.family_key(call) + "-") if key not in family.published]
-    family.published.update({key: _mechanism.dynamic_kernel(cache, call.name, key) for key in keys})
-    for key, dynamic in family.dynamic():
-        if region_shapes.admits(dynamic, key, call):
-            decided = family.decisions.get(key) or _from_cache(instance, cache, call, key=key)
-            if decided is not None:
-                # One decision for every shape it admits: a result's structure is learnt once.
-                return family.decisions.setdefault(key, decided)
-            family.published.pop(key)
-    return None
+    found = _mechanism.from_family(cache, family, RegionTarget(instance.module, call),
+                                   lambda key, dynamic: _from_cache(instance, cache, call, key=key))
+    if found is None:
+        return None
+    key, _, decided = found
+    # One decision for every shape it admits: a result's structure is learnt once.
+    return family.decisions.setdefault(key, decided)
 
 
 def _compile_dynamic(instance: _Fused, cache: EntryStore, call: RegionCall) -> _Decided | None:

@@ -23,6 +23,7 @@ import torch
 from aoti_eager import _mechanism
 from aoti_eager._options import Options
 from aoti_eager._planner import Family
+from aoti_eager._stats import Stats
 from aoti_eager.cache.entry_store import EntryStore
 from aoti_eager.kernels.region import Outputs
 
@@ -30,21 +31,6 @@ log = logging.getLogger("aoti_eager")
 
 # The reason the calls of a key give while its kernel compiles in a thread of this process.
 COMPILING = "its kernel is compiling in the background"
-
-
-@dataclass
-class RegionStats:
-    """What the calls of one region's instances did in this process."""
-
-    calls: int = 0
-    hits: int = 0
-    # Calls that ran the original forward, and the last reason why.
-    fallbacks: int = 0
-    fallback_reason: str | None = None
-    compiles: int = 0
-    compile_seconds: float = 0.0
-    cache_loads: int = 0
-    queued: int = 0  # compiles started in the background
 
 
 @dataclass
@@ -76,7 +62,7 @@ class RegionRegistry:
     learnt, shared by every instance (an instance's own memo of its calls
     stays with its prepared state, ``_region_calls._Prepared``)."""
 
-    stats: dict[str, RegionStats] = field(default_factory=dict)
+    stats: dict[str, Stats] = field(default_factory=dict)
     # Each region's fused modules alive: stats() has rows for those regions.
     live: dict[str, weakref.WeakSet] = field(default_factory=lambda: collections.defaultdict(weakref.WeakSet))
     # (cache directory of the environment, key, compile mode) -> what its calls run; decided under ``lock``.
@@ -97,8 +83,8 @@ class RegionRegistry:
     logged: set[tuple[str, str]] = field(default_factory=set)
     logged_eager: set[tuple[str, str]] = field(default_factory=set)
 
-    def stats_of(self, name: str) -> RegionStats:
-        return self.stats.setdefault(name, RegionStats())
+    def stats_of(self, name: str) -> Stats:
+        return self.stats.setdefault(name, Stats())
 
     def cache(self, options: Options, device: torch.device, wait: float = 0.0) -> EntryStore:
         """The cache of kernels for ``device`` that ``options`` name, with its

@@ -160,8 +160,8 @@ def unfuse(model: torch.nn.Module) -> None:
 
 
 def stats() -> dict[str, dict[str, Any]]:
-    """The :class:`RegionStats` of each region with fused modules alive, as a dict."""
-    return {name: {**vars(s), "compiling": compiling(name)} for name, s in regions.stats.items() if regions.live[name]}
+    """The :class:`~aoti_eager._stats.Stats` row of each region with fused modules alive."""
+    return {name: s.row(compiling=compiling(name)) for name, s in regions.stats.items() if regions.live[name]}
 
 
 def fused_instances(model: torch.nn.Module) -> dict[tuple[str, str], list[_Instance]]:

@@ -28,6 +28,7 @@ from aoti_eager import _background, _mechanism, settings
 from aoti_eager._options import Compile, Options
 from aoti_eager._decisions import BACKGROUND_RETRY_SECONDS, Decision, RetryLater, RunEagerly, UseKernel
 from aoti_eager._planner import Eager, IntLookup, Planner
+from aoti_eager._stats import Stats
 from aoti_eager.cache import DamagedEntry, Entry, UntrustedEntry
 from aoti_eager.cache.entry_store import EntryStore, LockedElsewhere
 from aoti_eager.kernels import CallSignature, Unsupported
@@ -42,17 +43,6 @@ log = logging.getLogger("aoti_eager")
 
 
 @dataclass
-class OpStats:
-    """What happened to one op overload on one device since it was enabled."""
-
-    compiles: int = 0
-    cache_loads: int = 0
-    compile_seconds: float = 0.0
-    queued: int = 0  # background compiles
-    last_fallback_reason: str | None = None
-
-
-@dataclass
 class Override:
     """One op overload overridden at one device's dispatch key: the miss
     path's decisions, locks, loads, stats and logs (which kernel to compile is its planner's)."""
@@ -63,7 +53,7 @@ class Override:
     options: Options
     token: int
     handle: Any = None
-    stats: OpStats = field(default_factory=OpStats)
+    stats: Stats = field(default_factory=Stats)
     # CallSignature.decision_key -> what its calls run (never RetryLater).
     decisions: dict[tuple[str, str], Decision] = field(default_factory=dict)
     planner: Planner = field(default_factory=Planner)
@@ -248,8 +238,7 @@ class Override:
                 # An error of these values, not of the signature, when numbers are inputs.
                 return RetryLater(outcome.reason) if signature.runtime_arguments else self._remember(signature, RunEagerly(outcome.reason))
             return self._run_eagerly(signature, Eager(outcome.reason, "values")) if outcome.any_values else self._eager(outcome.reason, signature)
-        self.stats.compiles += 1
-        self.stats.compile_seconds += outcome.seconds
+        self.stats.compiled(outcome.seconds)
         decision = self._published(cache, signature, outcome)
         _mechanism.keep_size_limit(self.options.root)
         return decision

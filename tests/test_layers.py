@@ -32,7 +32,7 @@ MODULES = _modules()
 # The modules of aoti_eager/, lowest first: each imports only those before it
 # (and kernels/, cache/ and the leaves, which are below them all).
 RUNTIME_ORDER = [
-    "aoti_eager._decisions", "aoti_eager._ops", "aoti_eager._zygote", "aoti_eager.manifest", "aoti_eager._options", "aoti_eager._extension",
+    "aoti_eager._decisions", "aoti_eager._stats", "aoti_eager._ops", "aoti_eager._zygote", "aoti_eager.manifest", "aoti_eager._options", "aoti_eager._extension",
     "aoti_eager._planner", "aoti_eager._mechanism", "aoti_eager._worker", "aoti_eager._background",
     "aoti_eager._region_state", "aoti_eager._region_misses", "aoti_eager._region_calls", "aoti_eager._regions", "aoti_eager._prewarm", "aoti_eager._runtime", "aoti_eager._overrides", "aoti_eager._reach", "aoti_eager", "aoti_eager._selfcheck", "aoti_eager._cli_cache", "aoti_eager.cli", "aoti_eager.__main__",
 ]
