@@ -37,9 +37,8 @@ _threads_lock = threading.Lock()
 # An idle worker holds torch and Inductor in memory: it is stopped after this long.
 IDLE_SECONDS = 60.0
 # Workers and their compilers yield the CPU to the process whose calls run
-# eagerly meanwhile (and that process's other work): on 2 cores at the same
-# priority, a GPT-2 forward took 3.4 times eager's time while its kernels
-# compiled (BENCHMARKS.md, "A model's first forward").
+# eagerly meanwhile, and to that process's other work: at the same priority,
+# a few workers on a small machine slow its forwards several times over.
 NICENESS = 10
 
 

@@ -69,8 +69,7 @@ def compile_threads(jobs: int) -> int:
     """Inductor's compile threads for each of ``jobs`` workers: their share of
     the cores. Inductor's default is a pool of one process per core (up to
     32), each importing torch, in every worker: 16 workers on a 16-core host
-    would start 256 of them, and their first compiles take several times as
-    long (BENCHMARKS.md, "A model's first forward")."""
+    would start 256 of them, which slow every first compile."""
     return max(1, _cores() // max(1, jobs))
 
 
@@ -269,9 +268,8 @@ def _environment(jobs: int) -> dict[str, str]:
     records), with its share of the cores for Inductor's compile threads, and
     CUDA contexts of one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS``,
     unless set): a worker runs one stream, and the driver creates contexts
-    one at a time: processes forked at once get their contexts in about half
-    the time with one queue than with CUDA's default of 8 (BENCHMARKS.md, "A
-    model's first forward")."""
+    one at a time: processes forked at once get their contexts sooner with
+    one queue than with CUDA's default of 8."""
     env = {k: v for k, v in os.environ.items() if k != settings.record.name}
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(compile_threads(jobs)))
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")

@@ -4,7 +4,7 @@ A worker of :mod:`aoti_eager._worker` started anew imports torch, Inductor and
 Triton, then initializes much of Inductor within its first compile; many
 workers started at once pay that side by side, and compete with the program
 for the cores. Forked from this process, which imported once, they only
-initialize CUDA and compile (BENCHMARKS.md, "A model's first forward").
+initialize CUDA and compile.
 
 Beyond the imports it does once what each worker's first compile would do for
 itself (:func:`_warm`): Inductor's code generators, its and Triton's

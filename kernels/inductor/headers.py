@@ -17,8 +17,7 @@ where the thread sees the compile's Inductor settings and no others (see
 Where compiles run in workers forked from one process (:mod:`aoti_eager._zygote`),
 that process makes the recorded checks before its first fork
 (:func:`check_recorded`), one after the other, and each worker inherits
-Inductor's answers, which every worker's first compile would otherwise make
-(BENCHMARKS.md, "A model's first forward").
+Inductor's answers, which every worker's first compile would otherwise make.
 
 Torch internals it touches (:data:`INTERNALS`), checked with torch 2.11, 2.13
 and 2.14.1: ``torch._inductor.codecache._precompile_header``, replaced within
