@@ -32,6 +32,7 @@ from aoti_eager.cache import Entry, KernelCache, remote
 from aoti_eager.cache.store import ENTRY_FILE, LIBRARY_FILE, metadata_digest
 from aoti_eager.kernels import CallSignature, CompileRequest
 from aoti_eager.kernels.compile import Artifact, compile_options
+from aoti_eager.kernels.region import REGION_PREFIX
 from aoti_eager.kernels.toolchain import environment_name
 
 # The repository's root: a new process of a test finds the package and tests/ there.
@@ -73,6 +74,12 @@ class FakeKernel:
     def __init__(self, run: Callable[[list[torch.Tensor]], list[torch.Tensor]], output_counts: list[int]):
         self.run = run
         self.output_counts = output_counts
+
+
+def op_rows() -> dict[str, dict[str, Any]]:
+    """:func:`aoti_eager.stats`'s rows of ops: a region's row stays while a
+    fused model of an earlier test is alive (a reference cycle not collected yet)."""
+    return {name: row for name, row in aoti_eager.stats().items() if not name.startswith(REGION_PREFIX)}
 
 
 class Wrapped:
