@@ -25,7 +25,8 @@ import torch.utils._pytree as pytree
 from aoti_eager import _extension, _mechanism
 from aoti_eager._options import Options
 from aoti_eager._region_misses import _NO_KWARGS, _NOT_RUN, _decide
-from aoti_eager._region_state import COMPILING, _Decided, _log_eager_once, regions
+from aoti_eager._decisions import Decision, RunEagerly, UseKernel
+from aoti_eager._region_state import COMPILING, RegionKernel, _log_eager_once, regions
 from aoti_eager._stats import Stats
 from aoti_eager.kernels import region_values
 from aoti_eager.kernels.region import (
@@ -48,10 +49,10 @@ class _Prepared:
     hooked: str | None  # why hooks keep its calls from a kernel (region_values.hooked)
     # The calls decided with this state: their key (_keyed) -> their decision (shared through regions.decided);
     # those that run eagerly apart, found while the state's tensors are as they were (RegionState.find).
-    memo: dict[Any, _Decided] = field(default_factory=dict)
-    refused: dict[Any, _Decided] = field(default_factory=dict)
+    memo: dict[Any, Decision] = field(default_factory=dict)
+    refused: dict[Any, Decision] = field(default_factory=dict)
 
-    def keep(self, key: Any, decided: _Decided) -> None:
+    def keep(self, key: Any, decided: Decision) -> None:
         (self.memo if decided.kernel is not None else self.refused)[key] = decided
 
 
@@ -153,7 +154,7 @@ def _fused_again(module: torch.nn.Module, name: str, options: Options, refused: 
     return instance
 
 
-def _call(instance: _Instance, stats: Stats, decided: _Decided | None, args: tuple[Any, ...],
+def _call(instance: _Instance, stats: Stats, decided: Decision | None, args: tuple[Any, ...],
           kwargs: dict[str, Any]) -> Any:
     """A call that RegionState.find did not find decided eager: ``decided`` is what it found."""
     if instance.refused is not None:
@@ -169,82 +170,93 @@ def _call(instance: _Instance, stats: Stats, decided: _Decided | None, args: tup
             decided, ran = _refused(instance, key, str(e)), _NOT_RUN
         if ran is not _NOT_RUN:
             # The original forward ran, to learn what it reads: its result checks a kernel loaded from the cache.
-            return _learnt(decided, ran, args, kwargs)
+            return _learnt(instance, decided, ran, args, kwargs)
     if decided.kernel is None:
-        return _eagerly(instance, stats, decided.reason or "decided eager", args, kwargs)
-    if decided.outputs is None:
-        return _learn_outputs(instance, decided, args, kwargs)
-    if decided.outputs.writes and (shared := shared_writes(decided.outputs.writes, call_tensors(args, kwargs),
-                                                           instance.prepared.tensors)) is not None:
+        return _eagerly(instance, stats, decided.reason, args, kwargs)
+    kernel = decided.kernel
+    if kernel.outputs is None:
+        return _learnt(instance, decided, instance.original(*args, **kwargs), args, kwargs)
+    if kernel.outputs.writes and (shared := shared_writes(kernel.outputs.writes, call_tensors(args, kwargs),
+                                                          instance.prepared.tensors)) is not None:
         return _eagerly(instance, stats, shared, args, kwargs)
     try:
-        tensors = instance.prepared.native.run(decided.kernel, leaves, named)
+        tensors = instance.prepared.native.run(kernel.compiled, leaves, named)
     except Exception as e:  # noqa: BLE001 - one line, not the runtime's C++ error
         said = (str(e).strip().splitlines() or [""])[0][:200]
-        decided.kernel, decided.reason = None, f"compiled kernel failed to run: {type(e).__name__}: {said}"
-        return _eagerly(instance, stats, decided.reason, args, kwargs)
+        eager = _decided_again(instance, decided, RunEagerly(f"compiled kernel failed to run: {type(e).__name__}: {said}"))
+        return _eagerly(instance, stats, eager.reason, args, kwargs)
     stats.hits += 1
-    return decided.outputs.rebuild(tensors, call_tensors(args, kwargs) if decided.outputs.passes else ())
+    return kernel.outputs.rebuild(tensors, call_tensors(args, kwargs) if kernel.outputs.passes else ())
 
 
-def _memoized(instance: _Instance, key: Any) -> _Decided | None:
+def _memoized(instance: _Instance, key: Any) -> Decision | None:
     """The decision of a call with ``key`` that this instance's state
     decided before, while nothing it depends on changed; else None."""
     p = instance.valid() if key is not None else None
     return None if p is None else p.refused.get(key) or p.memo.get(key)
 
 
-def _refused(instance: _Instance, key: Any, reason: str) -> _Decided:
+def _refused(instance: _Instance, key: Any, reason: str) -> Decision:
     """Eager for ``reason``, which holds for the calls with ``key`` while the
     instance's state is as it is (as every reason NotARegion gives does):
     they run the original forward with no description of theirs again."""
-    decided = _Decided(reason=reason)
+    decided = RunEagerly(reason)
     p = instance.valid() if key is not None else None
     if p is not None:
         p.keep(key, decided)
     return decided
 
 
-def _learn_outputs(instance: _Instance, decided: _Decided, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """The result of the original forward, from which a kernel loaded from
-    the cache learns the structure of its results (see :func:`_learnt`)."""
-    return _learnt(decided, instance.original(*args, **kwargs), args, kwargs)
+def _decided_again(instance: _Instance, old: Decision, new: Decision) -> Decision:
+    """``new`` for the calls that ``old`` decided: this instance's and those
+    deciding from now on. Another instance's calls that kept ``old`` find the
+    same (a kernel failing to run there too, a result's structure learnt
+    again)."""
+    regions.replace(old, new)
+    p = instance.valid()
+    if p is not None:
+        for key in [key for key, decided in p.memo.items() if decided is old]:
+            del p.memo[key]
+            p.keep(key, new)
+    return new
 
 
-def _learnt(decided: _Decided, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _learnt(instance: _Instance, decided: Decision, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """``result``, eager's, whose structure a kernel loaded from the cache
     gives its results in this process where it fits the kernel and the
     structure its entry keeps. Else the entry is damaged in a way its
     digests, recorded again, do not show: it is set aside, the calls of its
     key run eagerly here, and a new process compiles it again."""
-    if decided.kernel is None or decided.outputs is not None:
+    kernel = decided.kernel
+    if kernel is None or kernel.outputs is not None:
         return result
     try:
         outputs = Outputs.of(result, call_tensors(args, kwargs))
     except NotARegion as e:
-        decided.kernel, decided.reason = None, str(e)
+        _decided_again(instance, decided, RunEagerly(str(e)))
         return result
-    misfit = _misfit(decided, outputs)
+    misfit = _misfit(kernel, outputs)
     if misfit is None:
         # What the kernel writes into, which eager's result does not show: as its entry keeps it.
-        kept = decided.loaded.structure or {}
-        decided.outputs = dataclasses.replace(outputs, writes=tuple(kept.get("writes", ())))
+        kept = kernel.loaded.structure or {}
+        outputs = dataclasses.replace(outputs, writes=tuple(kept.get("writes", ())))
+        _decided_again(instance, decided, UseKernel(dataclasses.replace(kernel, outputs=outputs)))
         return result
-    loaded = decided.loaded
+    loaded = kernel.loaded
     loaded.cache.set_aside(loaded.name, loaded.key, misfit)
-    decided.kernel = None
-    decided.reason = f"its cache entry was set aside as damaged ({misfit}); a new process compiles it again"
+    _decided_again(instance, decided, RunEagerly(
+        f"its cache entry was set aside as damaged ({misfit}); a new process compiles it again"))
     return result
 
 
-def _misfit(decided: _Decided, outputs: Outputs) -> str | None:
+def _misfit(kernel: RegionKernel, outputs: Outputs) -> str | None:
     """How eager's result, of structure ``outputs``, does not fit the kernel
     loaded from the cache or the structure its entry keeps; None where it
     fits (or where a type it holds has no name to compare by)."""
-    tensors = decided.kernel.num_outputs
+    tensors = kernel.compiled.num_outputs
     if len(outputs.orders) != tensors:
         return f"its library returns {tensors} tensors, eager's result holds {len(outputs.orders)}"
-    kept, eager = decided.loaded.structure, _kept_form(outputs)
+    kept, eager = kernel.loaded.structure, _kept_form(outputs)
     if kept is None or eager is None:
         return None
     try:

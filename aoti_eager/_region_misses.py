@@ -13,6 +13,7 @@ which imports this module): :class:`_Fused` says what the policy uses of it.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Protocol
@@ -22,7 +23,8 @@ import torch
 from aoti_eager import _background, _mechanism, settings
 from aoti_eager._options import Compile, Options
 from aoti_eager._planner import Family
-from aoti_eager._region_state import COMPILING, _Decided, _Loaded, _log_once, regions
+from aoti_eager._decisions import Decision, RetryLater, RunEagerly, UseKernel
+from aoti_eager._region_state import COMPILING, RegionKernel, _Loaded, _log_once, regions
 from aoti_eager._stats import Stats
 from aoti_eager.cache import UntrustedEntry
 from aoti_eager.cache.entry_store import Entry, EntryStore
@@ -61,11 +63,11 @@ _NO_KWARGS: dict[str, Any] = {}
 
 def _decide(
     instance: _Fused, args: tuple[Any, ...], kwargs: dict[str, Any], key: Any
-) -> tuple[_Decided, tuple[Any, ...], dict[str, Any], Any]:
+) -> tuple[Decision, tuple[Any, ...], dict[str, Any], Any]:
     """What this call runs, the arguments its kernel's tensors are taken
     from, and the original forward's result where it ran to learn what it
     reads (else _NOT_RUN); raises NotARegion where no kernel may serve it. A
-    lasting decision is kept in the state's memo under ``key``."""
+    decision to remember is kept in the state's memo under ``key``."""
     if instance.refused is not None:
         raise NotARegion(instance.refused)
     state = instance.state()
@@ -78,7 +80,7 @@ def _decide(
         raise NotARegion("autocast is on (regions are compiled without it)")
     call, ran = _valued(instance, call, lambda: instance.original(*args, **kwargs))
     decided = _decision(instance, call)
-    if decided.lasting and key is not None:
+    if decided.remember and key is not None:
         state.keep(key, decided)
     return decided, call.leaves, _NO_KWARGS, ran
 
@@ -99,7 +101,7 @@ def _valued(instance: _Fused, call: RegionCall, run: Any) -> tuple[RegionCall, A
     return call.valued(instance.module, reads), ran
 
 
-def _decision(instance: _Fused, call: RegionCall, compile: Compile | None = None) -> _Decided:
+def _decision(instance: _Fused, call: RegionCall, compile: Compile | None = None) -> Decision:
     """What ``call`` runs: decided before in this process, else by a miss
     compiling as ``compile`` says (default the instance's mode)."""
     cache = regions.cache(instance.options, call.device)
@@ -108,12 +110,12 @@ def _decision(instance: _Fused, call: RegionCall, compile: Compile | None = None
         decided = regions.decided.get(where)
         if decided is None:
             decided = _miss(instance, cache, call, compile or instance.options.compile)
-            if decided.lasting:
+            if decided.remember:
                 regions.decided[where] = decided
     return decided
 
 
-def _miss(instance: _Fused, cache: EntryStore, call: RegionCall, compile: Compile) -> _Decided:
+def _miss(instance: _Fused, cache: EntryStore, call: RegionCall, compile: Compile) -> Decision:
     try:
         if (compiled := _compiled_apart(cache, call)) is not None:
             return compiled
@@ -122,18 +124,18 @@ def _miss(instance: _Fused, cache: EntryStore, call: RegionCall, compile: Compil
         if found is None and instance.options.recorder is not None:
             _record(instance.options.recorder, call)
         if found is not None or compile == Compile.NEVER:
-            return found or _Decided(reason="compile='never' and no kernel in the cache")
+            return found or RunEagerly("compile='never' and no kernel in the cache")
         if (why := _mechanism.cannot_compile(cache) or _over_limit(cache, call)) is not None:
-            return _Decided(reason=why)
+            return RunEagerly(why)
         if compile == Compile.BACKGROUND:
             return _compile_apart(instance, cache, call)
         with cache.lock_signature(call.name, call.key, timeout=settings.lock_timeout.get()), _mechanism.compile_lock:
             return (_from_cache(instance, cache, call) or _from_family(instance, cache, call)
                     or _compile_dynamic(instance, cache, call) or _compile(instance, cache, call))
     except TimeoutError as e:  # another's compile: the next call asks the caches again
-        return _Decided(reason=_mechanism.waited_for(e), lasting=False)
+        return RetryLater(_mechanism.waited_for(e))
     except (UntrustedEntry, UnsafeToLoad, OSError) as e:
-        return _Decided(reason=f"{type(e).__name__}: {e}")
+        return RunEagerly(f"{type(e).__name__}: {e}")
 
 
 def _over_limit(cache: EntryStore, call: RegionCall) -> str | None:
@@ -159,33 +161,33 @@ def _record(recorder: Recorder, call: RegionCall) -> None:
 
 
 def _from_cache(instance: _Fused, cache: EntryStore, call: RegionCall, compiled: bool = False,
-                key: str | None = None) -> _Decided | None:
+                key: str | None = None) -> Decision | None:
     """What the cache holds for ``call`` (under ``key``, else its own), its kernel loaded; None where it holds
     nothing usable (:func:`_mechanism.held`). ``compiled``: the entry was just published here (not counted
     as a load)."""
     key = key or call.key
 
-    def adopt(entry: Entry) -> _Decided:
+    def adopt(entry: Entry) -> Decision:
         if entry.library is None:
-            return _Decided(reason=entry.reason or "decided eager")
+            return RunEagerly(entry.reason or "decided eager")
         kernel = _mechanism.entry_kernel(_loader(cache, call, known_good=True), entry)
         regions.stats_of(instance.name).cache_loads += not compiled
         # The structure of its results: eager's, once its first result here fits what the entry keeps (_learnt).
-        return _Decided(kernel=kernel, loaded=_Loaded(cache, call.name, key, entry.result_structure))
+        return UseKernel(RegionKernel(kernel, loaded=_Loaded(cache, call.name, key, entry.result_structure)))
 
     return _mechanism.held(cache, call.name, key, adopt)
 
 
-def _compile_apart(instance: _Fused, cache: EntryStore, call: RegionCall) -> _Decided:
+def _compile_apart(instance: _Fused, cache: EntryStore, call: RegionCall) -> Decision:
     """Queues the compile of ``call``'s key for a thread of this process
     (``compile="background"``); the calls with the key run eagerly meanwhile."""
     # Its tensors as they are now: the caller goes on with them, and may write into them (a forward that does).
     call = call.copied()
 
-    def compile_here() -> _Decided:
+    def compile_here() -> Decision:
         module = instance.module
         if module is None:
-            return _Decided(reason="its module was freed before it was compiled", lasting=False)
+            return RetryLater("its module was freed before it was compiled")
         apart = _sharing_state(module)
         # As an op's worker: it waits for another machine's compile of the key, no call does.
         waiting = regions.cache(instance.options, call.device, wait=settings.lock_timeout.get())
@@ -195,10 +197,10 @@ def _compile_apart(instance: _Fused, cache: EntryStore, call: RegionCall) -> _De
     regions.compiling[(str(cache.directory), call.key)] = (_background.submit_here(compile_here), instance.name)
     regions.stats_of(instance.name).queued += 1
     log.info("aoti_eager: compiling %s for (%s) in the background", call.name, call.short())
-    return _Decided(reason=COMPILING, lasting=False)
+    return RetryLater(COMPILING)
 
 
-def _compiled_apart(cache: EntryStore, call: RegionCall) -> _Decided | None:
+def _compiled_apart(cache: EntryStore, call: RegionCall) -> Decision | None:
     """What the background compile of ``call``'s key decided, once it ended
     (eager while it runs); None where none was queued."""
     where = (str(cache.directory), call.key)
@@ -206,14 +208,14 @@ def _compiled_apart(cache: EntryStore, call: RegionCall) -> _Decided | None:
         return None
     future, _ = regions.compiling[where]
     if not future.done():
-        return _Decided(reason=COMPILING, lasting=False)
+        return RetryLater(COMPILING)
     del regions.compiling[where]
     try:
         return future.result()
     except TimeoutError as e:  # another's compile outlasted the wait: the next call asks the caches again
-        return _Decided(reason=_mechanism.waited_for(e), lasting=False)
+        return RetryLater(_mechanism.waited_for(e))
     except Exception as e:  # noqa: BLE001 - the cache's errors: this key's calls run eagerly
-        return _Decided(reason=f"its background compile failed: {type(e).__name__}: {e}")
+        return RunEagerly(f"its background compile failed: {type(e).__name__}: {e}")
 
 
 def compiling(name: str) -> int:
@@ -237,7 +239,7 @@ def _sharing_state(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def _compile(instance: _Fused, cache: EntryStore, call: RegionCall, dims: ShapeFamily | None = None,
-             apart: torch.nn.Module | None = None) -> _Decided | None:
+             apart: torch.nn.Module | None = None) -> Decision | None:
     """Compiles ``call``'s kernel (``dims``: its family's dynamic kernel of
     those dims; ``apart``: from a copy of the instance's module, in the
     background), and what the store then holds; None where a dynamic kernel
@@ -251,12 +253,12 @@ def _compile(instance: _Fused, cache: EntryStore, call: RegionCall, dims: ShapeF
     except ReadsMore as e:
         # Its next call is keyed with these values too.
         regions.reads[call.base] = regions.reads.get(call.base, frozenset()) | e.reads
-        return _Decided(reason=str(e), lasting=False)
+        return RetryLater(str(e))
     if isinstance(outcome, NotCompiled):
         if outcome.compiler_error is not None:
             _mechanism.compiler_failures.add(outcome.compiler_error)
         if dims is None:
-            return _Decided(reason=outcome.reason, lasting=not outcome.eager_raised)
+            return (RetryLater if outcome.eager_raised else RunEagerly)(outcome.reason)
         return _dynamic_failed(cache, call, family, outcome)
     _count_compile(instance, call, outcome)
     if dims is not None:
@@ -266,8 +268,8 @@ def _compile(instance: _Fused, cache: EntryStore, call: RegionCall, dims: ShapeF
             return None
     decided = _from_cache(instance, cache, call, compiled=True, key=outcome.key)
     if decided is None or decided.kernel is None:
-        return None if dims is not None else decided or _Decided(reason="its published kernel is not in the cache")
-    decided.outputs = target.outputs
+        return None if dims is not None else decided or RunEagerly("its published kernel is not in the cache")
+    decided = UseKernel(dataclasses.replace(decided.kernel, outputs=target.outputs))
     if dims is not None:
         family.decisions[outcome.key] = decided
     return decided
@@ -301,7 +303,7 @@ def _family_of(cache: EntryStore, call: RegionCall) -> Family:
     return regions.families.setdefault((str(cache.directory), region_shapes.family_key(call)), Family())
 
 
-def _from_family(instance: _Fused, cache: EntryStore, call: RegionCall) -> _Decided | None:
+def _from_family(instance: _Fused, cache: EntryStore, call: RegionCall) -> Decision | None:
     """What a dynamic kernel whose guards admit ``call`` runs (this process's, or another's), or None."""
     family = _family_of(cache, call)
     found = _mechanism.from_family(cache, family, RegionTarget(instance.module, call),
@@ -313,7 +315,7 @@ def _from_family(instance: _Fused, cache: EntryStore, call: RegionCall) -> _Deci
     return family.decisions.setdefault(key, decided)
 
 
-def _compile_dynamic(instance: _Fused, cache: EntryStore, call: RegionCall) -> _Decided | None:
+def _compile_dynamic(instance: _Fused, cache: EntryStore, call: RegionCall) -> Decision | None:
     """Compiles the dynamic kernel the family's policy asks for, and what it
     decides; None where it asks for none or the kernel failed."""
     family = _family_of(cache, call)
@@ -337,7 +339,7 @@ def prewarm(instances: list[_Fused], request: RegionRequest) -> tuple[str, str |
         # The call's key holds the default dtype, which a forward's new tensors take.
         torch.set_default_dtype(getattr(torch, request.default_dtype))
         decided = _prewarm_any(instances, request)
-        if not decided.lasting and (decided.reason or "").startswith("eager raised"):
+        if not decided.remember and (decided.reason or "").startswith("eager raised"):
             # Random integers can index past a short table (an embedding of 2 rows); zeros index any.
             decided = _prewarm_any(instances, request, zero_integers=True)
     except (NotARegion, TypeError, AttributeError) as e:
@@ -346,11 +348,11 @@ def prewarm(instances: list[_Fused], request: RegionRequest) -> tuple[str, str |
         torch.set_default_dtype(before)
     spent = stats.compile_seconds - seconds
     if decided.kernel is None:
-        return ("eager" if decided.lasting else "failed"), decided.reason, spent
+        return ("eager" if decided.remember else "failed"), decided.reason, spent
     return ("compiled" if stats.compiles > compiles else "cached"), None, spent
 
 
-def _prewarm_any(instances: list[_Fused], request: RegionRequest, zero_integers: bool = False) -> _Decided:
+def _prewarm_any(instances: list[_Fused], request: RegionRequest, zero_integers: bool = False) -> Decision:
     """What the call ``request`` recorded runs, for the first of ``instances`` it keys."""
     for instance in instances:
         decided = _prewarm_call(instance, request, zero_integers)
@@ -360,7 +362,7 @@ def _prewarm_any(instances: list[_Fused], request: RegionRequest, zero_integers:
                      "reads, or its code, differ)")
 
 
-def _prewarm_call(instance: _Fused, request: RegionRequest, zero_integers: bool = False) -> _Decided | None:
+def _prewarm_call(instance: _Fused, request: RegionRequest, zero_integers: bool = False) -> Decision | None:
     """What the call ``request`` recorded, rebuilt for ``instance``, runs (a
     miss compiles it now); None where the call is keyed otherwise for it."""
     state = instance.state()
@@ -374,5 +376,5 @@ def _prewarm_call(instance: _Fused, request: RegionRequest, zero_integers: bool 
         except NotARegion:
             raise
         except Exception as e:  # noqa: BLE001 - the example's values, as a compile's eager run would say
-            return _Decided(reason=f"eager raised {type(e).__name__}", lasting=False)
+            return RetryLater(f"eager raised {type(e).__name__}")
         return _decision(instance, call, Compile.NOW) if call.key == request.key else None

@@ -4,7 +4,8 @@ Every fused instance shares it: each region's stats and modules alive, the
 decision of each key, what each region family learnt, the values forwards
 read, the background compiles running, the caches opened, and what was
 logged once. The hit path (:mod:`aoti_eager._region_calls`) reads none of it
-on a hit. Here too: the types of a decision, and the logging-once helpers.
+on a hit. Here too: a region's kernel as its decision holds it, and the
+logging-once helpers.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from aoti_eager import _mechanism
+from aoti_eager._decisions import Decision
 from aoti_eager._options import Options
 from aoti_eager._planner import Family
 from aoti_eager._stats import Stats
@@ -33,16 +35,15 @@ log = logging.getLogger("aoti_eager")
 COMPILING = "its kernel is compiling in the background"
 
 
-@dataclass
-class _Decided:
-    """What the calls of one key run: ``kernel`` with the result's ``outputs``, else eagerly for ``reason``."""
+@dataclass(frozen=True)
+class RegionKernel:
+    """What a region's :class:`~aoti_eager._decisions.UseKernel` runs: the
+    library, and how its result is built from the tensors it returns."""
 
-    kernel: Any = None
+    compiled: Any  # a CompiledKernel (csrc/compiled_kernel.h)
+    # None: a kernel loaded from the cache learns it from eager's first result in this process (_region_calls._learnt).
     outputs: Outputs | None = None
-    reason: str | None = None
-    # False: this call's own (eager raised on its values): the next call with the key decides again.
-    lasting: bool = True
-    # A kernel loaded from the cache: its entry, which eager's first result in this process checks (_learnt).
+    # A kernel loaded from the cache: its entry, which that first result checks.
     loaded: _Loaded | None = None
 
 
@@ -66,7 +67,7 @@ class RegionRegistry:
     # Each region's fused modules alive: stats() has rows for those regions.
     live: dict[str, weakref.WeakSet] = field(default_factory=lambda: collections.defaultdict(weakref.WeakSet))
     # (cache directory of the environment, key, compile mode) -> what its calls run; decided under ``lock``.
-    decided: dict[tuple[str, str, str], _Decided] = field(default_factory=dict)
+    decided: dict[tuple[str, str, str], Decision] = field(default_factory=dict)
     lock: threading.RLock = field(default_factory=threading.RLock)
     # (cache directory of the environment, family key) -> what this process knows of the region family.
     families: dict[tuple[str, str], Family] = field(default_factory=dict)
@@ -93,6 +94,14 @@ class RegionRegistry:
         if where not in self.caches:
             self.caches[where] = _mechanism.open_cache(options.root, device, options.remote, wait=wait)
         return self.caches[where]
+
+    def replace(self, old: Decision, new: Decision) -> None:
+        """``new`` where ``old`` was kept (a kernel that learnt its result's
+        structure, or failed to run): the calls that find it from now on."""
+        with self.lock:
+            for kept in (self.decided, *(family.decisions for family in self.families.values())):
+                for where in [where for where, decided in kept.items() if decided is old]:
+                    kept[where] = new
 
     def forget(self) -> None:
         """Drops what was decided of region calls and learnt of their families:

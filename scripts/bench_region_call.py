@@ -98,7 +98,7 @@ def measure(case: str, model: torch.nn.Module, block: torch.nn.Module, args: tup
         instance = _regions._fused(block)
         decided, leaves, _, _ = _region_misses._decide(instance, args, kwargs, None)
         assert decided.kernel is not None, decided.reason
-        kernel = decided.kernel
+        kernel = decided.kernel.compiled
         inputs = [*instance.state().tensors, *(v for v in leaves if isinstance(v, torch.Tensor))]
         torch.testing.assert_close(block(*args, **kwargs), eager(*args, **kwargs))
         before = aoti_eager.stats()[_regions.region_name(block)]["hits"]
