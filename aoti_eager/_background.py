@@ -1,14 +1,20 @@
-"""Background compiles: a queue of compile requests served by a pool of
-threads, each driving its own worker process (see :mod:`aoti_eager._worker`),
-kept while entries keep coming.
+"""Background compiles: one queue of jobs served by a pool of threads, kept
+while jobs keep coming. A job says where its compile runs:
 
-Each miss starts a thread, up to ``AOTI_EAGER_BACKGROUND_JOBS`` of them
+- :class:`InWorker`, an op's: a worker process (see :mod:`aoti_eager._worker`)
+  rebuilds the call from its request; each thread drives a worker of its own,
+  started at its first such job;
+- :class:`Here`, a region's: in this process, where its module is, which a
+  worker could not rebuild (Inductor being not thread-safe, such compiles
+  take ``_mechanism.compile_lock`` and run one at a time).
+
+Each job starts a thread, up to ``AOTI_EAGER_BACKGROUND_JOBS`` of them
 (default: as many as ``prewarm`` runs on this machine), so that a model's
 first forward compiles its signatures side by side instead of one after
-another. A thread starts its worker at its first entry; idle for
-``IDLE_SECONDS``, it stops its worker and ends. Threads are daemons and a worker still running when the
-process exits is stopped, so a process never waits for a compiler, not even
-at exit; the next process compiles what was left.
+another. Idle for ``IDLE_SECONDS``, a thread stops its worker and ends.
+Threads are daemons and a worker still running when the process exits is
+stopped, so a process never waits for a compiler, not even at exit; the next
+process compiles what was left.
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from aoti_eager import _worker, settings
 from aoti_eager.kernels import CompileRequest, toolchain
@@ -31,9 +38,6 @@ from aoti_eager.kernels.signature import short_form
 
 log = logging.getLogger("aoti_eager")
 
-_queue: queue.Queue[tuple[CompileRequest, Path, str | None, Future]] = queue.Queue()
-_threads: set[threading.Thread] = set()
-_threads_lock = threading.Lock()
 # An idle worker holds torch and Inductor in memory: it is stopped after this long.
 IDLE_SECONDS = 60.0
 # Workers and their compilers yield the CPU to the process whose calls run
@@ -41,66 +45,73 @@ IDLE_SECONDS = 60.0
 # a few workers on a small machine slow its forwards several times over.
 NICENESS = 10
 
+# A thread's workers, by the cache and fleet cache they publish into.
+Workers = dict[tuple[Path, "str | None"], _worker.Worker]
 
-def submit(request: CompileRequest, root: Path, remote: str | None = None) -> Future:
-    """Queues a compile of ``request`` into the cache at ``root``, with the
-    fleet cache at ``remote`` behind it (None: ``$AOTI_EAGER_REMOTE``, if
-    set); the future's result is the worker's :class:`aoti_eager._worker.Outcome`."""
-    future = _unfinished()
+
+class Job(Protocol):
+    """A background compile: :meth:`run` on a thread of the pool, its result the future's."""
+
+    def run(self, workers: Workers) -> Any: ...
+
+
+@dataclass(frozen=True)
+class InWorker:
+    """A compile of ``request`` in a worker process, into the cache at
+    ``root`` with the fleet cache at ``remote`` behind it (None:
+    ``$AOTI_EAGER_REMOTE``, if set); its result is the worker's :class:`aoti_eager._worker.Outcome`."""
+
+    request: CompileRequest
+    root: Path
+    remote: str | None = None
+
+    def run(self, workers: Workers) -> _worker.Outcome:
+        request, started = self.request, time.perf_counter()
+        worker = workers.setdefault((self.root, self.remote), _worker.Worker(self.root, self.remote, NICENESS, jobs=_jobs()))
+        new_worker = not worker.running
+        try:
+            outcome = worker.compile(request)
+        except Exception as e:  # noqa: BLE001 - e.g. no process could be started
+            outcome = _worker.Outcome("failed", f"{type(e).__name__}: {e}")
+        log.debug("aoti_eager: background compile of %s on %s: %s after %.2f s (%.2f s compiling%s)%s", request.op,
+                  request.device, outcome.status, time.perf_counter() - started, outcome.seconds,
+                  ", in a new worker" if new_worker else "", f": {outcome.reason}" if outcome.reason else "")
+        if outcome.status == "failed" and not _worker.stopped:
+            # A dynamic-shape kernel that fails leaves the family's shapes to compile alone: no call is worse off.
+            (log.info if request.dynamic else log.warning)(
+                "aoti_eager: background compile of %s on %s failed: %s", request.op, request.device, outcome.reason)
+        return outcome
+
+
+@dataclass(frozen=True)
+class Here:
+    """``compile()`` on the thread itself; its result is what it returns."""
+
+    compile: Callable[[], Any]
+
+    def run(self, workers: Workers) -> Any:
+        return self.compile()
+
+
+_queue: queue.Queue[tuple[Job, Future]] = queue.Queue()
+_threads: set[threading.Thread] = set()
+_threads_lock = threading.Lock()
+# Every background compile not finished yet (see wait()).
+_running: set[Future] = set()
+
+
+def submit(job: Job) -> Future:
+    """Queues ``job`` for the pool; the future's result is what it returns."""
+    future: Future = Future()
+    _running.add(future)
+    future.add_done_callback(_running.discard)
     with _threads_lock:
-        _queue.put((request, root, remote, future))
+        _queue.put((job, future))
         if len(_threads) < _jobs():
             thread = threading.Thread(target=_serve, name="aoti_eager-background-compiles", daemon=True)
             _threads.add(thread)
             thread.start()
     return future
-
-
-# Compiles that run in this process (a region's: its module is here, which a
-# worker could not rebuild), one at a time: Inductor is not thread-safe.
-_here: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
-_here_thread: threading.Thread | None = None
-# Every background compile not finished yet (see wait()).
-_running: set[Future] = set()
-
-
-def _unfinished() -> Future:
-    future: Future = Future()
-    _running.add(future)
-    future.add_done_callback(_running.discard)
-    return future
-
-
-def submit_here(compile: Callable[[], Any]) -> Future:
-    """Queues ``compile()`` for a thread of this process; the future's result is what it returns."""
-    global _here_thread
-    future = _unfinished()
-    with _threads_lock:
-        _here.put((compile, future))
-        if _here_thread is None:
-            _here_thread = threading.Thread(target=_serve_here, name="aoti_eager-compiles-here", daemon=True)
-            _here_thread.start()
-    return future
-
-
-def _serve_here() -> None:
-    global _here_thread
-    with contextlib.suppress(OSError, AttributeError):  # AttributeError: no setpriority here
-        # This thread and the compilers it starts yield the CPU to the calls that run eagerly meanwhile (Linux: per thread).
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
-    while True:
-        try:
-            compile, future = _here.get(timeout=IDLE_SECONDS)
-        except queue.Empty:
-            with _threads_lock:  # submit() holds it: a compile queued from now on starts a thread
-                if _here.empty():
-                    _here_thread = None
-                    return
-            continue
-        try:
-            future.set_result(compile())
-        except BaseException as e:  # noqa: BLE001 - the caller's to report
-            future.set_exception(e)
 
 
 # A fused model's forward under compile="now" (aoti_eager.fuse): its ops'
@@ -194,7 +205,7 @@ class Queued:
         compiling = next((future for queued, future in self._waiting.values() if queued.id == request.id), None)
         started = compiling is None
         if started:
-            compiling = submit(request, root, remote)
+            compiling = submit(InWorker(request, root, remote))
             log.info("aoti_eager: compiling %s for (%s) in the background%s", request.op, short_form(request.signature),
                      " as a dynamic-shape kernel" if request.family else "")
         self._waiting[key] = (request, compiling)
@@ -243,33 +254,25 @@ def _jobs() -> int:
 
 
 def _serve() -> None:
-    workers: dict[tuple[Path, str | None], _worker.Worker] = {}
+    with contextlib.suppress(OSError, AttributeError):  # AttributeError: no setpriority here
+        # This thread and the compilers it starts yield the CPU to the calls that run eagerly meanwhile (Linux: per thread).
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
+    workers: Workers = {}
     try:
         while (item := _next()) is not None:
-            entry, root, remote, future = item
-            started = time.perf_counter()
-            worker = workers.setdefault((root, remote), _worker.Worker(root, remote, NICENESS, jobs=_jobs()))
-            new_worker = not worker.running
+            job, future = item
             try:
-                outcome = worker.compile(entry)
-            except Exception as e:  # noqa: BLE001 - e.g. no process could be started
-                outcome = _worker.Outcome("failed", f"{type(e).__name__}: {e}")
-            log.debug("aoti_eager: background compile of %s on %s: %s after %.2f s (%.2f s compiling%s)%s", entry.op,
-                      entry.device, outcome.status, time.perf_counter() - started, outcome.seconds,
-                      ", in a new worker" if new_worker else "", f": {outcome.reason}" if outcome.reason else "")
-            if outcome.status == "failed" and not _worker.stopped:
-                # A dynamic-shape kernel that fails leaves the family's shapes to compile alone: no call is worse off.
-                (log.info if entry.dynamic else log.warning)(
-                    "aoti_eager: background compile of %s on %s failed: %s", entry.op, entry.device, outcome.reason)
-            future.set_result(outcome)
+                future.set_result(job.run(workers))
+            except BaseException as e:  # noqa: BLE001 - the caller's to report
+                future.set_exception(e)
     finally:
         for worker in workers.values():
             worker.close()
 
 
-def _next() -> tuple[CompileRequest, Path, str | None, Future] | None:
-    """The next queued entry; None when the thread has left the pool: after
-    ``IDLE_SECONDS`` without an entry, or where the pool is larger than the
+def _next() -> tuple[Job, Future] | None:
+    """The next queued job; None when the thread has left the pool: after
+    ``IDLE_SECONDS`` without a job, or where the pool is larger than the
     setting now allows."""
     while True:
         try:
@@ -277,7 +280,7 @@ def _next() -> tuple[CompileRequest, Path, str | None, Future] | None:
         except queue.Empty:
             item = None
         with _threads_lock:
-            # Under the lock that submit() holds: an entry queued from now on
+            # Under the lock that submit() holds: a job queued from now on
             # sees one thread fewer, and starts one if it must.
             if item is None and _queue.empty() or item is not None and len(_threads) > _jobs():
                 if item is not None:

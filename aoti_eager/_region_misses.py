@@ -194,7 +194,8 @@ def _compile_apart(instance: _Fused, cache: EntryStore, call: RegionCall) -> Dec
         with waiting.lock_signature(call.name, call.key, timeout=settings.lock_timeout.get()), _mechanism.compile_lock:
             return _from_cache(instance, waiting, call) or _compile(instance, waiting, call, apart=apart)
 
-    regions.compiling[(str(cache.directory), call.key)] = (_background.submit_here(compile_here), instance.name)
+    compiling = _background.submit(_background.Here(compile_here))
+    regions.compiling[(str(cache.directory), call.key)] = (compiling, instance.name)
     regions.stats_of(instance.name).queued += 1
     log.info("aoti_eager: compiling %s for (%s) in the background", call.name, call.short())
     return RetryLater(COMPILING)

@@ -200,7 +200,8 @@ class Worker:
             _running.add(self._process)
         if self.niceness:
             with contextlib.suppress(OSError):  # a priority is a preference, not a need
-                os.setpriority(os.PRIO_PROCESS, self._process.pid, os.getpriority(os.PRIO_PROCESS, 0) + self.niceness)
+                # Added to the process's own (its main thread's): the calling thread may be niced already.
+                os.setpriority(os.PRIO_PROCESS, self._process.pid, os.getpriority(os.PRIO_PROCESS, os.getpid()) + self.niceness)
         return self._process
 
     def compile(self, entry: CompileRequest, timeout: float | None = None) -> Outcome:

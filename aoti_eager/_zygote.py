@@ -111,7 +111,8 @@ class Zygote:
             theirs.close()
         if niceness:
             with contextlib.suppress(OSError):  # a priority is a preference, not a need
-                os.setpriority(os.PRIO_PROCESS, self._process.pid, os.getpriority(os.PRIO_PROCESS, 0) + niceness)
+                # Added to the process's own (its main thread's): the calling thread may be niced already.
+                os.setpriority(os.PRIO_PROCESS, self._process.pid, os.getpriority(os.PRIO_PROCESS, os.getpid()) + niceness)
 
     @property
     def alive(self) -> bool:

@@ -392,8 +392,8 @@ def test_a_background_compile_uses_the_fleet_cache_that_enable_names(tmp_path, m
     monkeypatch.delenv(settings.remote.name, raising=False)
     entry = CompileRequest("aten::abs", "cpu", "k", [])
     url = "redis://fleet-host:6379/0"
-    assert _background.submit(entry, tmp_path / "cache", url).result(timeout=120).reason == url
-    assert _background.submit(entry, tmp_path / "other cache").result(timeout=120).reason is None
+    assert _background.submit(_background.InWorker(entry, tmp_path / "cache", url)).result(timeout=120).reason == url
+    assert _background.submit(_background.InWorker(entry, tmp_path / "other cache")).result(timeout=120).reason is None
 
 
 def test_prewarm_takes_what_the_fleet_holds_without_starting_a_worker(server, keys, tmp_path, monkeypatch):

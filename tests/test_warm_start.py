@@ -324,7 +324,7 @@ def test_background_compiles_run_side_by_side_up_to_the_setting(tmp_path, monkey
     monkeypatch.setenv("AOTI_EAGER_BACKGROUND_JOBS", str(jobs))
     # A root of its own: a thread left idle by another test starts a worker for it too.
     entries = [CompileRequest("aten::abs.default", "cpu", f"key-{i}", []) for i in range(3)]
-    futures = [_background.submit(entry, tmp_path / "cache") for entry in entries]
+    futures = [_background.submit(_background.InWorker(entry, tmp_path / "cache")) for entry in entries]
     answered_by = {future.result(timeout=120).reason for future in futures}
     assert len(answered_by) == workers
 
@@ -354,6 +354,25 @@ def test_a_worker_that_does_not_answer_in_time_is_stopped(tmp_path, monkeypatch)
     assert time.monotonic() - start < 30 and worker._process is None
 
 
+def test_one_pool_runs_jobs_here_and_in_workers(tmp_path, monkeypatch):
+    """A region's compile runs on a thread of the pool, an op's in a worker
+    process that thread drives; wait() waits for both, and an error is the future's."""
+    answer = 'import json, os; input(); print(json.dumps({"status": "compiled", "reason": str(os.getpid())}), flush=True)'
+    monkeypatch.setattr(_worker, "COMMAND", [sys.executable, "-c", answer])
+
+    def failing():
+        raise ValueError("no kernel")
+
+    here = _background.submit(_background.Here(lambda: threading.current_thread().name))
+    there = _background.submit(_background.InWorker(CompileRequest("aten::abs.default", "cpu", "key", []), tmp_path))
+    failed = _background.submit(_background.Here(failing))
+    assert _background.wait(timeout=60)
+    assert here.result() == "aoti_eager-background-compiles"
+    assert there.result().status == "compiled" and int(there.result().reason) != os.getpid()
+    with pytest.raises(ValueError, match="no kernel"):
+        failed.result()
+
+
 def test_background_workers_yield_the_cpu_and_prewarms_do_not(tmp_path, monkeypatch):
     """A background worker runs beside the calls it compiles for, at a lower
     priority; prewarm's are the job itself."""
@@ -361,7 +380,7 @@ def test_background_workers_yield_the_cpu_and_prewarms_do_not(tmp_path, monkeypa
     monkeypatch.setattr(_worker, "COMMAND", [sys.executable, "-c", answer])
     entry = CompileRequest("aten::abs.default", "cpu", "key", [])
     ours = os.nice(0)
-    background = _background.submit(entry, tmp_path).result(timeout=60)
+    background = _background.submit(_background.InWorker(entry, tmp_path)).result(timeout=60)
     prewarm_worker = _worker.Worker(tmp_path)
     try:
         prewarm = prewarm_worker.compile(entry, timeout=60)
