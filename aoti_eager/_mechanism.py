@@ -15,6 +15,7 @@ import errno
 import logging
 import os
 import re
+import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,6 +231,23 @@ def held(cache: EntryStore, name: str, key: str, adopt: Callable[[Entry], Any]) 
             return adopt(entry)
     except DamagedEntry:
         return None
+
+
+def copy_library(cache: EntryStore, name: str, key: str, library: Path) -> bool:
+    """Copies the library of ``name``'s entry ``key`` (and the ops it leaves
+    to the dispatcher, if any) to ``library``, held meanwhile; False where
+    the entry is gone, damaged or holds no library."""
+    try:
+        with cache.hold(name, key) as entry:
+            if entry is None or entry.library is None:
+                return False
+            for suffix in (library.suffix, ".json"):
+                source = entry.library.with_suffix(suffix)
+                if source.exists():
+                    shutil.copyfile(source, library.with_suffix(suffix))
+            return True
+    except (DamagedEntry, OSError):
+        return False
 
 
 def from_family(

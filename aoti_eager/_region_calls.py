@@ -28,7 +28,7 @@ from aoti_eager._region_misses import _NO_KWARGS, _NOT_RUN, _decide
 from aoti_eager._decisions import Decision, RunEagerly, UseKernel
 from aoti_eager._region_state import COMPILING, RegionKernel, _log_eager_once, regions
 from aoti_eager._stats import Stats
-from aoti_eager.kernels import region_values
+from aoti_eager.kernels import region_caches, region_values
 from aoti_eager.kernels.region import (
     NotARegion, Outputs, bypassed, call_tensors, shared_writes, state_of, state_structure,
 )
@@ -51,6 +51,7 @@ class _Prepared:
     # those that run eagerly apart, found while the state's tensors are as they were (RegionState.find).
     memo: dict[Any, Decision] = field(default_factory=dict)
     refused: dict[Any, Decision] = field(default_factory=dict)
+    layer: int | None = None  # the KV cache layer the block updates, once a call passed a cache (_layer)
 
     def keep(self, key: Any, decided: Decision) -> None:
         (self.memo if decided.kernel is not None else self.refused)[key] = decided
@@ -159,34 +160,61 @@ def _call(instance: _Instance, stats: Stats, decided: Decision | None, args: tup
     """A call that RegionState.find did not find decided eager: ``decided`` is what it found."""
     if instance.refused is not None:
         return _eagerly(instance, stats, instance.refused, args, kwargs)
-    leaves, named = args, kwargs
+    given = args, kwargs  # what the original forward takes
+    leaves, named, cached = args, kwargs, None
     if decided is None:
-        key, leaves, named = _keyed(args, kwargs)
+        if region_caches.holds_cache(args, kwargs):
+            try:
+                cached = region_caches.adapted(_layer(instance), args, kwargs)
+            except region_caches.Refused as e:
+                return _eagerly(instance, stats, _refused(instance, _keyed(args, kwargs)[0], str(e)).reason, *given)
+            args, kwargs = cached.args, cached.kwargs
+        key, leaves, named = _keyed(args, kwargs) if cached is None else _keyed_cached(cached)
         decided = _memoized(instance, key)
     if decided is None:
         try:
-            decided, leaves, named, ran = _decide(instance, args, kwargs, key)
+            decided, leaves, named, ran = _decide(instance, args, kwargs, key, given)
         except NotARegion as e:
             decided, ran = _refused(instance, key, str(e)), _NOT_RUN
         if ran is not _NOT_RUN:
             # The original forward ran, to learn what it reads: its result checks a kernel loaded from the cache.
-            return _learnt(instance, decided, ran, args, kwargs)
+            return _learnt(instance, decided, ran, args, kwargs, cached)
     if decided.kernel is None:
-        return _eagerly(instance, stats, decided.reason, args, kwargs)
+        return _eagerly(instance, stats, decided.reason, *given)
     kernel = decided.kernel
     if kernel.outputs is None:
-        return _learnt(instance, decided, instance.original(*args, **kwargs), args, kwargs)
+        return _learnt(instance, decided, instance.original(*given[0], **given[1]), args, kwargs, cached)
     if kernel.outputs.writes and (shared := shared_writes(kernel.outputs.writes, call_tensors(args, kwargs),
                                                           instance.prepared.tensors)) is not None:
-        return _eagerly(instance, stats, shared, args, kwargs)
+        return _eagerly(instance, stats, shared, *given)
     try:
         tensors = instance.prepared.native.run(kernel.compiled, leaves, named)
     except Exception as e:  # noqa: BLE001 - one line, not the runtime's C++ error
         said = (str(e).strip().splitlines() or [""])[0][:200]
         eager = _decided_again(instance, decided, RunEagerly(f"compiled kernel failed to run: {type(e).__name__}: {said}"))
-        return _eagerly(instance, stats, eager.reason, args, kwargs)
+        return _eagerly(instance, stats, eager.reason, *given)
     stats.hits += 1
-    return kernel.outputs.rebuild(tensors, call_tensors(args, kwargs) if kernel.outputs.passes else ())
+    result = kernel.outputs.rebuild(tensors, call_tensors(args, kwargs) if kernel.outputs.passes else ())
+    return result if cached is None else cached.written(result)
+
+
+def _keyed_cached(cached: region_caches.Adapted) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+    """As :func:`_keyed`, for a call whose cache was adapted: keyed in C++
+    with its layer as a tuple, apart from every call without a cache (and
+    from one with its cache elsewhere)."""
+    args, kwargs = cached.plain()
+    key = (_RegionState or _native()).key(args, kwargs, _NODES)
+    return _keyed(cached.args, cached.kwargs) if key is None else (("cache", cached.where, key), args, kwargs)
+
+
+def _layer(instance: _Instance) -> int:
+    """The KV cache layer the instance's block updates, found once per prepared state. Raises region_caches.Refused."""
+    p = instance.valid()
+    if p is None:
+        return region_caches.layer_index(instance.module)
+    if p.layer is None:
+        p.layer = region_caches.layer_index(instance.module)
+    return p.layer
 
 
 def _memoized(instance: _Instance, key: Any) -> Decision | None:
@@ -221,17 +249,19 @@ def _decided_again(instance: _Instance, old: Decision, new: Decision) -> Decisio
     return new
 
 
-def _learnt(instance: _Instance, decided: Decision, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _learnt(instance: _Instance, decided: Decision, result: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+            cached: region_caches.Adapted | None = None) -> Any:
     """``result``, eager's, whose structure a kernel loaded from the cache
     gives its results in this process where it fits the kernel and the
-    structure its entry keeps. Else the entry is damaged in a way its
+    structure its entry keeps (with ``cached``, paired with the cache layer
+    as eager's update left it). Else the entry is damaged in a way its
     digests, recorded again, do not show: it is set aside, the calls of its
     key run eagerly here, and a new process compiles it again."""
     kernel = decided.kernel
     if kernel is None or kernel.outputs is not None:
         return result
     try:
-        outputs = Outputs.of(result, call_tensors(args, kwargs))
+        outputs = Outputs.of(result if cached is None else cached.paired(result), call_tensors(args, kwargs))
     except NotARegion as e:
         _decided_again(instance, decided, RunEagerly(str(e)))
         return result

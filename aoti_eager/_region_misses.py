@@ -28,7 +28,7 @@ from aoti_eager._region_state import COMPILING, RegionKernel, _Loaded, _log_once
 from aoti_eager._stats import Stats
 from aoti_eager.cache import UntrustedEntry
 from aoti_eager.cache.entry_store import Entry, EntryStore
-from aoti_eager.kernels import region_shapes, region_values
+from aoti_eager.kernels import region_caches, region_shapes, region_values
 from aoti_eager.kernels.dynamic import ShapeFamily
 from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad
 from aoti_eager.kernels.pipeline import NotCompiled, Published, compile_target, publish_verdict
@@ -62,12 +62,15 @@ _NO_KWARGS: dict[str, Any] = {}
 
 
 def _decide(
-    instance: _Fused, args: tuple[Any, ...], kwargs: dict[str, Any], key: Any
+    instance: _Fused, args: tuple[Any, ...], kwargs: dict[str, Any], key: Any,
+    given: tuple[tuple[Any, ...], dict[str, Any]] | None = None,
 ) -> tuple[Decision, tuple[Any, ...], dict[str, Any], Any]:
     """What this call runs, the arguments its kernel's tensors are taken
     from, and the original forward's result where it ran to learn what it
-    reads (else _NOT_RUN); raises NotARegion where no kernel may serve it. A
-    decision to remember is kept in the state's memo under ``key``."""
+    reads (else _NOT_RUN; run on ``given``, the arguments as the caller gave
+    them, where its cache was adapted); raises NotARegion where no kernel
+    may serve it. A decision to remember is kept in the state's memo under ``key``."""
+    given_args, given_kwargs = given or (args, kwargs)
     if instance.refused is not None:
         raise NotARegion(instance.refused)
     state = instance.state()
@@ -78,7 +81,7 @@ def _decide(
         raise NotARegion("grad is enabled and its parameters or inputs require grad (regions run without autograd)")
     if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
         raise NotARegion("autocast is on (regions are compiled without it)")
-    call, ran = _valued(instance, call, lambda: instance.original(*args, **kwargs))
+    call, ran = _valued(instance, call, lambda: instance.original(*given_args, **given_kwargs))
     decided = _decision(instance, call)
     if decided.remember and key is not None:
         state.keep(key, decided)
@@ -247,7 +250,7 @@ def _compile(instance: _Fused, cache: EntryStore, call: RegionCall, dims: ShapeF
     failed (the shape then compiles alone)."""
     family = _family_of(cache, call)
     # A copy is traced: the module's own tensors stay real for calls of other threads meanwhile.
-    target = RegionTarget(apart or _sharing_state(instance.module), call)
+    target = RegionTarget(apart or _sharing_state(instance.module), call, _twin(cache))
     try:
         with _mechanism.own_work():
             outcome = compile_target(target, cache, _loader(cache, call), dims, family.seen, in_background=apart is not None)
@@ -262,6 +265,9 @@ def _compile(instance: _Fused, cache: EntryStore, call: RegionCall, dims: ShapeF
             return (RetryLater if outcome.eager_raised else RunEagerly)(outcome.reason)
         return _dynamic_failed(cache, call, family, outcome)
     _count_compile(instance, call, outcome)
+    if target.graph is not None:
+        # Its library serves every later program of the same graph (the next layer's): copied, not compiled.
+        regions.twins.setdefault((str(cache.directory), target.graph), (call.name, outcome.key))
     if dims is not None:
         # What the store holds: another process's kernel where it published first.
         family.published[outcome.key] = dynamic = _mechanism.dynamic_kernel(cache, call.name, outcome.key)
@@ -274,6 +280,16 @@ def _compile(instance: _Fused, cache: EntryStore, call: RegionCall, dims: ShapeF
     if dims is not None:
         family.decisions[outcome.key] = decided
     return decided
+
+
+def _twin(cache: EntryStore) -> Any:
+    """Copies the library of an exported program of digest ``graph`` that
+    this process published into ``cache``, where there is one, to ``library``."""
+    def twin(graph: str, library: Path) -> bool:
+        where = regions.twins.get((str(cache.directory), graph))
+        return where is not None and _mechanism.copy_library(cache, *where, library)
+
+    return twin
 
 
 def _dynamic_failed(cache: EntryStore, call: RegionCall, family: Family, outcome: NotCompiled) -> None:
@@ -297,7 +313,8 @@ def _loader(cache: EntryStore, call: RegionCall, known_good: bool = False) -> An
 
 def _count_compile(instance: _Fused, call: RegionCall, outcome: Published) -> None:
     regions.stats_of(instance.name).compiled(outcome.seconds)
-    log.info("aoti_eager: compiled %s for (%s) in %.1f s", call.name, call.short(), outcome.seconds)
+    log.info("aoti_eager: compiled %s for (%s) in %.1f s%s", call.name, call.short(), outcome.seconds,
+             " (its exported program is one compiled before: that library, checked again)" if "twin" in outcome.stages else "")
 
 
 def _family_of(cache: EntryStore, call: RegionCall) -> Family:
@@ -373,7 +390,9 @@ def _prewarm_call(instance: _Fused, request: RegionRequest, zero_integers: bool 
     call = RegionCall.of(instance.name, state.names, state.tensors, state.structure, args, kwargs)
     with torch.no_grad():
         try:
-            call, _ = _valued(instance, call, lambda: instance.original(*args, **kwargs))
+            # A recorded cache layer: the forward is given a cache that holds it.
+            given, named, _ = region_caches.with_layers(args, kwargs)
+            call, _ = _valued(instance, call, lambda: instance.original(*given, **named))
         except NotARegion:
             raise
         except Exception as e:  # noqa: BLE001 - the example's values, as a compile's eager run would say

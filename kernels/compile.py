@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import itertools
 import json
 
@@ -20,7 +21,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch._inductor import metrics as inductor_metrics
@@ -115,6 +116,8 @@ class Artifact:
     # Kernels Inductor generated for it; none: it only calls eager's own (an
     # extern matmul, say), with AOTInductor's cost on top of eager's.
     generated_kernels: int | None = None
+    # Of a module asked about its twins: the digest of its exported program (graph_digest).
+    graph: str | None = None
 
 
 def mutated_arguments(op: torch._ops.OpOverload) -> list[int]:
@@ -433,6 +436,7 @@ def compile_module(
     vec_isas: dict[str, list[str]] | None = None,
     dynamic_shapes: tuple[Any, ...] | None = None,
     writable: frozenset[int] = frozenset(),
+    twin: Callable[[str, Path], bool] | None = None,
 ) -> Artifact:
     """Compiles ``module``, whose forward takes the tensors ``example`` and
     returns a tuple of tensors, as :func:`compile_call` compiles an op's call.
@@ -440,11 +444,13 @@ def compile_module(
     module that writes into its inputs is refused, but into those of
     ``writable`` (indices of ``example``), which the library writes as the
     module does. ``dynamic_shapes`` as :func:`compile_call` takes it.
-    Raises CompileError with the stage and cause on failure."""
+    ``twin(digest, library)``: copies a library built from an exported
+    program of that :func:`graph_digest` to ``library`` (True), which then
+    stands for AOTInductor's. Raises CompileError with the stage and cause on failure."""
     dynamic = _dynamic_options(device_type, dynamic_shapes)
     artifact, exported = _export_and_compile(
         module, example, device_type, {**options, **dynamic}, None, shared_dir, vec_isas, dynamic_shapes, whole_graph=True,
-        check_exported=functools.partial(_refuse_mutations, writable=writable),
+        check_exported=functools.partial(_refuse_mutations, writable=writable), twin=twin,
     )
     outputs = exported.graph_signature.user_outputs
     artifact.output_counts = [-1] * len(outputs)
@@ -494,6 +500,7 @@ def _export_and_compile(
     dynamic_shapes: tuple[Any, ...] | None,
     whole_graph: bool,
     check_exported: Any = None,
+    twin: Callable[[str, Path], bool] | None = None,
 ) -> tuple[Artifact, Any]:
     """``torch.export`` of ``module`` at ``example``, then AOTInductor: the
     artifact (its output counts left to the caller) and the exported program.
@@ -520,6 +527,10 @@ def _export_and_compile(
             seconds["export"] = time.perf_counter() - start
             if check_exported is not None:
                 check_exported(exported)
+            graph = None if twin is None else graph_digest(exported, example, inductor_options)
+            if graph is not None and twin(graph, library):
+                seconds["twin"] = time.perf_counter() - start - seconds["export"]
+                return Artifact(library, [], seconds, workdir, graph=graph), exported
             stage = "AOTInductor"
             start = time.perf_counter()
             generated_before = _generated_kernels()
@@ -558,7 +569,33 @@ def _export_and_compile(
             f"AOTInductor leaves {', '.join(left)} to its proxy executor (it has no C shim): the kernel would only "
             "call the eager op, at a cost", any_values=True,
         )
-    return Artifact(library, [], seconds, workdir, generated_kernels=generated), exported
+    return Artifact(library, [], seconds, workdir, generated_kernels=generated, graph=graph), exported
+
+
+def graph_digest(exported: torch.export.ExportedProgram, example: tuple[Any, ...], options: dict[str, Any]) -> str:
+    """What AOTInductor builds a library from: the exported graph's code, its
+    inputs' metadata (symbolic sizes too) and signature, its constants'
+    values, the example's layout and Inductor's options. Two programs of
+    one digest are one library (a decoder's layers, whose index selects only
+    their cache layer)."""
+    digest = hashlib.sha256()
+    placeholders = [node.meta.get("val") for node in exported.graph.nodes if node.op == "placeholder"]
+    described = [(tuple(v.shape), tuple(v.stride()), str(v.dtype), str(v.device)) if isinstance(v, torch.Tensor) else repr(v)
+                 for v in placeholders]
+    layout = [(tuple(t.shape), tuple(t.stride()), str(t.dtype), str(t.device)) if isinstance(t, torch.Tensor) else repr(t)
+              for t in example]
+    for part in (exported.graph_module.code, str(exported.graph_signature), repr(described), repr(layout),
+                 repr(sorted(exported.range_constraints.items(), key=str)), repr(sorted(options.items(), key=str))):
+        digest.update(part.encode())
+    for name, value in sorted(exported.constants.items()):
+        digest.update(name.encode())
+        if isinstance(value, torch.Tensor):
+            value = value.detach().cpu().contiguous()
+            digest.update(f"{value.dtype}{tuple(value.shape)}".encode())
+            digest.update(value.reshape(-1).view(torch.uint8).numpy().tobytes() if value.numel() else b"")
+        else:
+            digest.update(repr(value).encode())
+    return digest.hexdigest()
 
 
 def _generated_kernels() -> int | None:

@@ -24,6 +24,7 @@ import hashlib
 import inspect
 import json
 import logging
+import operator
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -32,7 +33,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.nn.utils.stateless import _reparametrize_module
 
-from aoti_eager.kernels import region_values
+from aoti_eager.kernels import region_caches, region_values
 from aoti_eager.kernels.compile import dense_order, in_order
 from aoti_eager.kernels.examples import example_value
 from aoti_eager.kernels.region_values import Read
@@ -399,14 +400,17 @@ class Outputs:
         return [v for v, kind in zip(pytree.tree_leaves(result), self.leaves) if kind is _TENSOR]
 
     @functools.cached_property
-    def _plain(self) -> type | None:
-        """``torch.Tensor`` for a result that is one tensor, ``tuple`` for a
-        tuple of tensors: rebuilt without the pytree."""
-        if self.leaves == (_TENSOR,) and self.spec.is_leaf():
-            return torch.Tensor
-        if self.spec.type is tuple and all(v is _TENSOR for v in self.leaves) and all(c.is_leaf() for c in self.spec.children()):
+    def _plain(self) -> Callable[[list[torch.Tensor]], Any] | None:
+        """The result rebuilt without the pytree, where it is a tensor or
+        tuples of tensors (a block's result beside its cache layer's)."""
+        if not all(v is _TENSOR for v in self.leaves):
+            return None
+        if self.spec.is_leaf():
+            return operator.itemgetter(0)
+        if self.spec.type is tuple and all(child.is_leaf() for child in self.spec.children()):
             return tuple
-        return None
+        build = _tuples(self.spec)
+        return None if build is None else lambda tensors: build(iter(tensors))
 
     @functools.cached_property
     def passes(self) -> bool:
@@ -416,13 +420,21 @@ class Outputs:
     def rebuild(self, tensors: list[torch.Tensor], passed: Sequence[torch.Tensor] = ()) -> Any:
         """The result, with the kernel's ``tensors`` and the call's ``passed``."""
         plain = self._plain
-        if plain is torch.Tensor:
-            return tensors[0]
-        if plain is tuple:
-            return tuple(tensors)
+        if plain is not None:
+            return plain(tensors)
         it = iter(tensors)
         leaves = [next(it) if v is _TENSOR else passed[v.index] if isinstance(v, Passed) else v for v in self.leaves]
         return pytree.tree_unflatten(leaves, self.spec)
+
+
+def _tuples(spec: pytree.TreeSpec) -> Callable[[Iterator[torch.Tensor]], Any] | None:
+    """What builds a result of ``spec`` from its tensors, where it is a tensor or tuples of them; else None."""
+    if spec.is_leaf():
+        return next
+    children = [_tuples(child) for child in spec.children()]
+    if spec.type is not tuple or None in children:
+        return None
+    return lambda tensors: tuple(child(tensors) for child in children)
 
 
 def _kind(value: Any, passed: Sequence[torch.Tensor]) -> Any:
@@ -469,7 +481,9 @@ def bypassed() -> bool:
 class RegionModule(torch.nn.Module):
     """``forward(*state, *tensors)`` calls the instance with ``state`` as its
     parameters and buffers and the call's other values fixed; it returns the
-    result's tensors, flat, in eager's layout.
+    result's tensors, flat, in eager's layout (with a cache layer in the
+    call, the result is the pair of the forward's result and the layer's
+    tensors after its update).
 
     The instance is not a submodule: its parameters are inputs of the
     exported program, never constants compiled into the library."""
@@ -482,11 +496,15 @@ class RegionModule(torch.nn.Module):
 
     def forward(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         n = len(self.call.names)
-        args, kwargs = self.call.arguments(iter(flat[n:]))
+        # A cache layer of the call's is given to the block as a cache that holds it (kernels/region_caches.py).
+        args, kwargs, caches = region_caches.with_layers(*self.call.arguments(iter(flat[n:])))
         instance = self._instance
         with original_forward(), _reparametrize_module(instance, dict(zip(self.call.names, flat[:n])), tie_weights=True):
             # Its class's forward, not the module's __call__: the instance's own hooks run around the kernel, not in it.
             result = type(instance).forward(instance, *args, **kwargs)
+        if caches:
+            # The layer as the block's update left it, returned beside the result for the caller's cache.
+            result = (result, tuple(cache.after() for cache in caches))
         if self.outputs is None:
             return result
         for value in pytree.tree_leaves(result):

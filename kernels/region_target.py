@@ -14,11 +14,11 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
-from aoti_eager.kernels import region_shapes, region_values
+from aoti_eager.kernels import region_caches, region_shapes, region_values
 from aoti_eager.kernels.compile import Artifact, CompileError, compile_options
 from aoti_eager.kernels.dynamic import ShapeFamily
 from aoti_eager.kernels.region import (
@@ -48,9 +48,10 @@ class RegionTarget:
 
     keyed_whole = False
 
-    def __init__(self, instance: torch.nn.Module, call: RegionCall):
-        self.instance, self.call = instance, call
+    def __init__(self, instance: torch.nn.Module, call: RegionCall, twin: Callable[[str, Path], bool] | None = None):
+        self.instance, self.call, self.twin = instance, call, twin
         self.outputs: Outputs | None = None
+        self.graph: str | None = None  # after export, where asked about twins: its program's digest
 
     @property
     def name(self) -> str:
@@ -95,6 +96,8 @@ class RegionTarget:
             (expected, writes, copies), reads = region_values.recorded(instance, self._on_copies)
         except region_values.UnkeyedValue as e:
             raise Unfit(str(e), lasting=False) from None
+        except region_caches.Refused as e:
+            raise Unfit(str(e)) from None
         except Exception as e:  # noqa: BLE001 - the original forward raises it again for the caller
             raise EagerRaised(f"eager raised {type(e).__name__}") from e
         if not reads <= call.reads:
@@ -111,15 +114,17 @@ class RegionTarget:
     def export(self, compiler: Any, reference: RegionReference, family: ShapeFamily | None, shared_dir: Path) -> Artifact:
         call, device = self.call, self.device.type
         try:
-            return compiler.compile_module(
+            artifact = compiler.compile_module(
                 RegionModule(self.instance, call, reference.outputs), tuple(clone_args(call.inputs())), device,
                 compile_options(device), shared_dir=shared_dir, vec_isas=vec_isas_for(device),
                 dynamic_shapes=region_shapes.export_shapes(call, family) if family else None,
-                writable=writable(call, reference.outputs),
+                writable=writable(call, reference.outputs), **({"twin": self.twin} if self.twin else {}),
             )
         except CompileError as e:
             # Export names the inputs L['flat'][i]; the region's are its state's names and the call's paths.
             raise CompileError(region_shapes.named_inputs(str(e), call), e.compiler_error, e.any_values) from e.__cause__
+        self.graph = artifact.graph
+        return artifact
 
     def guarded(self, family: ShapeFamily, artifact: Artifact) -> ShapeFamily:
         return region_shapes.guarded(self.call, family, artifact)
@@ -146,7 +151,7 @@ class RegionTarget:
 
     def resized(self, family: ShapeFamily, values: dict[int, int]) -> "RegionTarget | None":
         call = region_shapes.resized(self.call, family, values)
-        return None if call is None else RegionTarget(self.instance, call)
+        return None if call is None else RegionTarget(self.instance, call, self.twin)
 
     def measure(self, compiler: Any, kernel: Any, dynamic: bool) -> Timing | None:
         """The kernel timed against the instance's original forward, both on
@@ -160,8 +165,10 @@ class RegionTarget:
         args, kwargs = call.arguments(iter(inputs[len(call.tensors):]))
 
         def eager() -> Any:
+            # A cache layer of the call's: a new cache holding it for each call, as its update grows it.
+            given, named, _ = region_caches.with_layers(args, kwargs)
             with original_forward():
-                return type(instance).forward(instance, *args, **kwargs)
+                return type(instance).forward(instance, *given, **named)
 
         return measured(kernel, inputs, eager, compiler.region_timer)
 

@@ -844,22 +844,6 @@ def test_gpt2_blocks(shared_cache):
     assert delta["compiles"] == 1 and delta["hits"] in (1, 2), row(block)["fallback_reason"]
 
 
-def test_gpt2_generate_with_its_kv_cache_runs_the_blocks_eagerly(shared_cache):
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64, bos_token_id=0,
-                                     eos_token_id=0)
-    model = transformers.GPT2LMHeadModel(config).eval()
-    reference = copy.deepcopy(model)
-    aoti_eager.fuse(model, cache_dir=shared_cache)
-    ids = torch.randint(1, 100, (1, 5))
-    with torch.no_grad():
-        tokens = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
-        expected = reference.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert tokens.tolist() == expected.tolist()
-    assert "unsupported input: a value of type DynamicCache" in row(type(model.transformer.h[0]))["fallback_reason"]
-
-
 # The hit path: a call keyed like one decided before, with the instance's state unchanged, runs the kernel at once.
 
 
