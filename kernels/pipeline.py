@@ -234,15 +234,24 @@ def _check_other_sizes(
     others = [target.resized(family, values) for values in [*admitted, family.further_values([*admitted, own])]]
     if not sum(_check_at(compiler, kernel, other) for other in others):
         raise NotDynamic("eager takes none of its further sizes, so it cannot be checked")
-    lows = []
+    lows, tied = [], _tied([own, *admitted])
     for symbol, (low, high) in enumerate(family.ranges):
         try:
-            at_one = low <= 1 <= high and (own.get(symbol) == 1 or _check_at(compiler, kernel, target.resized(family, {**own, symbol: 1})))
+            at_one = low <= 1 <= high and (own.get(symbol) == 1 or _check_at(
+                compiler, kernel, target.resized(family, {**own, **{s: 1 for s in tied.get(symbol, [symbol])}})))
         except Exception as e:  # noqa: BLE001 - disagrees or fails to run there: admitted from 2
             log.debug("aoti_eager: %s's dynamic kernel is not used at size 1 of s%d: %s", target.name, symbol, e)
             at_one = False
         lows.append(1 if at_one else 2)
     return family.from_size(lows)
+
+
+def _tied(calls: list[dict[int, int]]) -> dict[int, list[int]]:
+    """Each symbol's fellows: the symbols of its size in every one of
+    ``calls`` (a KV cache's keys and values), which a check resizes together
+    (eager's flash attention reads past keys shorter than their values)."""
+    symbols = set().union(*calls)
+    return {s: [t for t in symbols if all(c.get(t) == c.get(s) for c in calls)] for s in symbols}
 
 
 def _check_at(compiler: Compiler, kernel: Any, target: Target | None) -> bool:

@@ -165,3 +165,12 @@ def test_a_scope_holds_in_every_thread_and_ends_with_its_block():
         thread.join()
         raise RuntimeError("the block fails")
     assert seen == [len] and pipeline.current() == pipeline.Compiler()
+
+
+def test_a_dynamic_kernels_checks_resize_symbols_of_one_size_together():
+    """A KV cache's keys and values have one length in every call: a check
+    at size 1 of one is at size 1 of both (eager's flash attention reads
+    past keys shorter than their values); a batch that moved apart stays apart."""
+    seen = [{0: 8, 1: 8, 2: 3}, {0: 9, 1: 9, 2: 3}, {0: 12, 1: 12, 2: 5}]
+    assert pipeline._tied(seen) == {0: [0, 1], 1: [0, 1], 2: [2]}
+    assert pipeline._tied([{0: 8, 1: 8}, {0: 9, 1: 10}]) == {0: [0], 1: [1]}
