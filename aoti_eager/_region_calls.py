@@ -17,7 +17,7 @@ import dataclasses
 import json
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -52,6 +52,8 @@ class _Prepared:
     memo: dict[Any, Decision] = field(default_factory=dict)
     refused: dict[Any, Decision] = field(default_factory=dict)
     layer: int | None = None  # the KV cache layer the block updates, once a call passed a cache (_layer)
+    # A cache call's key less its layer's length (_shapeless) -> the dynamic kernel its family decided (_stepped).
+    steps: dict[Any, Decision] = field(default_factory=dict)
 
     def keep(self, key: Any, decided: Decision) -> None:
         (self.memo if decided.kernel is not None else self.refused)[key] = decided
@@ -170,12 +172,15 @@ def _call(instance: _Instance, stats: Stats, decided: Decision | None, args: tup
                 return _eagerly(instance, stats, _refused(instance, _keyed(args, kwargs)[0], str(e)).reason, *given)
             args, kwargs = cached.args, cached.kwargs
         key, leaves, named = _keyed(args, kwargs) if cached is None else _keyed_cached(cached)
-        decided = _memoized(instance, key)
+        decided = _memoized(instance, key) or (None if cached is None else _stepped(instance, cached, leaves, named))
     if decided is None:
         try:
             decided, leaves, named, ran = _decide(instance, args, kwargs, key, given)
         except NotARegion as e:
             decided, ran = _refused(instance, key, str(e)), _NOT_RUN
+        if cached is not None and decided.dynamic is not None and (p := instance.valid()) is not None:
+            # The next step's call, its cache a token longer, finds it without a key of its own.
+            p.steps[_shapeless(cached)] = decided
         if ran is not _NOT_RUN:
             # The original forward ran, to learn what it reads: its result checks a kernel loaded from the cache.
             return _learnt(instance, decided, ran, args, kwargs, cached)
@@ -205,6 +210,48 @@ def _keyed_cached(cached: region_caches.Adapted) -> tuple[Any, tuple[Any, ...], 
     args, kwargs = cached.plain()
     key = (_RegionState or _native()).key(args, kwargs, _NODES)
     return _keyed(cached.args, cached.kwargs) if key is None else (("cache", cached.where, key), args, kwargs)
+
+
+def _shapeless(cached: region_caches.Adapted) -> Any:
+    """The C++ key of a cache call with its cache layer's length left out."""
+    args, kwargs = cached.shapeless()
+    return (_RegionState or _native()).key(args, kwargs, _NODES)
+
+
+def _stepped(instance: _Instance, cached: region_caches.Adapted, args: tuple[Any, ...], kwargs: dict[str, Any]
+             ) -> Decision | None:
+    """The dynamic kernel an earlier step of a generation decided, where its
+    guards and layout admit this call (its cache layer longer); else None."""
+    p = instance.valid()
+    decided = None if p is None or not p.steps else p.steps.get(_shapeless(cached))
+    if decided is None:
+        return None
+    tensors: list[torch.Tensor] = []
+    _tensors_in((args, kwargs), tensors)
+    family = decided.dynamic
+    admitted = (len(tensors) == len(family.dims) and family.symbol_values_of_sizes([t.shape for t in tensors]) is not None
+                and family.layout_admitted([_Layout(t.shape, t.stride()) for t in tensors])
+                and all(layer.data_ptr() % 16 == 0 for layer in cached.layer_tensors()))
+    return decided if admitted else None
+
+
+class _Layout(NamedTuple):
+    """A tensor's sizes and strides, as ShapeFamily.layout_admitted reads a TensorArg's."""
+
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+
+
+def _tensors_in(value: Any, into: list[torch.Tensor]) -> None:
+    """The tensors of ``value`` (tuples, lists and dicts of them), in the order pytree flattens them."""
+    if isinstance(value, torch.Tensor):
+        into.append(value)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _tensors_in(v, into)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _tensors_in(v, into)
 
 
 def _layer(instance: _Instance) -> int:
@@ -246,6 +293,10 @@ def _decided_again(instance: _Instance, old: Decision, new: Decision) -> Decisio
         for key in [key for key, decided in p.memo.items() if decided is old]:
             del p.memo[key]
             p.keep(key, new)
+        for key in [key for key, decided in p.steps.items() if decided is old]:
+            del p.steps[key]
+            if new.kernel is not None:
+                p.steps[key] = new
     return new
 
 
@@ -270,7 +321,7 @@ def _learnt(instance: _Instance, decided: Decision, result: Any, args: tuple[Any
         # What the kernel writes into, which eager's result does not show: as its entry keeps it.
         kept = kernel.loaded.structure or {}
         outputs = dataclasses.replace(outputs, writes=tuple(kept.get("writes", ())))
-        _decided_again(instance, decided, UseKernel(dataclasses.replace(kernel, outputs=outputs)))
+        _decided_again(instance, decided, dataclasses.replace(decided, kernel=dataclasses.replace(kernel, outputs=outputs)))
         return result
     loaded = kernel.loaded
     loaded.cache.set_aside(loaded.name, loaded.key, misfit)

@@ -276,7 +276,7 @@ def _compile(instance: _Fused, cache: EntryStore, call: RegionCall, dims: ShapeF
     decided = _from_cache(instance, cache, call, compiled=True, key=outcome.key)
     if decided is None or decided.kernel is None:
         return None if dims is not None else decided or RunEagerly("its published kernel is not in the cache")
-    decided = UseKernel(dataclasses.replace(decided.kernel, outputs=target.outputs))
+    decided = UseKernel(dataclasses.replace(decided.kernel, outputs=target.outputs), dynamic=dynamic if dims is not None else None)
     if dims is not None:
         family.decisions[outcome.key] = decided
     return decided
@@ -328,7 +328,9 @@ def _from_family(instance: _Fused, cache: EntryStore, call: RegionCall) -> Decis
                                    lambda key, dynamic: _from_cache(instance, cache, call, key=key))
     if found is None:
         return None
-    key, _, decided = found
+    key, dynamic, decided = found
+    if isinstance(decided, UseKernel):
+        decided = dataclasses.replace(decided, dynamic=dynamic)
     # One decision for every shape it admits: a result's structure is learnt once.
     return family.decisions.setdefault(key, decided)
 

@@ -86,6 +86,23 @@ class Adapted:
 
         return tuple(fields(v) for v in self.args), {k: fields(v) for k, v in self.kwargs.items()}
 
+    def shapeless(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The call with each :class:`CacheLayer` as its index and its tensors'
+        dtype, device and sizes but their length (dim -2, which ``update``
+        grows): what the steps of one generation share."""
+        def fields(v: Any) -> Any:
+            if not isinstance(v, CacheLayer):
+                return v
+            return v.index, *(None if t is None else (str(t.dtype), str(t.device), *t.shape[:-2], t.shape[-1])
+                              for t in (v.keys, v.values))
+
+        return tuple(fields(v) for v in self.args), {k: fields(v) for k, v in self.kwargs.items()}
+
+    def layer_tensors(self) -> list[torch.Tensor]:
+        """The cache layers' tensors the call holds."""
+        return [t for v in (*self.args, *self.kwargs.values()) if isinstance(v, CacheLayer)
+                for t in (v.keys, v.values) if t is not None]
+
     def paired(self, result: Any) -> tuple[Any, tuple[tuple[torch.Tensor, torch.Tensor], ...]]:
         """Eager's ``result`` with the layer as its update left it: what the kernel returns."""
         layers = [cache.layers[self.index] if self.index < len(cache.layers) else None for cache in self.caches]
@@ -140,7 +157,8 @@ def adapted(index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Adapte
 def _layer_of(cache: Any, index: int) -> CacheLayer:
     known = _dynamic_cache()
     if known is None or type(cache) is not known[0]:
-        raise Refused(f"a {type(cache).__name__} (of transformers' caches, a DynamicCache's layers are taken)")
+        raise Refused(f"its cache is of type {type(cache).__name__} (of transformers' caches, a DynamicCache's "
+                      "layers are taken)")
     if cache.offloading:
         raise Refused("its DynamicCache offloads layers")
     if index >= len(cache.layers):
@@ -149,7 +167,7 @@ def _layer_of(cache: Any, index: int) -> CacheLayer:
         return CacheLayer(index, None, None)
     layer = cache.layers[index]
     if type(layer) is not known[1]:
-        raise Refused(f"its cache's layer {index} is a {type(layer).__name__} (a DynamicLayer is taken)")
+        raise Refused(f"its cache's layer {index} is of type {type(layer).__name__} (a DynamicLayer is taken)")
     if not layer.is_initialized:
         return CacheLayer(index, None, None)
     return CacheLayer(index, layer.keys, layer.values)
