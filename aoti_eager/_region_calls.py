@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 from aoti_eager import _extension, _mechanism
 from aoti_eager._options import Options
 from aoti_eager._region_misses import _NO_KWARGS, _NOT_RUN, _decide
-from aoti_eager._decisions import Decision, RunEagerly, UseKernel
+from aoti_eager._decisions import Decision, RunEagerly
 from aoti_eager._region_state import COMPILING, RegionKernel, _log_eager_once, regions
 from aoti_eager._stats import Stats
 from aoti_eager.kernels import region_caches, region_values
