@@ -341,8 +341,17 @@ def _compile_dynamic(instance: _Fused, cache: EntryStore, call: RegionCall) -> D
     family = _family_of(cache, call)
     if family.dynamic_failed is None and (verdict := _mechanism.recorded_verdict(cache, call.name, [(region_shapes.static_key(call), "family")])):
         family.dynamic_failed = verdict.reason
-    dims = family.moved_dims(region_shapes.call_sizes(call))
+    dims = family.moved_dims(region_shapes.call_sizes(call)) or _growing(call, family)
     return None if dims is None else _compile(instance, cache, call, dims)
+
+
+def _growing(call: RegionCall, family: Family) -> ShapeFamily | None:
+    """A decode step's dynamic kernel at its family's first call, where the
+    family has none: its cache layer's length, which the next step grows."""
+    if family.dynamic_failed is not None or not settings.dynamic_shapes.get() or family.dynamic():
+        return None
+    dims = region_caches.growing_dims(*call.arguments(iter(call.inputs()[len(call.tensors):])))
+    return ShapeFamily(dims) if any(dims) else None
 
 
 def prewarm(instances: list[_Fused], request: RegionRequest) -> tuple[str, str | None, float]:

@@ -173,6 +173,20 @@ def _layer_of(cache: Any, index: int) -> CacheLayer:
     return CacheLayer(index, layer.keys, layer.values)
 
 
+def growing_dims(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[int, ...], ...]:
+    """For each tensor of a call (in the order pytree flattens it), the dims
+    that every decode step grows: the length of a cache layer's keys and
+    values (where it is 2 or more), which a dynamic kernel takes from the first step."""
+    leaves = pytree.tree_leaves((args, kwargs), is_leaf=lambda v: isinstance(v, CacheLayer))
+    dims: list[tuple[int, ...]] = []
+    for leaf in leaves:
+        if isinstance(leaf, CacheLayer):
+            dims.extend((t.dim() - 2,) if t.shape[-2] >= 2 else () for t in (leaf.keys, leaf.values) if t is not None)
+        elif isinstance(leaf, torch.Tensor):
+            dims.append(())
+    return tuple(dims)
+
+
 def with_layers(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], tuple[Any, ...]]:
     """``(args, kwargs)`` with each :class:`CacheLayer` replaced by a stand-in
     cache that holds it alone (for the traced or reference forward), and the stand-ins."""

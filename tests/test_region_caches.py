@@ -155,3 +155,13 @@ def test_generate_on_cuda_gives_eagers_tokens(shared_cache):
     ids = torch.randint(1, 100, (2, 7), device="cuda")
     assert _generate(model, ids, 16).tolist() == _generate(reference, ids, 16).tolist()
     assert row(_block(model))["fallbacks"] == 0, row(_block(model))["fallback_reason"]
+
+
+def test_a_generation_compiles_a_prefill_and_a_decode_kernel_per_layer(tmp_path, caplog):
+    """The decode kernel takes its cache's length from its first step; the second layer's are the first's programs."""
+    model, reference = _fused(_gpt2, tmp_path)
+    ids = torch.randint(1, 100, (1, 6))
+    with caplog.at_level(logging.INFO, logger="aoti_eager"):
+        assert _generate(model, ids, 10).tolist() == _generate(reference, ids, 10).tolist()
+    compiled = [r.getMessage() for r in caplog.records if "aoti_eager: compiled region::" in r.getMessage()]
+    assert len(compiled) == 4 and sum(TWIN in line for line in compiled) == 2, compiled
