@@ -584,7 +584,9 @@ def graph_digest(exported: torch.export.ExportedProgram, example: tuple[Any, ...
                  for v in placeholders]
     layout = [(tuple(t.shape), tuple(t.stride()), str(t.dtype), str(t.device)) if isinstance(t, torch.Tensor) else repr(t)
               for t in example]
-    for part in (exported.graph_module.code, str(exported.graph_signature), repr(described), repr(layout),
+    # Every graph's code: a higher-order op's subgraphs (cond's branches, flex attention's score_mod) are modules of their own.
+    graphs = [f"{name}:{m.code}" for name, m in exported.graph_module.named_modules() if isinstance(m, torch.fx.GraphModule)]
+    for part in (*graphs, str(exported.graph_signature), repr(described), repr(layout),
                  repr(sorted(exported.range_constraints.items(), key=str)), repr(sorted(options.items(), key=str))):
         digest.update(part.encode())
     for name, value in sorted(exported.constants.items()):

@@ -244,3 +244,25 @@ def test_a_kernels_outputs_have_eagers_strides(call, device, shared_cache):
         raise
     finally:
         artifact.workdir.cleanup()
+
+
+class _Branching(torch.nn.Module):
+    def __init__(self, k: float):
+        super().__init__()
+        self.k = k
+
+    def forward(self, x):
+        return torch.cond(x.sum() > 0, lambda x: x * self.k, lambda x: x - self.k, (x,))
+
+
+def test_a_programs_digest_holds_its_subgraphs_and_constants():
+    """Two programs of one digest share a library: they differ nowhere, not in a cond's branch either."""
+    from aoti_eager.kernels.compile import graph_digest
+
+    x = torch.randn(4)
+
+    def digest(k):
+        return graph_digest(torch.export.export(_Branching(k), (x,), strict=False), (x,), {})
+
+    assert digest(2.0) == digest(2.0) != digest(3.0)
+    assert graph_digest(torch.export.export(_Branching(2.0), (x,), strict=False), (x.double(),), {}) != digest(2.0)
