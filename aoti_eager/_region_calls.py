@@ -178,9 +178,10 @@ def _call(instance: _Instance, stats: Stats, decided: Decision | None, args: tup
             decided, leaves, named, ran = _decide(instance, args, kwargs, key, given)
         except NotARegion as e:
             decided, ran = _refused(instance, key, str(e)), _NOT_RUN
-        if cached is not None and decided.dynamic is not None and (p := instance.valid()) is not None:
+        if (cached is not None and decided.dynamic is not None and (p := instance.valid()) is not None
+                and (shapeless := _shapeless(cached)) is not None):
             # The next step's call, its cache a token longer, finds it without a key of its own.
-            p.steps[_shapeless(cached)] = decided
+            p.steps[shapeless] = decided
         if ran is not _NOT_RUN:
             # The original forward ran, to learn what it reads: its result checks a kernel loaded from the cache.
             return _learnt(instance, decided, ran, args, kwargs, cached)
@@ -223,7 +224,9 @@ def _stepped(instance: _Instance, cached: region_caches.Adapted, args: tuple[Any
     """The dynamic kernel an earlier step of a generation decided, where its
     guards and layout admit this call (its cache layer longer); else None."""
     p = instance.valid()
-    decided = None if p is None or not p.steps else p.steps.get(_shapeless(cached))
+    shapeless = None if p is None or not p.steps else _shapeless(cached)
+    # No C++ key (a value only the slow path describes): its numbers and strings are unchecked here.
+    decided = None if shapeless is None else p.steps.get(shapeless)
     if decided is None:
         return None
     tensors: list[torch.Tensor] = []
