@@ -16,7 +16,7 @@ import copy
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -28,12 +28,15 @@ from aoti_eager._region_state import COMPILING, RegionKernel, _Loaded, _log_once
 from aoti_eager._stats import Stats
 from aoti_eager.cache import UntrustedEntry
 from aoti_eager.cache.entry_store import Entry, EntryStore
-from aoti_eager.kernels import region_caches, region_shapes, region_values
+from aoti_eager.cache.store import beside
+from aoti_eager.kernels import region_caches, region_shapes, region_training, region_values
 from aoti_eager.kernels.dynamic import ShapeFamily
 from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad
 from aoti_eager.kernels.pipeline import NotCompiled, Published, compile_target, publish_verdict
 from aoti_eager.kernels.region import NotARegion, ReadsMore, RegionCall, RegionRequest
+from aoti_eager.kernels.region_joint import Plan
 from aoti_eager.kernels.region_target import RegionTarget
+from aoti_eager.kernels.region_training import BACKWARD_FILES, TrainingKernel, TrainingTarget
 from aoti_eager.manifest import Recorder
 
 log = logging.getLogger("aoti_eager")
@@ -77,10 +80,11 @@ def _decide(
     if state.hooked is not None:
         raise NotARegion(state.hooked)
     call = RegionCall.of(instance.name, state.names, state.tensors, state.structure, args, kwargs)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in call.inputs()):
-        raise NotARegion("grad is enabled and its parameters or inputs require grad (regions run without autograd)")
     if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
         raise NotARegion("autocast is on (regions are compiled without it)")
+    if grads := region_training.requiring_grad(call.inputs()):
+        # Under autograd: a forward and a backward, from the block's joint graph.
+        call = dataclasses.replace(call, grads=grads)
     call, ran = _valued(instance, call, lambda: instance.original(*given_args, **given_kwargs))
     decided = _decision(instance, call)
     if decided.remember and key is not None:
@@ -122,9 +126,10 @@ def _miss(instance: _Fused, cache: EntryStore, call: RegionCall, compile: Compil
     try:
         if (compiled := _compiled_apart(cache, call)) is not None:
             return compiled
-        _family_of(cache, call).saw(region_shapes.call_sizes(call), call.key)
+        if not call.grads:
+            _family_of(cache, call).saw(region_shapes.call_sizes(call), call.key)
         found = _from_cache(instance, cache, call) or _from_family(instance, cache, call)
-        if found is None and instance.options.recorder is not None:
+        if found is None and instance.options.recorder is not None and not call.grads:
             _record(instance.options.recorder, call)
         if found is not None or compile == Compile.NEVER:
             return found or RunEagerly("compile='never' and no kernel in the cache")
@@ -173,7 +178,8 @@ def _from_cache(instance: _Fused, cache: EntryStore, call: RegionCall, compiled:
     def adopt(entry: Entry) -> Decision:
         if entry.library is None:
             return RunEagerly(entry.reason or "decided eager")
-        kernel = _mechanism.entry_kernel(_loader(cache, call, known_good=True), entry)
+        plan = lambda: Plan.from_json((entry.result_structure or {})["training"])  # noqa: E731
+        kernel = _mechanism.entry_kernel(_loader(cache, call, known_good=True, plan=plan), entry)
         regions.stats_of(instance.name).cache_loads += not compiled
         # The structure of its results: eager's, once its first result here fits what the entry keeps (_learnt).
         return UseKernel(RegionKernel(kernel, loaded=_Loaded(cache, call.name, key, entry.result_structure)))
@@ -250,10 +256,12 @@ def _compile(instance: _Fused, cache: EntryStore, call: RegionCall, dims: ShapeF
     failed (the shape then compiles alone)."""
     family = _family_of(cache, call)
     # A copy is traced: the module's own tensors stay real for calls of other threads meanwhile.
-    target = RegionTarget(apart or _sharing_state(instance.module), call, _twin(cache))
+    module = apart or _sharing_state(instance.module)
+    target = TrainingTarget(module, call) if call.grads else RegionTarget(module, call, _twin(cache))
     try:
         with _mechanism.own_work():
-            outcome = compile_target(target, cache, _loader(cache, call), dims, family.seen, in_background=apart is not None)
+            outcome = compile_target(target, cache, _loader(cache, call, plan=lambda: target.plan), dims, family.seen,
+                                     in_background=apart is not None)
     except ReadsMore as e:
         # Its next call is keyed with these values too.
         regions.reads[call.base] = regions.reads.get(call.base, frozenset()) | e.reads
@@ -303,10 +311,18 @@ def _dynamic_failed(cache: EntryStore, call: RegionCall, family: Family, outcome
     log.info("aoti_eager: %s for (%s): %s; compiling this shape alone", call.name, call.short(), outcome.reason)
 
 
-def _loader(cache: EntryStore, call: RegionCall, known_good: bool = False) -> Any:
+def _loader(cache: EntryStore, call: RegionCall, known_good: bool = False, plan: Callable[[], Plan] | None = None) -> Any:
+    """Loads a library of ``cache`` as the kernel of ``call``; under autograd,
+    with its backward's beside it, connected as ``plan()`` says."""
     def load(library: Path, output_counts: list[int]) -> Any:
-        return _mechanism.load_library(cache, call.device, library, output_counts, len(call.inputs()), call.short(),
-                                       known_good=known_good)
+        kernel = _mechanism.load_library(cache, call.device, library, output_counts, len(call.inputs()), call.short(),
+                                         known_good=known_good)
+        if not call.grads:
+            return kernel
+        how = plan()
+        backward = _mechanism.load_library(cache, call.device, beside(library, BACKWARD_FILES[0]), [-1] * len(how.grads),
+                                           len(how.saved) + len(how.tangents), call.short(), known_good=known_good)
+        return TrainingKernel(kernel, backward, how)
 
     return load
 
@@ -323,6 +339,8 @@ def _family_of(cache: EntryStore, call: RegionCall) -> Family:
 
 def _from_family(instance: _Fused, cache: EntryStore, call: RegionCall) -> Decision | None:
     """What a dynamic kernel whose guards admit ``call`` runs (this process's, or another's), or None."""
+    if call.grads:
+        return None  # a training kernel is one shape's
     family = _family_of(cache, call)
     found = _mechanism.from_family(cache, family, RegionTarget(instance.module, call),
                                    lambda key, dynamic: _from_cache(instance, cache, call, key=key))
@@ -338,6 +356,8 @@ def _from_family(instance: _Fused, cache: EntryStore, call: RegionCall) -> Decis
 def _compile_dynamic(instance: _Fused, cache: EntryStore, call: RegionCall) -> Decision | None:
     """Compiles the dynamic kernel the family's policy asks for, and what it
     decides; None where it asks for none or the kernel failed."""
+    if call.grads:
+        return None
     family = _family_of(cache, call)
     if family.dynamic_failed is None and (verdict := _mechanism.recorded_verdict(cache, call.name, [(region_shapes.static_key(call), "family")])):
         family.dynamic_failed = verdict.reason

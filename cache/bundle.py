@@ -165,7 +165,7 @@ class _Contents:
 
 
 def _size_limit(name: str) -> int:
-    return MAX_LIBRARY_BYTES if name.endswith("/" + LIBRARY_FILE) else MAX_JSON_BYTES
+    return MAX_LIBRARY_BYTES if name.endswith(".so") else MAX_JSON_BYTES
 
 
 def _check_member(member: tarfile.TarInfo) -> list[str]:

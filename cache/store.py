@@ -54,8 +54,8 @@ log = logging.getLogger("aoti_eager")
 
 ENTRY_FILE = "entry.json"
 LIBRARY_FILE = "kernel.so"
-# Beside the library (kernel.json: ops left to the dispatcher).
-SIDECAR_FILES = ("kernel.json",)
+# Beside the library (kernel.json: ops left to the dispatcher; a region's training kernel: its backward's library).
+SIDECAR_FILES = ("kernel.json", "backward.so", "backward.json")
 # What an entry directory may hold.
 ENTRY_FILES = (ENTRY_FILE, LIBRARY_FILE, *SIDECAR_FILES)
 # In a shared cache: the publisher's signature of the entry's files (see read_entry).
@@ -208,8 +208,16 @@ def check_recorded_place(directory: Path, entry: Entry, digests: dict[str, dict]
 def _copied_name(copy_as: Path, name: str) -> Path:
     """Where the entry's file ``name`` is copied when its library is copied
     to ``copy_as``: beside it, with the same stem, as AOTInductor's runner
-    looks for its JSON file (``kernel.json`` -> ``<stem>.json``)."""
-    return copy_as.with_suffix(Path(name).suffix)
+    looks for its JSON file (``kernel.json`` -> ``<stem>.json``,
+    ``backward.so`` -> ``<stem>-backward.so``)."""
+    stem = Path(name).stem
+    return copy_as.with_name(copy_as.stem + ("" if stem == Path(LIBRARY_FILE).stem else f"-{stem}") + Path(name).suffix)
+
+
+def beside(library: Path, name: str) -> Path:
+    """The entry's file ``name`` beside its ``library``, as a read entry
+    gives it (in the entry's directory, or copied with it)."""
+    return library.with_name(name) if library.name == LIBRARY_FILE else _copied_name(library, name)
 
 
 def _read_library(directory: Path, copy_as: Path | None) -> dict[str, dict]:

@@ -30,7 +30,7 @@ from torch._prims_common import (
 )
 from torch.fx.experimental import _config as fx_config
 
-from aoti_eager.cache.store import LIBRARY_FILE
+from aoti_eager.cache.store import LIBRARY_FILE, SIDECAR_FILES
 from aoti_eager.kernels import toolchain
 from aoti_eager.kernels.inductor import headers, scratch, shims
 from aoti_eager.kernels.inductor.parallel_grain import parallel_above_grain
@@ -633,6 +633,6 @@ def _strip(library: Path) -> None:
 
 def sidecar_files(artifact: Artifact) -> dict[str, Path]:
     """The files the library needs at run time, by their name in a cache entry."""
-    # The library is named as in an entry; its ops left to the dispatcher, if any, beside it (kernel.json).
-    files = [artifact.library, artifact.library.with_suffix(".json")]
+    # The library is named as in an entry, the files beside it too (kernel.json: its ops left to the dispatcher).
+    files = [artifact.library, *(artifact.library.with_name(name) for name in SIDECAR_FILES)]
     return {path.name: path for path in files if path.exists()}

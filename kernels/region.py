@@ -144,6 +144,8 @@ class RegionCall:
     described: tuple[tuple[str, Arg], ...]  # (path, description) of each leaf
     base: str = ""  # state_structure() alone, where valued() added values
     reads: frozenset[Read] = frozenset()  # the attributes whose values the structure holds
+    # Under autograd, the inputs (kernels/region_training.py) that require grad: a forward and a backward are compiled.
+    grads: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, name: str, names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], structure: str,
@@ -168,7 +170,7 @@ class RegionCall:
     def with_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> "RegionCall":
         """A call of the same state with other arguments."""
         call = RegionCall.of(self.name, self.names, self.tensors, self.structure, args, kwargs)
-        return dataclasses.replace(call, base=self.base, reads=self.reads)
+        return dataclasses.replace(call, base=self.base, reads=self.reads, grads=self.grads)
 
     def copied(self) -> "RegionCall":
         """The call on copies of its tensors (not of its state's)."""
@@ -179,7 +181,8 @@ class RegionCall:
         """The digest naming the call's cache entry."""
         # The default dtype: a forward's new tensors (torch.ones(n)) take it.
         default_dtype = str(torch.get_default_dtype())
-        return _digest([self.structure, default_dtype, str(self.spec), [d.to_json() for _, d in self.described]])
+        described = [self.structure, default_dtype, str(self.spec), [d.to_json() for _, d in self.described]]
+        return _digest([*described, {"grads": list(self.grads)}] if self.grads else described)
 
     def to_json(self) -> list[dict[str, Any]]:
         """The call's inputs as a cache entry lists them."""

@@ -1,0 +1,253 @@
+"""A region's call under autograd: its forward and its backward, two libraries of one entry.
+
+A fused block called with grad enabled and tensors that require grad (its
+parameters in training, or its input) is a :class:`TrainingTarget`. Its
+compile takes the joint forward-backward graph of
+:class:`~aoti_eager.kernels.region.RegionModule` from AOTAutograd, cut in two
+by the partitioner torch.compile uses (min-cut: it saves what is dear to
+recompute, recomputes the rest in the backward)::
+
+    forward(state..., call's tensors...)  -> result's tensors..., saved...
+    backward(saved..., result's gradients...) -> gradients of the inputs that require them
+
+Each half is exported and compiled by AOTInductor as a region's module is;
+the backward's library lies beside the forward's in the entry
+(``backward.so``, under the entry's digests and signature), and how the two
+connect, a :class:`Plan`, in the entry's result structure. Saved tensors
+that are the call's inputs themselves (a weight) are not returned by the
+forward: the backward takes them from the inputs, saved as autograd saves
+them (an in-place change before the backward is an error, as in eager).
+
+:class:`TrainingKernel` runs the pair as one ``torch.autograd.Function``:
+gradients reach parameters and inputs as eager's do (``.grad`` accumulated,
+tensor hooks, ``retain_graph``). Checked against eager's result and its
+gradients for random gradients of the result, then timed forward and
+backward against eager's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from aoti_eager.kernels.compile import Artifact, CompileError, compile_options
+from aoti_eager.kernels.dynamic import ShapeFamily
+from aoti_eager.kernels.region import RegionModule
+from aoti_eager.kernels.region_joint import Plan, partitioned
+from aoti_eager.kernels.region_target import RegionReference, RegionTarget
+from aoti_eager.kernels.signature import clone_args, clone_exact
+from aoti_eager.kernels.speed import Timing, measured
+from aoti_eager.kernels.target import Unfit
+from aoti_eager.kernels.toolchain import vec_isas_for
+from aoti_eager.kernels.validate import Mismatch, upcast_run
+
+# The backward's library and what it leaves to the dispatcher, beside the forward's in an entry.
+BACKWARD_FILES = ("backward.so", "backward.json")
+
+
+def requiring_grad(tensors: list[torch.Tensor]) -> tuple[int, ...]:
+    """The indices of ``tensors`` (a call's inputs) whose gradients a
+    backward would want: none where grad is disabled."""
+    if not torch.is_grad_enabled():
+        return ()
+    return tuple(i for i, t in enumerate(tensors) if t.requires_grad)
+
+
+class TrainingKernel:
+    """A region's forward and backward libraries as one autograd node:
+    :meth:`run` takes the kernel's inputs (the state's tensors, the call's)
+    as ``CompiledKernel.run`` does and returns the result's tensors, which
+    carry the backward where an input requires grad."""
+
+    def __init__(self, forward: Any, backward: Any, plan: Plan):
+        self.forward, self.backward, self.plan = forward, backward, plan
+
+    @property
+    def num_outputs(self) -> int:
+        return self.plan.outputs
+
+    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return list(_Region.apply(self, *inputs))
+
+
+class _Region(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, kernel: TrainingKernel, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        plan = kernel.plan
+        produced = kernel.forward.run(list(inputs))
+        result = produced[:plan.outputs]
+        ctx.kernel = kernel
+        ctx.save_for_backward(*(inputs[i] if kind == "input" else produced[i] for kind, i in plan.saved))
+        ctx.mark_non_differentiable(*(t for i, t in enumerate(result) if i not in plan.tangents))
+        # What the backward's library was compiled for: each gradient in its result's layout.
+        ctx.layouts = [(result[i].shape, result[i].stride()) for i in plan.tangents]
+        return tuple(result)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        plan = ctx.kernel.plan
+        tangents = [_laid_out(grads[i], *layout) for i, layout in zip(plan.tangents, ctx.layouts)]
+        computed = iter(ctx.kernel.backward.run([*ctx.saved_tensors, *tangents]))
+        inputs = ctx.needs_input_grad[1:]
+        given = {i: next(computed) for i in plan.grads}
+        return (None, *(given.get(i) if needed else None for i, needed in enumerate(inputs)))
+
+
+def _laid_out(grad: torch.Tensor, shape: torch.Size, stride: tuple[int, ...]) -> torch.Tensor:
+    """``grad`` with ``stride`` (a copy where it has others: an expanded gradient of a sum)."""
+    if grad.stride() == stride or grad.numel() <= 1:
+        return grad
+    return torch.empty_strided(shape, stride, dtype=grad.dtype, device=grad.device).copy_(grad)
+
+
+@dataclass(frozen=True)
+class TrainingReference(RegionReference):
+    """Eager's result and the gradients of its inputs for ``tangents``, the
+    gradients of its tensors that require grad."""
+
+    tangents: tuple[torch.Tensor, ...] = ()
+    grads: tuple[torch.Tensor | None, ...] = ()
+
+
+class TrainingTarget(RegionTarget):
+    """A region's call with the inputs ``call.grads`` requiring grad: one
+    shape per kernel (no dynamic family), compiled as a forward and a backward."""
+
+    def __init__(self, instance: torch.nn.Module, call: Any):
+        super().__init__(instance, call)
+        self.plan: Plan | None = None  # after export
+
+    def key(self, family: ShapeFamily | None) -> str | None:
+        return self.call.key if family is None else None
+
+    def compiling(self) -> contextlib.ExitStack:
+        stack = super().compiling()
+        stack.enter_context(torch.enable_grad())
+        return stack
+
+    def reference(self) -> TrainingReference:
+        with torch.no_grad():
+            base = super().reference()
+        if base.outputs.writes:
+            raise Unfit("under autograd, its forward writes into its input (compiled only without grad)")
+        inputs = self._leaves()
+        result = list(RegionModule(self.instance, self.call, base.outputs)(*inputs))
+        differentiable = [i for i, t in enumerate(result) if t.requires_grad]
+        generator = torch.Generator(result[0].device if result else "cpu").manual_seed(0)
+        tangents = tuple(torch.randn(result[i].shape, dtype=result[i].dtype, device=result[i].device,
+                                     generator=generator).as_strided(result[i].shape, result[i].stride())
+                         if result[i].is_floating_point() else torch.zeros_like(result[i]) for i in differentiable)
+        grads = self._grads([result[i] for i in differentiable], inputs, tangents)
+        return TrainingReference(base.expected, base.outputs, base.passed, tangents, grads)
+
+    def export(self, compiler: Any, reference: TrainingReference, family: ShapeFamily | None, shared_dir: Path) -> Artifact:
+        device = self.device.type
+        inputs = self._leaves()
+        try:
+            joint = partitioned(RegionModule(self.instance, self.call, reference.outputs), inputs, self.call.grads)
+        except CompileError:
+            raise
+        except Exception as e:  # noqa: BLE001 - AOTAutograd's errors are many
+            raise CompileError(f"AOTAutograd failed on its joint graph: {type(e).__name__}: {str(e)[:200]}") from e
+        options = {"device_type": device, "options": compile_options(device), "shared_dir": shared_dir,
+                   "vec_isas": vec_isas_for(device)}
+        forward = compiler.compile_module(joint.forward, tuple(clone_args(inputs)), **options)
+        backward = compiler.compile_module(joint.backward, tuple(joint.backward_example), **options)
+        try:
+            for name, suffix in zip(BACKWARD_FILES, (".so", ".json")):
+                if (source := backward.library.with_suffix(suffix)).exists():
+                    shutil.copyfile(source, forward.library.with_name(name))
+        finally:
+            backward.workdir.cleanup()
+        for stage, seconds in backward.seconds.items():
+            forward.seconds[f"backward {stage}"] = seconds
+        if forward.generated_kernels is not None and backward.generated_kernels is not None:
+            forward.generated_kernels += backward.generated_kernels
+        self.plan = joint.plan
+        return forward
+
+    def check(self, compiler: Any, kernel: Any, reference: TrainingReference) -> None:
+        """Runs ``kernel`` forward and backward on fresh copies and compares its
+        result and its gradients with eager's (out of their dtype's tolerance,
+        against float64's)."""
+        inputs = self._leaves()
+        result = kernel.run(inputs)
+        compiler.compare("the region's result", [t.detach() for t in result],
+                         reference.outputs.tensors(reference.expected), self._upcast_result)
+        differentiable = [t for t in result if t.requires_grad]
+        if len(differentiable) != len(reference.tangents):
+            raise Mismatch(f"{len(differentiable)} of its result's tensors require grad, eager's {len(reference.tangents)}")
+        grads = self._grads(differentiable, inputs, reference.tangents)
+        for i, got, expected in zip(self.call.grads, grads, reference.grads):
+            if (got is None) != (expected is None):
+                raise Mismatch(f"the gradient of its input {i}: {'none' if got is None else 'one'} where eager's has "
+                               f"{'none' if expected is None else 'one'}")
+        named = [(i, g, e) for i, g, e in zip(self.call.grads, grads, reference.grads) if e is not None]
+        upcast = lambda: [g for g in self._upcast_grads(reference.tangents) if g is not None]  # noqa: E731
+        compiler.compare("the gradients of its inputs", [g for _, g, _ in named], [e for _, _, e in named], upcast)
+
+    def resized(self, family: ShapeFamily, values: dict[int, int]) -> None:
+        return None
+
+    def measure(self, compiler: Any, kernel: Any, dynamic: bool) -> Timing | None:
+        """A step's forward and backward timed against eager's, both on the
+        call's tensors (the state's own, the inputs copied) with gradients of ones."""
+        inputs = self._leaves()
+        module = RegionModule(self.instance, self.call, self.outputs)
+
+        def step(forward: Any) -> Any:
+            with torch.enable_grad():
+                result = [t for t in forward() if t.requires_grad]
+                wanted = [t for t in inputs if t.requires_grad]
+                return torch.autograd.grad(result, wanted, [torch.ones_like(t) for t in result], allow_unused=True)
+
+        timed = _Both(lambda: step(lambda: kernel.run(inputs)), lambda: step(lambda: module(*inputs)))
+        return measured(timed, inputs, timed.eager, compiler.region_timer)
+
+    def result_structure(self, reference: TrainingReference) -> dict[str, Any] | None:
+        kept = reference.outputs.to_json()
+        return None if kept is None or self.plan is None else {**kept, "training": self.plan.to_json()}
+
+    def further(self) -> Iterator[RegionTarget]:
+        return iter(())
+
+    def _leaves(self) -> list[torch.Tensor]:
+        """Fresh copies of the call's inputs as leaves, those of ``call.grads`` requiring grad."""
+        grads = set(self.call.grads)
+        return [clone_exact(t).detach().requires_grad_(i in grads) for i, t in enumerate(self.call.inputs())]
+
+    def _grads(self, result: list[torch.Tensor], inputs: list[torch.Tensor], tangents: Any) -> tuple[Any, ...]:
+        wanted = [inputs[i] for i in self.call.grads]
+        if not result:
+            return tuple(None for _ in wanted)
+        return torch.autograd.grad(result, wanted, list(tangents), allow_unused=True)
+
+    def _upcast_grads(self, tangents: tuple[torch.Tensor, ...]) -> list[torch.Tensor | None] | None:
+        """The gradients of eager's forward run on float64 copies (:func:`upcast_run`)."""
+        module = RegionModule(self.instance, self.call, self.outputs)
+
+        def run(upcast: tuple[list[torch.Tensor], list[torch.Tensor]]) -> list[torch.Tensor | None]:
+            inputs, wide = upcast
+            with torch.enable_grad():
+                inputs = [t.requires_grad_(i in self.call.grads) for i, t in enumerate(inputs)]
+                result = [t for t in module(*inputs) if t.requires_grad]
+                return list(self._grads(result, inputs, wide))
+
+        return upcast_run(run, (list(self.call.inputs()), list(tangents)))
+
+
+@dataclass(frozen=True)
+class _Both:
+    """A forward and backward step as :func:`measured` times a kernel against eager."""
+
+    kernel: Any
+    eager: Any
+
+    def run(self, inputs: list[torch.Tensor]) -> Any:
+        return self.kernel()

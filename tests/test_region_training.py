@@ -1,0 +1,228 @@
+"""Fused regions under autograd (kernels/region_training.py): a block called
+with grad enabled and tensors that require grad runs a compiled forward and
+a compiled backward, with eager's result and gradients."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import aoti_eager
+from helpers import ROOT, Block, Model, cpu_cache, delta_since, row
+
+
+@pytest.fixture(autouse=True)
+def _models_let_go():
+    yield
+    gc.collect()
+
+
+class Split(Block):
+    """Several outputs: two that require grad, an integer one that cannot."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y, torch.tanh(y).sum(-1), y.argmax(-1)
+
+
+class SplitModel(Model):
+    def __init__(self):
+        super().__init__(Split)
+
+    def forward(self, x):
+        total = 0
+        for block in self.blocks:
+            x, side, index = block(x)
+            total = total + side.sum() + index.float().sum() * 0
+        return self.head(x).sum() + total
+
+
+class Counting(Block):
+    """Updates a buffer in training, as BatchNorm's running statistics."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm2 = torch.nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        return self.norm2(super().forward(x))
+
+
+class Dropping(Block):
+    def __init__(self):
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(super().forward(x))
+
+
+def _pair(model_class=Model, seed: int = 0):
+    torch.manual_seed(seed)
+    model = model_class().train()
+    return model, copy.deepcopy(model)
+
+
+def _step(model, x, scale: float = 1.0):
+    loss = model(x).sum() * scale
+    loss.backward()
+    return loss.detach()
+
+
+def _assert_same_gradients(model, reference):
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        if q.grad is None:
+            assert p.grad is None, name
+        else:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_block_under_autograd_runs_its_compiled_forward_and_backward(shared_cache):
+    model, reference = _pair()
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    x = torch.randn(4, 16, requires_grad=True)
+    x_eager = x.detach().clone().requires_grad_()
+    for _ in range(2):
+        torch.testing.assert_close(_step(model, x), _step(reference, x_eager))
+        before = row(Block)
+    torch.testing.assert_close(_step(model, x), _step(reference, x_eager))
+    # Gradients accumulated over three backward calls, the input's too.
+    _assert_same_gradients(model, reference)
+    torch.testing.assert_close(x.grad, x_eager.grad)
+    assert delta_since(before, Block) == {"calls": 3, "hits": 3, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
+    assert type(model.blocks[1](x)).__name__ == "Tensor" and model.blocks[1](x).grad_fn.name() == "_RegionBackward"
+
+
+def test_a_block_of_several_outputs_and_a_frozen_parameter(shared_cache):
+    model, reference = _pair(SplitModel)
+    for m in (model, reference):
+        for block in m.blocks:
+            block.fc1.weight.requires_grad_(False)
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    x = torch.randn(4, 16)
+    for _ in range(2):
+        torch.testing.assert_close(_step(model, x), _step(reference, x))
+    _assert_same_gradients(model, reference)
+    assert model.blocks[0].fc1.weight.grad is None
+    assert row(Split)["hits"] >= 3 and row(Split)["fallbacks"] <= 1, row(Split)
+
+
+def test_retain_graph_and_tensor_hooks_see_the_kernels_gradients(shared_cache):
+    model, reference = _pair()
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    x = torch.randn(4, 16, requires_grad=True)
+    seen = []
+    model.blocks[1].fc2.weight.register_hook(lambda g: seen.append(g.clone()))
+    for m in (model, reference):
+        loss = m(x).pow(2).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+    _assert_same_gradients(model, reference)
+    assert len(seen) == 2
+    torch.testing.assert_close(seen[0] * 2, reference.blocks[1].fc2.weight.grad)
+
+
+def test_double_backward_through_a_kernel_is_an_error_not_a_wrong_gradient(shared_cache):
+    model, _ = _pair()
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    x = torch.randn(4, 16, requires_grad=True)
+    model(x)  # the first call records what the forward reads, eagerly
+    (grad,) = torch.autograd.grad(model(x).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
+        grad.sum().backward()
+
+
+def test_a_training_kernel_is_loaded_by_a_new_process(shared_cache):
+    model, reference = _pair()
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    x = torch.randn(4, 16, requires_grad=True)
+    _step(model, x)
+    child = subprocess.run([sys.executable, "-c", _CHILD, str(shared_cache), str(ROOT / "tests")],
+                           capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-3000:]
+    stats = json.loads(child.stdout.strip().splitlines()[-1])
+    assert stats["compiles"] == 0 and stats["cache_loads"] >= 1 and stats["hits"] >= 3, stats
+
+
+# A new process trains a fused Model for two steps on the cache ARGV[1], checks
+# its gradients against eager's, and prints the Block region's stats row.
+_CHILD = """
+import copy, json, sys
+import torch, aoti_eager
+sys.path.insert(0, sys.argv[2])
+from helpers import Block, Model, row
+torch.manual_seed(0)
+model = Model().train()
+reference = copy.deepcopy(model)
+aoti_eager.fuse(model, cache_dir=sys.argv[1])
+x = torch.randn(4, 16, requires_grad=True)
+for m in (model, reference):
+    for _ in range(2):
+        m(x).sum().backward()
+for p, q in zip(model.parameters(), reference.parameters()):
+    torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+print(json.dumps(row(Block)))
+"""
+
+
+def test_the_backward_library_is_under_the_entrys_digests(tmp_path, caplog):
+    model, _ = _pair()
+    aoti_eager.fuse(model, cache_dir=tmp_path)
+    _step(model, torch.randn(4, 16, requires_grad=True))
+    backward = list(tmp_path.rglob("backward.so"))
+    assert len(backward) == 1
+    data = bytearray(backward[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    backward[0].write_bytes(bytes(data))
+    op, key = backward[0].parent.parent.name.replace(".", "::", 1), backward[0].parent.name
+    assert cpu_cache(tmp_path).lookup(op, key) is None  # set aside: compiled again
+    assert "beside the library" in caplog.text and "backward.so" in caplog.text
+
+
+@pytest.mark.parametrize("block, reason", [
+    (Counting, "writes into its inputs, parameters or buffers"),
+    (Dropping, "draws random numbers"),
+])
+def test_a_block_refused_for_training_runs_eagerly_with_its_reason(shared_cache, block, reason):
+    torch.manual_seed(0)
+    model = Model(block).train()
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    x = torch.randn(4, 16)
+    torch.manual_seed(1)
+    loss = _step(model, x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(loss, _step(reference, x))
+    _assert_same_gradients(model, reference)
+    assert reason in row(block)["fallback_reason"] and row(block)["hits"] == 0, row(block)
+
+
+def test_gpt2_trains_through_its_fused_blocks(shared_cache):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64,
+                                     resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config).train()
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    ids = torch.randint(0, 100, (2, 12))
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (model, reference)]
+    for _ in range(3):
+        losses = []
+        for m, optimizer in zip((model, reference), optimizers):
+            optimizer.zero_grad()
+            loss = m(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            losses.append(loss.detach())
+        _assert_same_gradients(model, reference)
+        for optimizer in optimizers:
+            optimizer.step()
+        torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    name = "region::transformers.models.gpt2.modeling_gpt2.GPT2Block"
+    assert aoti_eager.stats()[name]["hits"] >= 4, aoti_eager.stats()[name]
