@@ -27,7 +27,7 @@ from aoti_eager import _extension, settings
 from aoti_eager._planner import Eager, Family
 from aoti_eager.cache import DamagedEntry, KernelCache, UntrustedEntry, inventory, remote
 from aoti_eager.cache.entry_store import Entry, EntryStore, LockedElsewhere
-from aoti_eager.cache.store import TEMPORARY_PREFIX
+from aoti_eager.cache.store import LIBRARY_FILE, TEMPORARY_PREFIX, beside
 from aoti_eager.kernels import CallSignature
 from aoti_eager.kernels.compile import compile_options, flat_tensor_inputs
 from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily
@@ -233,18 +233,21 @@ def held(cache: EntryStore, name: str, key: str, adopt: Callable[[Entry], Any]) 
         return None
 
 
-def copy_library(cache: EntryStore, name: str, key: str, library: Path) -> bool:
-    """Copies the library of ``name``'s entry ``key`` (and the ops it leaves
-    to the dispatcher, if any) to ``library``, held meanwhile; False where
-    the entry is gone, damaged or holds no library."""
+def copy_library(cache: EntryStore, name: str, key: str, library: Path, file: str = LIBRARY_FILE) -> bool:
+    """Copies the library ``file`` of ``name``'s entry ``key`` (its own, or
+    one beside it: ``backward.so``), and the ops it leaves to the dispatcher,
+    if any, to ``library``, the entry held meanwhile; False where the entry
+    is gone, damaged or holds no library."""
     try:
         with cache.hold(name, key) as entry:
             if entry is None or entry.library is None:
                 return False
-            for suffix in (library.suffix, ".json"):
-                source = entry.library.with_suffix(suffix)
-                if source.exists():
-                    shutil.copyfile(source, library.with_suffix(suffix))
+            source = beside(entry.library, file)
+            if not source.exists():
+                return False
+            shutil.copyfile(source, library)
+            if (left := beside(entry.library, str(Path(file).with_suffix(".json")))).exists():
+                shutil.copyfile(left, library.with_suffix(".json"))
             return True
     except (DamagedEntry, OSError):
         return False

@@ -257,7 +257,7 @@ def _compile(instance: _Fused, cache: EntryStore, call: RegionCall, dims: ShapeF
     family = _family_of(cache, call)
     # A copy is traced: the module's own tensors stay real for calls of other threads meanwhile.
     module = apart or _sharing_state(instance.module)
-    target = TrainingTarget(module, call) if call.grads else RegionTarget(module, call, _twin(cache))
+    target = (TrainingTarget if call.grads else RegionTarget)(module, call, _twin(cache))
     try:
         with _mechanism.own_work():
             outcome = compile_target(target, cache, _loader(cache, call, plan=lambda: target.plan), dims, family.seen,
@@ -273,9 +273,9 @@ def _compile(instance: _Fused, cache: EntryStore, call: RegionCall, dims: ShapeF
             return (RetryLater if outcome.eager_raised else RunEagerly)(outcome.reason)
         return _dynamic_failed(cache, call, family, outcome)
     _count_compile(instance, call, outcome)
-    if target.graph is not None:
+    for file, graph in target.graphs.items():
         # Its library serves every later program of the same graph (the next layer's): copied, not compiled.
-        regions.twins.setdefault((str(cache.directory), target.graph), (call.name, outcome.key))
+        regions.twins.setdefault((str(cache.directory), graph), (call.name, outcome.key, file))
     if dims is not None:
         # What the store holds: another process's kernel where it published first.
         family.published[outcome.key] = dynamic = _mechanism.dynamic_kernel(cache, call.name, outcome.key)
@@ -295,7 +295,10 @@ def _twin(cache: EntryStore) -> Any:
     this process published into ``cache``, where there is one, to ``library``."""
     def twin(graph: str, library: Path) -> bool:
         where = regions.twins.get((str(cache.directory), graph))
-        return where is not None and _mechanism.copy_library(cache, *where, library)
+        if where is None:
+            return False
+        name, key, file = where
+        return _mechanism.copy_library(cache, name, key, library, file)
 
     return twin
 

@@ -76,8 +76,8 @@ class RegionRegistry:
     reads: dict[str, frozenset] = field(default_factory=dict)
     # (cache directory of the environment, region_shapes.values_key) -> kernels compiled here for those calls' numbers.
     value_variants: collections.Counter = field(default_factory=collections.Counter)
-    # (cache directory of the environment, graph_digest of an exported program) -> the entry of its library.
-    twins: dict[tuple[str, str], tuple[str, str]] = field(default_factory=dict)
+    # (cache directory of the environment, graph_digest of an exported program) -> the entry and file of its library.
+    twins: dict[tuple[str, str], tuple[str, str, str]] = field(default_factory=dict)  # (name, key, library file)
     # (cache directory of the environment, key) -> the background compile its calls wait for, and its region.
     compiling: dict[tuple[str, str], tuple[Future, str]] = field(default_factory=dict)
     # (root, device, fleet cache's URL, how long its lock is waited for) -> the cache.

@@ -48,6 +48,7 @@ class Joint:
     backward: torch.nn.Module  # the saved tensors, the result's gradients -> the inputs' gradients (plan.grads)
     backward_example: tuple[torch.Tensor, ...]
     plan: Plan
+    random: bool  # the forward draws random numbers (dropout in training)
 
 
 class _Returning(torch.nn.Module):
@@ -66,8 +67,7 @@ def partitioned(module: torch.nn.Module, inputs: list[torch.Tensor], grads: tupl
     """The forward and backward of ``module`` (a RegionModule: flat tensors
     in, a tuple of tensors out) at ``inputs``, of which those at ``grads``
     require grad. Raises CompileError for a forward whose graph AOTAutograd gives
-    more than its result (a write into an input, a parameter or a buffer) or
-    that draws random numbers."""
+    more than its result (a write into an input, a parameter or a buffer)."""
     from torch._functorch.aot_autograd import aot_function
     from torch._functorch.compilers import nop
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -85,10 +85,6 @@ def partitioned(module: torch.nn.Module, inputs: list[torch.Tensor], grads: tupl
                           decompositions=select_decomp_table())
     result = list(traced(*inputs))
     forward, backward, outputs = cut["forward"], cut["backward"], cut["outputs"]
-    if cut["random"]:
-        # Its kernel's random stream is not eager's: no check against eager's result and gradients would hold.
-        raise CompileError(f"under autograd, its forward draws random numbers ({cut['random'][0]}: dropout in "
-                           "training mode): compiled only in eval mode or without grad")
     if outputs != len(result):
         raise CompileError("under autograd, its forward writes into its inputs, parameters or buffers (BatchNorm's running "
                     "statistics in training): compiled only without grad")
@@ -111,7 +107,7 @@ def partitioned(module: torch.nn.Module, inputs: list[torch.Tensor], grads: tupl
         produced = forward(*inputs)
         example = [inputs[i].detach() if kind == "input" else produced[kept[i]] for kind, i in plan.saved]
         example += [torch.randn_like(result[i]) for i in plan.tangents]
-    return Joint(_Returning(forward, kept), _Returning(backward, list(plan.grads)), tuple(example), plan)
+    return Joint(_Returning(forward, kept), _Returning(backward, list(plan.grads)), tuple(example), plan, bool(cut["random"]))
 
 
 def _draws(node: torch.fx.Node) -> bool:

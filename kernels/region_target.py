@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from aoti_eager.kernels import region_caches, region_shapes, region_values
+from aoti_eager.cache.store import LIBRARY_FILE
 from aoti_eager.kernels.compile import Artifact, CompileError, compile_options
 from aoti_eager.kernels.dynamic import ShapeFamily
 from aoti_eager.kernels.region import (
@@ -51,7 +52,8 @@ class RegionTarget:
     def __init__(self, instance: torch.nn.Module, call: RegionCall, twin: Callable[[str, Path], bool] | None = None):
         self.instance, self.call, self.twin = instance, call, twin
         self.outputs: Outputs | None = None
-        self.graph: str | None = None  # after export, where asked about twins: its program's digest
+        # After export, where asked about twins: the digest of each library's program, by its file in the entry.
+        self.graphs: dict[str, str] = {}
 
     @property
     def name(self) -> str:
@@ -123,7 +125,8 @@ class RegionTarget:
         except CompileError as e:
             # Export names the inputs L['flat'][i]; the region's are its state's names and the call's paths.
             raise CompileError(region_shapes.named_inputs(str(e), call), e.compiler_error, e.any_values) from e.__cause__
-        self.graph = artifact.graph
+        if artifact.graph is not None:
+            self.graphs[LIBRARY_FILE] = artifact.graph
         return artifact
 
     def guarded(self, family: ShapeFamily, artifact: Artifact) -> ShapeFamily:

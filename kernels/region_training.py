@@ -28,17 +28,19 @@ backward against eager's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
+from aoti_eager.cache.store import LIBRARY_FILE
 from aoti_eager.kernels.compile import Artifact, CompileError, compile_options
 from aoti_eager.kernels.dynamic import ShapeFamily
 from aoti_eager.kernels.region import RegionModule
-from aoti_eager.kernels.region_joint import Plan, partitioned
+from aoti_eager.kernels.region_joint import Joint, Plan, partitioned
 from aoti_eager.kernels.region_target import RegionReference, RegionTarget
 from aoti_eager.kernels.signature import clone_args, clone_exact
 from aoti_eager.kernels.speed import Timing, measured
@@ -46,6 +48,8 @@ from aoti_eager.kernels.target import Unfit
 from aoti_eager.kernels.toolchain import vec_isas_for
 from aoti_eager.kernels.validate import Mismatch, upcast_run
 
+# The seed of the random gradients a check gives a result, and of a check's random ops.
+_SEED = 0
 # The backward's library and what it leaves to the dispatcher, beside the forward's in an entry.
 BACKWARD_FILES = ("backward.so", "backward.json")
 
@@ -119,9 +123,10 @@ class TrainingTarget(RegionTarget):
     """A region's call with the inputs ``call.grads`` requiring grad: one
     shape per kernel (no dynamic family), compiled as a forward and a backward."""
 
-    def __init__(self, instance: torch.nn.Module, call: Any):
-        super().__init__(instance, call)
+    def __init__(self, instance: torch.nn.Module, call: Any, twin: Callable[[str, Path], bool] | None = None):
+        super().__init__(instance, call, twin)
         self.plan: Plan | None = None  # after export
+        self.drawn: _Expected | None = None  # after export, where its graph draws random numbers
 
     def key(self, family: ShapeFamily | None) -> str | None:
         return self.call.key if family is None else None
@@ -139,10 +144,8 @@ class TrainingTarget(RegionTarget):
         inputs = self._leaves()
         result = list(RegionModule(self.instance, self.call, base.outputs)(*inputs))
         differentiable = [i for i, t in enumerate(result) if t.requires_grad]
-        generator = torch.Generator(result[0].device if result else "cpu").manual_seed(0)
-        tangents = tuple(torch.randn(result[i].shape, dtype=result[i].dtype, device=result[i].device,
-                                     generator=generator).as_strided(result[i].shape, result[i].stride())
-                         if result[i].is_floating_point() else torch.zeros_like(result[i]) for i in differentiable)
+        generator = torch.Generator(result[0].device if result else "cpu").manual_seed(_SEED)
+        tangents = tuple(torch.empty_like(result[i]).normal_(generator=generator) for i in differentiable)
         grads = self._grads([result[i] for i in differentiable], inputs, tangents)
         return TrainingReference(base.expected, base.outputs, base.passed, tangents, grads)
 
@@ -155,10 +158,14 @@ class TrainingTarget(RegionTarget):
             raise
         except Exception as e:  # noqa: BLE001 - AOTAutograd's errors are many
             raise CompileError(f"AOTAutograd failed on its joint graph: {type(e).__name__}: {str(e)[:200]}") from e
-        options = {"device_type": device, "options": compile_options(device), "shared_dir": shared_dir,
+        # Random ops call eager's (drawing from the generators eager draws from), which the check seeds.
+        options = {"device_type": device, "options": {**compile_options(device), "fallback_random": True}, "shared_dir": shared_dir,
                    "vec_isas": vec_isas_for(device)}
+        if self.twin is not None:
+            options["twin"] = self.twin
         forward = compiler.compile_module(joint.forward, tuple(clone_args(inputs)), **options)
         backward = compiler.compile_module(joint.backward, tuple(joint.backward_example), **options)
+        self.graphs = {name: a.graph for name, a in ((LIBRARY_FILE, forward), (BACKWARD_FILES[0], backward)) if a.graph}
         try:
             for name, suffix in zip(BACKWARD_FILES, (".so", ".json")):
                 if (source := backward.library.with_suffix(suffix)).exists():
@@ -170,27 +177,58 @@ class TrainingTarget(RegionTarget):
         if forward.generated_kernels is not None and backward.generated_kernels is not None:
             forward.generated_kernels += backward.generated_kernels
         self.plan = joint.plan
+        if joint.random:
+            self.drawn = self._drawn(joint, inputs, reference.tangents)
         return forward
 
     def check(self, compiler: Any, kernel: Any, reference: TrainingReference) -> None:
         """Runs ``kernel`` forward and backward on fresh copies and compares its
         result and its gradients with eager's (out of their dtype's tolerance,
-        against float64's)."""
+        against float64's); where its graph draws random numbers, with its
+        graph's run on eager's kernels, from the same seed."""
+        expected = self.drawn or self._eager(reference)
         inputs = self._leaves()
+        if self.drawn is not None:
+            torch.manual_seed(_SEED)
         result = kernel.run(inputs)
-        compiler.compare("the region's result", [t.detach() for t in result],
-                         reference.outputs.tensors(reference.expected), self._upcast_result)
+        compiler.compare("the region's result", [t.detach() for t in result], expected.result,
+                         lambda: None if (wide := expected.upcast()) is None else wide[0])
         differentiable = [t for t in result if t.requires_grad]
         if len(differentiable) != len(reference.tangents):
             raise Mismatch(f"{len(differentiable)} of its result's tensors require grad, eager's {len(reference.tangents)}")
-        grads = self._grads(differentiable, inputs, reference.tangents)
-        for i, got, expected in zip(self.call.grads, grads, reference.grads):
-            if (got is None) != (expected is None):
-                raise Mismatch(f"the gradient of its input {i}: {'none' if got is None else 'one'} where eager's has "
-                               f"{'none' if expected is None else 'one'}")
-        named = [(i, g, e) for i, g, e in zip(self.call.grads, grads, reference.grads) if e is not None]
-        upcast = lambda: [g for g in self._upcast_grads(reference.tangents) if g is not None]  # noqa: E731
-        compiler.compare("the gradients of its inputs", [g for _, g, _ in named], [e for _, _, e in named], upcast)
+        grads = {i: g for i, g in zip(self.call.grads, self._grads(differentiable, inputs, reference.tangents)) if g is not None}
+        if set(grads) != set(expected.grads):
+            raise Mismatch(f"its inputs {sorted(grads)} have gradients, eager's {sorted(expected.grads)}")
+        order = sorted(grads)
+        compiler.compare("the gradients of its inputs", [grads[i] for i in order], [expected.grads[i] for i in order],
+                         lambda: None if (wide := expected.upcast()) is None else [wide[1].get(i) for i in order])
+
+    def _eager(self, reference: TrainingReference) -> "_Expected":
+        """Eager's result and gradients, and the same on float64 copies."""
+        def upcast() -> tuple[list[torch.Tensor], dict[int, torch.Tensor]] | None:
+            result, grads = self._upcast_result(), self._upcast_grads(reference.tangents)
+            return None if result is None or grads is None else (result, dict(zip(self.call.grads, grads)))
+
+        grads = {i: g for i, g in zip(self.call.grads, reference.grads) if g is not None}
+        return _Expected(reference.outputs.tensors(reference.expected), grads, functools.cache(upcast))
+
+    def _drawn(self, joint: Joint, inputs: list[torch.Tensor], tangents: tuple[torch.Tensor, ...]) -> "_Expected":
+        """The result and gradients of ``joint``'s graphs run on eager's
+        kernels from the seed the check gives the kernel (a graph that draws
+        random numbers: the kernel calls eager's random ops, which then draw
+        the same), and the same on float64 copies."""
+        def run(given: tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
+            inputs, tangents = given
+            plan = joint.plan
+            with torch.no_grad():
+                torch.manual_seed(_SEED)
+                produced = joint.forward(*inputs)
+                saved = [inputs[i] if kind == "input" else produced[i] for kind, i in plan.saved]
+                return list(produced[:plan.outputs]), dict(zip(plan.grads, joint.backward(*saved, *tangents)))
+
+        given = ([t.detach() for t in inputs], tangents)
+        result, grads = run(given)
+        return _Expected(result, grads, functools.cache(lambda: upcast_run(run, given)))
 
     def resized(self, family: ShapeFamily, values: dict[int, int]) -> None:
         return None
@@ -240,6 +278,16 @@ class TrainingTarget(RegionTarget):
                 return list(self._grads(result, inputs, wide))
 
         return upcast_run(run, (list(self.call.inputs()), list(tangents)))
+
+
+@dataclass(frozen=True)
+class _Expected:
+    """What a training kernel's result and gradients (by input) are compared
+    with, and ``upcast()``: the same computed on float64 copies, or None."""
+
+    result: list[torch.Tensor]
+    grads: dict[int, torch.Tensor]
+    upcast: Callable[[], tuple[list[torch.Tensor], dict[int, torch.Tensor]] | None]
 
 
 @dataclass(frozen=True)

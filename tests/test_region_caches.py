@@ -83,8 +83,9 @@ def test_generate_gives_eagers_tokens_and_a_longer_one_compiles_nothing(make, sh
 def test_another_batch_gives_eagers_tokens(shared_cache):
     model, reference = _fused(_gpt2, shared_cache)
     ids = torch.randint(1, 100, (3, 6))
+    before = row(_block(model))  # the region's counts are the process's, over every model of its class
     assert _generate(model, ids, 6).tolist() == _generate(reference, ids, 6).tolist()
-    assert row(_block(model))["fallbacks"] == 0, row(_block(model))["fallback_reason"]
+    assert delta_since(before, _block(model))["fallbacks"] == 0, row(_block(model))["fallback_reason"]
 
 
 def test_a_static_cache_runs_eagerly_with_its_reason(shared_cache):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import gc
 import json
+import logging
 import subprocess
 import sys
 
@@ -185,11 +186,30 @@ def test_the_backward_library_is_under_the_entrys_digests(tmp_path, caplog):
     assert "beside the library" in caplog.text and "backward.so" in caplog.text
 
 
-@pytest.mark.parametrize("block, reason", [
-    (Counting, "writes into its inputs, parameters or buffers"),
-    (Dropping, "draws random numbers"),
-])
-def test_a_block_refused_for_training_runs_eagerly_with_its_reason(shared_cache, block, reason):
+def test_dropout_in_training_keeps_eagers_statistics(shared_cache):
+    torch.manual_seed(0)
+    model = Model(Dropping).train()
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    block, x = model.blocks[0], torch.randn(64, 16, requires_grad=True)
+    block(x)  # the first call records what the forward reads, eagerly
+    kept = Block.forward(block, x).detach() * 2  # what dropout(0.5) keeps, scaled
+    masks = []
+    for _ in range(4):
+        out = block(x)
+        assert out.grad_fn.name() == "_RegionBackward"
+        dropped = out == 0
+        torch.testing.assert_close(out[~dropped], kept[~dropped])
+        masks.append(dropped)
+        (grad,) = torch.autograd.grad(out.sum(), x)
+        assert grad.abs().sum() > 0
+    share = torch.stack(masks).float().mean().item()
+    assert 0.45 < share < 0.55, share
+    assert not torch.equal(masks[0], masks[1])  # each call draws anew
+    assert row(Dropping)["hits"] >= 4 and row(Dropping)["fallbacks"] == 0, row(Dropping)
+
+
+def test_a_block_refused_for_training_runs_eagerly_with_its_reason(shared_cache):
+    block, reason = Counting, "writes into its inputs, parameters or buffers"
     torch.manual_seed(0)
     model = Model(block).train()
     reference = copy.deepcopy(model)
@@ -203,8 +223,11 @@ def test_a_block_refused_for_training_runs_eagerly_with_its_reason(shared_cache,
     assert reason in row(block)["fallback_reason"] and row(block)["hits"] == 0, row(block)
 
 
-def test_gpt2_trains_through_its_fused_blocks(shared_cache):
+@pytest.mark.parametrize("use_cache", [False, None])
+def test_gpt2_trains_through_its_fused_blocks(shared_cache, caplog, use_cache):
+    """Called as users do, its forward builds a KV cache: each layer's call holds its own, of one program (a twin)."""
     transformers = pytest.importorskip("transformers")
+    caplog.set_level(logging.INFO, logger="aoti_eager")
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64,
                                      resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0)
@@ -217,7 +240,7 @@ def test_gpt2_trains_through_its_fused_blocks(shared_cache):
         losses = []
         for m, optimizer in zip((model, reference), optimizers):
             optimizer.zero_grad()
-            loss = m(input_ids=ids, labels=ids, use_cache=False).loss
+            loss = m(input_ids=ids, labels=ids, **({} if use_cache is None else {"use_cache": use_cache})).loss
             loss.backward()
             losses.append(loss.detach())
         _assert_same_gradients(model, reference)
@@ -226,3 +249,5 @@ def test_gpt2_trains_through_its_fused_blocks(shared_cache):
         torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
     name = "region::transformers.models.gpt2.modeling_gpt2.GPT2Block"
     assert aoti_eager.stats()[name]["hits"] >= 4, aoti_eager.stats()[name]
+    if use_cache is None:
+        assert "its exported program is one compiled before" in caplog.text
