@@ -251,3 +251,17 @@ def test_gpt2_trains_through_its_fused_blocks(shared_cache, caplog, use_cache):
     assert aoti_eager.stats()[name]["hits"] >= 4, aoti_eager.stats()[name]
     if use_cache is None:
         assert "its exported program is one compiled before" in caplog.text
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_block_trains_on_cuda_with_eagers_gradients(shared_cache):
+    model, reference = _pair()
+    model, reference = model.cuda(), reference.cuda()
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    x = torch.randn(4, 16, device="cuda", requires_grad=True)
+    x_eager = x.detach().clone().requires_grad_()
+    for _ in range(3):
+        torch.testing.assert_close(_step(model, x), _step(reference, x_eager))
+    _assert_same_gradients(model, reference)
+    torch.testing.assert_close(x.grad, x_eager.grad)
+    assert row(Block)["hits"] >= 6, row(Block)
