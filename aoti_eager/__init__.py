@@ -262,10 +262,11 @@ def fuse(
     checks it against the original forward and keeps it. Calls no kernel
     serves run the original forward, with one log line per region and
     reason: a forward that does not export (data-dependent control flow,
-    inputs other than tensors, numbers, strings and None), autocast, or a
-    kernel that disagrees with eager. Under autograd (grad enabled, parameters
-    or inputs that require it) a call runs a compiled forward and a compiled
-    backward (dropout and buffer updates there run the original forward).
+    inputs other than tensors, numbers, strings and None), autocast without
+    autograd, or a kernel that disagrees with eager. Under autograd (grad
+    enabled, parameters or inputs that require it; autocast too) a call runs a
+    compiled forward and a compiled backward (a buffer update there runs the
+    original forward).
 
     Args:
         model (torch.nn.Module): the model, whose submodules become regions.

@@ -29,7 +29,7 @@ from aoti_eager._stats import Stats
 from aoti_eager.cache import UntrustedEntry
 from aoti_eager.cache.entry_store import Entry, EntryStore
 from aoti_eager.cache.store import beside
-from aoti_eager.kernels import region_caches, region_shapes, region_training, region_values
+from aoti_eager.kernels import region_caches, region_joint, region_shapes, region_training, region_values
 from aoti_eager.kernels.dynamic import ShapeFamily
 from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad
 from aoti_eager.kernels.pipeline import NotCompiled, Published, compile_target, publish_verdict
@@ -80,11 +80,12 @@ def _decide(
     if state.hooked is not None:
         raise NotARegion(state.hooked)
     call = RegionCall.of(instance.name, state.names, state.tensors, state.structure, args, kwargs)
-    if any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda")):
-        raise NotARegion("autocast is on (regions are compiled without it)")
-    if grads := region_training.requiring_grad(call.inputs()):
-        # Under autograd: a forward and a backward, from the block's joint graph.
-        call = dataclasses.replace(call, grads=grads)
+    grads, autocast = region_training.requiring_grad(call.inputs()), region_joint.autocast_state()
+    if autocast and not grads:
+        raise NotARegion("autocast is on without autograd (regions are compiled under autocast as a training step's only)")
+    if grads:
+        # Under autograd (and autocast): a forward and a backward, from the block's joint graph.
+        call = dataclasses.replace(call, grads=grads, autocast=autocast)
     call, ran = _valued(instance, call, lambda: instance.original(*given_args, **given_kwargs))
     decided = _decision(instance, call)
     if decided.remember and key is not None:

@@ -242,7 +242,11 @@ std::optional<std::string> RegionState::key(py::handle args, py::handle kwargs, 
   int64_t header = static_cast<int64_t>(c10::GradMode::is_enabled()) |
       static_cast<int64_t>(c10::typeMetaToScalarType(c10::get_default_dtype())) << 8;
   for (size_t i = 0; i < 2; ++i) {
-    header |= static_cast<int64_t>(at::autocast::is_autocast_enabled(autocast_devices[i])) << (1 + i);
+    if (at::autocast::is_autocast_enabled(autocast_devices[i])) {
+      // Autocast on the device, and the dtype it casts to.
+      header |= (int64_t{1} << (1 + i)) |
+          static_cast<int64_t>(at::autocast::get_autocast_dtype(autocast_devices[i])) << (16 + 8 * i);
+    }
   }
   append(key, header);
   if (!append_value(key, args.ptr(), nodes.ptr(), 0) || !append_value(key, kwargs.ptr(), nodes.ptr(), 0)) {

@@ -41,7 +41,7 @@ class RegionState {
   bool tensors_unchanged() const;
   bool values_unchanged() const;
 
-  // The key of a call in this process: grad mode, autocast, the default
+  // The key of a call in this process: grad mode, autocast (and its dtype), the default
   // dtype, then `args` and `kwargs` (its names, in order) as pytree
   // flattens them, tuples, lists and dicts keyed with their sizes: a
   // tensor's dtype, device, sizes, strides, alignment and requires_grad; a

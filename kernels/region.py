@@ -146,6 +146,7 @@ class RegionCall:
     reads: frozenset[Read] = frozenset()  # the attributes whose values the structure holds
     # Under autograd, the inputs (kernels/region_training.py) that require grad: a forward and a backward are compiled.
     grads: tuple[int, ...] = ()
+    autocast: tuple[str, ...] = ()  # the devices autocast is on for, with the dtype it casts to ("cuda:bfloat16")
 
     @classmethod
     def of(cls, name: str, names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], structure: str,
@@ -170,7 +171,7 @@ class RegionCall:
     def with_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> "RegionCall":
         """A call of the same state with other arguments."""
         call = RegionCall.of(self.name, self.names, self.tensors, self.structure, args, kwargs)
-        return dataclasses.replace(call, base=self.base, reads=self.reads, grads=self.grads)
+        return dataclasses.replace(call, base=self.base, reads=self.reads, grads=self.grads, autocast=self.autocast)
 
     def copied(self) -> "RegionCall":
         """The call on copies of its tensors (not of its state's)."""
@@ -182,7 +183,8 @@ class RegionCall:
         # The default dtype: a forward's new tensors (torch.ones(n)) take it.
         default_dtype = str(torch.get_default_dtype())
         described = [self.structure, default_dtype, str(self.spec), [d.to_json() for _, d in self.described]]
-        return _digest([*described, {"grads": list(self.grads)}] if self.grads else described)
+        under = {"grads": list(self.grads), "autocast": list(self.autocast)} if self.grads or self.autocast else None
+        return _digest(described if under is None else [*described, under])
 
     def to_json(self) -> list[dict[str, Any]]:
         """The call's inputs as a cache entry lists them."""

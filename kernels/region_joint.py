@@ -9,12 +9,15 @@ compilers do nothing) and says how they connect (:class:`Plan`).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from aoti_eager.kernels.compile import CompileError
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,25 @@ class Joint:
     backward_example: tuple[torch.Tensor, ...]
     plan: Plan
     random: bool  # the forward draws random numbers (dropout in training)
+
+
+def autocast_state() -> tuple[str, ...]:
+    """The devices autocast is on for, each with the dtype it casts to (``cuda:bfloat16``)."""
+    return tuple(f"{device}:{str(torch.get_autocast_dtype(device)).removeprefix('torch.')}"
+                 for device in _AUTOCAST_DEVICES if torch.is_autocast_enabled(device))
+
+
+def autocast_on() -> bool:
+    return any(map(torch.is_autocast_enabled, _AUTOCAST_DEVICES))
+
+
+def without_autocast() -> contextlib.ExitStack:
+    """Autocast off: a graph traced under it holds its casts, which running
+    or tracing it again under autocast would cast again."""
+    stack = contextlib.ExitStack()
+    for device in _AUTOCAST_DEVICES:
+        stack.enter_context(torch.autocast(device, enabled=False))
+    return stack
 
 
 class _Returning(torch.nn.Module):
@@ -103,7 +125,8 @@ def partitioned(module: torch.nn.Module, inputs: list[torch.Tensor], grads: tupl
     if len(tangents) != len(plan.tangents) or not set(plan.grads) <= set(grads):
         raise CompileError(f"AOTAutograd's backward takes {len(tangents)} gradients of its result, which has "
                     f"{len(plan.tangents)} tensors that require grad")
-    with torch.no_grad():
+    with torch.no_grad(), without_autocast():
+        # The graph holds the casts autocast made while tracing it.
         produced = forward(*inputs)
         example = [inputs[i].detach() if kind == "input" else produced[kept[i]] for kind, i in plan.saved]
         example += [torch.randn_like(result[i]) for i in plan.tangents]

@@ -40,7 +40,7 @@ from aoti_eager.cache.store import LIBRARY_FILE
 from aoti_eager.kernels.compile import Artifact, CompileError, compile_options
 from aoti_eager.kernels.dynamic import ShapeFamily
 from aoti_eager.kernels.region import RegionModule
-from aoti_eager.kernels.region_joint import Joint, Plan, partitioned
+from aoti_eager.kernels.region_joint import Joint, Plan, autocast_on, partitioned, without_autocast
 from aoti_eager.kernels.region_target import RegionReference, RegionTarget
 from aoti_eager.kernels.signature import clone_args, clone_exact
 from aoti_eager.kernels.speed import Timing, measured
@@ -83,7 +83,8 @@ class _Region(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, kernel: TrainingKernel, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         plan = kernel.plan
-        produced = kernel.forward.run(list(inputs))
+        with without_autocast() if autocast_on() else contextlib.nullcontext():
+            produced = kernel.forward.run(list(inputs))
         result = produced[:plan.outputs]
         ctx.kernel = kernel
         ctx.save_for_backward(*(inputs[i] if kind == "input" else produced[i] for kind, i in plan.saved))
@@ -97,7 +98,8 @@ class _Region(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         plan = ctx.kernel.plan
         tangents = [_laid_out(grads[i], *layout) for i, layout in zip(plan.tangents, ctx.layouts)]
-        computed = iter(ctx.kernel.backward.run([*ctx.saved_tensors, *tangents]))
+        with without_autocast() if autocast_on() else contextlib.nullcontext():
+            computed = iter(ctx.kernel.backward.run([*ctx.saved_tensors, *tangents]))
         inputs = ctx.needs_input_grad[1:]
         given = {i: next(computed) for i in plan.grads}
         return (None, *(given.get(i) if needed else None for i, needed in enumerate(inputs)))
@@ -163,8 +165,9 @@ class TrainingTarget(RegionTarget):
                    "vec_isas": vec_isas_for(device)}
         if self.twin is not None:
             options["twin"] = self.twin
-        forward = compiler.compile_module(joint.forward, tuple(clone_args(inputs)), **options)
-        backward = compiler.compile_module(joint.backward, tuple(joint.backward_example), **options)
+        with without_autocast():
+            forward = compiler.compile_module(joint.forward, tuple(clone_args(inputs)), **options)
+            backward = compiler.compile_module(joint.backward, tuple(joint.backward_example), **options)
         self.graphs = {name: a.graph for name, a in ((LIBRARY_FILE, forward), (BACKWARD_FILES[0], backward)) if a.graph}
         try:
             for name, suffix in zip(BACKWARD_FILES, (".so", ".json")):
@@ -220,7 +223,7 @@ class TrainingTarget(RegionTarget):
         def run(given: tuple[list[torch.Tensor], tuple[torch.Tensor, ...]]) -> tuple[list[torch.Tensor], dict[int, torch.Tensor]]:
             inputs, tangents = given
             plan = joint.plan
-            with torch.no_grad():
+            with torch.no_grad(), without_autocast():
                 torch.manual_seed(_SEED)
                 produced = joint.forward(*inputs)
                 saved = [inputs[i] if kind == "input" else produced[i] for kind, i in plan.saved]
