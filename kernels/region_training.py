@@ -46,7 +46,7 @@ from aoti_eager.kernels.signature import clone_args, clone_exact
 from aoti_eager.kernels.speed import Timing, measured
 from aoti_eager.kernels.target import Unfit
 from aoti_eager.kernels.toolchain import vec_isas_for
-from aoti_eager.kernels.validate import Mismatch, upcast_run
+from aoti_eager.kernels.validate import Mismatch, close_in_norm, upcast_run
 
 # The seed of the random gradients a check gives a result, and of a check's random ops.
 _SEED = 0
@@ -194,8 +194,8 @@ class TrainingTarget(RegionTarget):
         if self.drawn is not None:
             torch.manual_seed(_SEED)
         result = kernel.run(inputs)
-        compiler.compare("the region's result", [t.detach() for t in result], expected.result,
-                         lambda: None if (wide := expected.upcast()) is None else wide[0])
+        self._compare(compiler, "the region's result", [t.detach() for t in result], expected.result,
+                      lambda: None if (wide := expected.upcast()) is None else wide[0])
         differentiable = [t for t in result if t.requires_grad]
         if len(differentiable) != len(reference.tangents):
             raise Mismatch(f"{len(differentiable)} of its result's tensors require grad, eager's {len(reference.tangents)}")
@@ -203,8 +203,19 @@ class TrainingTarget(RegionTarget):
         if set(grads) != set(expected.grads):
             raise Mismatch(f"its inputs {sorted(grads)} have gradients, eager's {sorted(expected.grads)}")
         order = sorted(grads)
-        compiler.compare("the gradients of its inputs", [grads[i] for i in order], [expected.grads[i] for i in order],
-                         lambda: None if (wide := expected.upcast()) is None else [wide[1].get(i) for i in order])
+        self._compare(compiler, "the gradients of its inputs", [grads[i] for i in order], [expected.grads[i] for i in order],
+                      lambda: None if (wide := expected.upcast()) is None else [wide[1].get(i) for i in order])
+
+    def _compare(self, compiler: Any, what: str, actual: list[torch.Tensor], expected: list[torch.Tensor],
+                 upcast: Callable[[], Any]) -> None:
+        """``compiler.compare``; where the graph draws random numbers and has no
+        float64 run to judge by (CUDA's attention with dropout), each tensor
+        within its dtype's tolerance in norm is accepted (validate.close_in_norm)."""
+        try:
+            compiler.compare(what, actual, expected, upcast)
+        except Mismatch:
+            if self.drawn is None or upcast() is not None or not all(map(close_in_norm, actual, expected)):
+                raise
 
     def _eager(self, reference: TrainingReference) -> "_Expected":
         """Eager's result and gradients, and the same on float64 copies."""

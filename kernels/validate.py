@@ -26,6 +26,8 @@ class Mismatch(Exception):
 # same()'s tolerance (its allclose's, and a tenth of it added to its float64 check): torch's benchmarks'
 # for runs in bf16 and fp16; torchbench's default, tighter, for float32 and float64 (the get's default).
 _SAME_TOLERANCE = {torch.bfloat16: 1e-3, torch.float16: 1e-3}
+# close_in_norm's: a few of the dtype's roundings, relative to the tensor's norm.
+_NORM_TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 5e-3}
 
 
 def compare(what: str, actual: Any, expected: Any, reference: Callable[[], Any] | None = None) -> None:
@@ -90,6 +92,21 @@ def _near_as_eager(actual: torch.Tensor, expected: torch.Tensor, reference: Any)
     if same(expected, actual, reference.double(), tol=tol, equal_nan=True, log_error=lambda message, *args: said.append(message % args)):
         return None
     return f"against a {str(reference.dtype).removeprefix('torch.')} run of the forward: " + (said[0].split(" and shape")[0] if said else "not as near as eager")
+
+
+def close_in_norm(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Whether ``actual`` has ``expected``'s dtype, shape and strides and is
+    within its dtype's tolerance of it in norm: where no float64 run can
+    judge a result (an attention's dropout has no float64 kernel), a sum of
+    many terms (a weight's gradient) rounds at other points than eager by
+    more than an element's tolerance, but not in norm."""
+    if (actual.dtype, actual.shape, actual.stride()) != (expected.dtype, expected.shape, expected.stride()):
+        return False
+    if not expected.is_floating_point():
+        return torch.equal(actual, expected)
+    tol = _NORM_TOLERANCE.get(expected.dtype, 1e-4)
+    error, size = (actual.double() - expected.double()).norm(), expected.double().norm()
+    return bool(error <= tol * size + 1e-12)
 
 
 def _judges(reference: Any, expected: torch.Tensor) -> bool:

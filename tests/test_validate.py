@@ -10,7 +10,7 @@ import torch
 
 from aoti_eager.kernels.compile import call_op
 from aoti_eager.kernels.signature import CallSignature, clone_args
-from aoti_eager.kernels.validate import Mismatch, check_matches_eager, compare, upcast_run
+from aoti_eager.kernels.validate import Mismatch, check_matches_eager, close_in_norm, compare, upcast_run
 from helpers import FakeKernel
 
 A = torch.ops.aten
@@ -164,3 +164,17 @@ def test_an_op_in_low_precision_is_judged_against_its_float64_run():
     check(A.mm.default, args(), FakeKernel(_mm_in_halves, [-1]))  # as near float64 as eager: accepted
     with pytest.raises(Mismatch, match="against a float64 run"):
         check(A.mm.default, args(), FakeKernel(lambda i: _mm_in_halves(i, skew=1.03), [-1]))
+
+
+def test_a_sum_rounded_elsewhere_is_close_in_norm_and_a_wrong_value_is_not():
+    torch.manual_seed(0)
+    rows = torch.randn(4096, 64)
+    expected = rows.sum(0)
+    reordered = rows.flip(0).sum(0)  # other rounding points, as a fused kernel's reduction
+    assert close_in_norm(reordered, expected)
+    wrong = expected.clone()
+    wrong[3] += 1.0
+    assert not close_in_norm(wrong, expected)
+    assert not close_in_norm(expected.double(), expected)  # another dtype
+    square = torch.randn(8, 8)
+    assert not close_in_norm(square.t().contiguous().t(), square)  # the same values, laid out otherwise
