@@ -333,6 +333,8 @@ def _loader(cache: EntryStore, call: RegionCall, known_good: bool = False, plan:
 
 def _count_compile(instance: _Fused, call: RegionCall, outcome: Published) -> None:
     regions.stats_of(instance.name).compiled(outcome.seconds)
+    log.debug("aoti_eager: %s for (%s): seconds by stage %s", call.name, call.short(),
+              {stage: round(seconds, 2) for stage, seconds in outcome.stages.items()})
     log.info("aoti_eager: compiled %s for (%s) in %.1f s%s", call.name, call.short(), outcome.seconds,
              " (its exported program is one compiled before: that library, checked again)" if "twin" in outcome.stages else "")
 
