@@ -284,3 +284,55 @@ def test_autocast_is_part_of_the_key_and_compiled_into_the_kernels(shared_cache)
     _assert_same_gradients(model, reference, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(x.grad, x_eager.grad, rtol=2e-2, atol=2e-2)
     assert delta_since(start, Block)["hits"] >= 8, row(Block)
+
+
+# Rank ARGV[3] of ARGV[4] (gloo, port ARGV[5]) trains a fused Model under DistributedDataParallel beside an
+# eager one, on the cache ARGV[1], its data its rank's, and prints their losses and the Block region's row.
+_DDP_RANK = """
+import copy, json, os, sys
+import torch, torch.distributed as dist, aoti_eager
+sys.path.insert(0, sys.argv[2])
+from helpers import Block, Model, row
+rank, world = int(sys.argv[3]), int(sys.argv[4])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[5]}", rank=rank, world_size=world)
+torch.manual_seed(0)
+model = Model().train()
+reference = copy.deepcopy(model)
+aoti_eager.fuse(model, cache_dir=sys.argv[1])
+ddp, eager = torch.nn.parallel.DistributedDataParallel(model), torch.nn.parallel.DistributedDataParallel(reference)
+optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, eager)]
+x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+losses = {"fused": [], "eager": []}
+for _ in range(3):
+    for name, m, optimizer in zip(("fused", "eager"), (ddp, eager), optimizers):
+        optimizer.zero_grad()
+        loss = m(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        losses[name].append(loss.item())
+for p, q in zip(model.parameters(), reference.parameters()):
+    torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+print(json.dumps({"losses": losses, "row": row(Block)}))
+dist.destroy_process_group()
+"""
+
+
+def test_distributed_data_parallel_trains_as_eager_with_the_kernels_one_rank_compiled(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [subprocess.Popen([sys.executable, "-c", _DDP_RANK, str(tmp_path), str(ROOT / "tests"), str(rank), "2", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+    results = []
+    for rank in ranks:
+        out, err = rank.communicate(timeout=600)
+        assert rank.returncode == 0, err[-3000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    for result in results:
+        torch.testing.assert_close(torch.tensor(result["losses"]["fused"]), torch.tensor(result["losses"]["eager"]))
+        assert result["row"]["hits"] >= 6 and result["row"]["fallbacks"] == 0, result["row"]
+    # One rank compiled (two keys: the first block's input requires no grad), under the cache's lock; the other loaded.
+    loaded, compiled = sorted((r["row"] for r in results), key=lambda row: row["compiles"])
+    assert loaded["compiles"] == 0 and loaded["cache_loads"] == compiled["compiles"] == 2, results
