@@ -15,9 +15,8 @@ to a call's cost), and the median rounds' difference beside it.
 
 Then a refused region's cost: the fused instance called where no kernel
 serves it, against an unfused copy called alike, for each way a call is
-refused: decided eager (``compile="never"`` on an empty cache), grad enabled
-with parameters that require it, and an input no kernel takes (an object, as
-a KV cache).
+refused: decided eager (``compile="never"`` on an empty cache), autocast
+without autograd, and an input no kernel takes (an object, as a KV cache).
 
     OMP_NUM_THREADS=1 python scripts/bench_region_call.py [--calls N] [--json]
 """
@@ -25,11 +24,12 @@ a KV cache).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -119,19 +119,24 @@ class Cache:
     """An argument no kernel takes."""
 
 
+@contextlib.contextmanager
+def _autocast() -> Iterator[None]:
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        yield
+
+
 def refused(case: str, model: torch.nn.Module, block: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             cache_dir: str, calls: int, repeats: int) -> list[dict[str, Any]]:
     """The cost of calls of ``block`` that run its original forward, over an unfused copy's, per refusal."""
     ways = {
         "decided eager": (dict(compile="never"), kwargs, torch.no_grad),
-        "grad": ({}, kwargs, torch.enable_grad),
+        "autocast": ({}, kwargs, _autocast),
     }
     if isinstance(block, MLPBlock):
         ways["input no kernel takes"] = ({}, {**kwargs, "cache": Cache()}, torch.no_grad)
     rows = []
     for why, (options, called, mode) in ways.items():
-        eager = copy.deepcopy(block).requires_grad_(why == "grad")
-        block.requires_grad_(why == "grad")
+        eager = copy.deepcopy(block)
         with tempfile.TemporaryDirectory(prefix="aoti_eager-bench-") as empty, mode():
             aoti_eager.fuse(model, cache_dir=empty if options else cache_dir, **options)
             block(*args, **called)  # decided
@@ -140,7 +145,6 @@ def refused(case: str, model: torch.nn.Module, block: torch.nn.Module, args: tup
             us = rounds({"fused": lambda: block(*args, **called), "eager": lambda: eager(*args, **called)}, calls, repeats)
             assert aoti_eager.stats()[name]["fallbacks"] - before == calls * repeats, "a timed call was no fallback"
             aoti_eager.unfuse(model)
-        block.requires_grad_(False)
         rows.append(dict(case=case, refused=why, fused_us=min(us["fused"]), eager_us=min(us["eager"]),
                          over_eager_us=min(us["fused"]) - min(us["eager"]),
                          median_over_eager_us=statistics.median(us["fused"]) - statistics.median(us["eager"])))
