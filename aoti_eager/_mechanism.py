@@ -31,7 +31,7 @@ from aoti_eager.cache.store import LIBRARY_FILE, TEMPORARY_PREFIX, beside
 from aoti_eager.kernels import CallSignature
 from aoti_eager.kernels.compile import compile_options, flat_tensor_inputs
 from aoti_eager.kernels.dynamic import NotDynamic, ShapeFamily
-from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad, check_loads, runtime_crashes
+from aoti_eager.kernels.inductor.load_probe import UnsafeToLoad, check_loads, probe_ahead, runtime_crashes
 from aoti_eager.kernels.pipeline import Loader, NotCompiled, Outcome, Published, compile_signature, time_kernel
 from aoti_eager.kernels.seam import Seam
 from aoti_eager.kernels.target import Target
@@ -176,6 +176,12 @@ def _load_library(
     if kernel.num_inputs != inputs:
         raise DamagedEntry(f"its library takes {kernel.num_inputs} inputs, a call ({call}) gives {inputs}")
     return kernel
+
+
+def load_ahead(cache: EntryStore, device: torch.device, library: Path, output_counts: list[int]) -> None:
+    """Starts, where :func:`load_library` will, the child that probes this
+    environment's first library, so that it runs while the caller goes on."""
+    probe_ahead(cache.directory.name, library, str(device), output_counts)
 
 
 @dataclass(frozen=True)

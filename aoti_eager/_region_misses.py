@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 from pathlib import Path
 from typing import Any, Callable, Protocol
@@ -258,7 +259,10 @@ def _compile(instance: _Fused, cache: EntryStore, call: RegionCall, dims: ShapeF
     family = _family_of(cache, call)
     # A copy is traced: the module's own tensors stay real for calls of other threads meanwhile.
     module = apart or _sharing_state(instance.module)
-    target = (TrainingTarget if call.grads else RegionTarget)(module, call, _twin(cache))
+    if call.grads:
+        target = TrainingTarget(module, call, _twin(cache), functools.partial(_mechanism.load_ahead, cache, call.device))
+    else:
+        target = RegionTarget(module, call, _twin(cache))
     try:
         with _mechanism.own_work():
             outcome = compile_target(target, cache, _loader(cache, call, plan=lambda: target.plan), dims, family.seen,

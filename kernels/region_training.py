@@ -125,8 +125,10 @@ class TrainingTarget(RegionTarget):
     """A region's call with the inputs ``call.grads`` requiring grad: one
     shape per kernel (no dynamic family), compiled as a forward and a backward."""
 
-    def __init__(self, instance: torch.nn.Module, call: Any, twin: Callable[[str, Path], bool] | None = None):
+    def __init__(self, instance: torch.nn.Module, call: Any, twin: Callable[[str, Path], bool] | None = None,
+                 ahead: Callable[[Path, list[int]], None] | None = None):
         super().__init__(instance, call, twin)
+        self.ahead = ahead  # given the forward's library while the backward compiles (its load's probe)
         self.plan: Plan | None = None  # after export
         self.drawn: _Expected | None = None  # after export, where its graph draws random numbers
 
@@ -167,6 +169,8 @@ class TrainingTarget(RegionTarget):
             options["twin"] = self.twin
         with without_autocast():
             forward = compiler.compile_module(joint.forward, tuple(clone_args(inputs)), **options)
+            if self.ahead is not None:
+                self.ahead(forward.library, forward.output_counts)
             backward = compiler.compile_module(joint.backward, tuple(joint.backward_example), **options)
         self.graphs = {name: a.graph for name, a in ((LIBRARY_FILE, forward), (BACKWARD_FILES[0], backward)) if a.graph}
         try:

@@ -149,6 +149,7 @@ def load_verdicts(tmp_path, monkeypatch):
     directory.mkdir()
     monkeypatch.setattr(load_probe, "verdict_directory", lambda: directory)
     monkeypatch.setattr(load_probe, "_verdicts", {})
+    monkeypatch.setattr(load_probe, "_ahead", {})
     return directory
 
 

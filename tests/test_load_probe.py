@@ -37,7 +37,7 @@ def crashing_library(tmp_path_factory):
 
 def no_probe(monkeypatch):
     """Fails the test if a child process is started."""
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("probed again"))
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("probed again"))
 
 
 def forget_in_process():
@@ -104,6 +104,22 @@ def test_once_a_kernel_has_loaded_the_environment_is_not_probed_again(tmp_path, 
     forget_in_process()
     no_probe(monkeypatch)
     load_probe.check_loads(ENVIRONMENT, tmp_path / "another kernel.so", "cpu", [-1], known_good=False)
+
+
+def test_a_probe_started_ahead_is_the_one_its_library_is_loaded_after(tmp_path, monkeypatch):
+    monkeypatch.setattr(load_probe, "_CHILD", "pass")
+    load_probe.probe_ahead(ENVIRONMENT, tmp_path / "kernel.so", "cpu", [-1])
+    no_probe(monkeypatch)  # while a training kernel's backward compiles, say
+    load_probe.check_loads(ENVIRONMENT, tmp_path / "kernel.so", "cpu", [-1], known_good=False)
+    assert load_probe.recorded_verdicts() == {ENVIRONMENT: None}
+
+
+def test_a_probe_ahead_that_fails_blames_no_other_library(crashing_library, tmp_path, monkeypatch):
+    load_probe.probe_ahead(ENVIRONMENT, crashing_library, "cpu", [-1])
+    monkeypatch.setattr(load_probe, "_CHILD", "pass")  # the library loaded next loads
+    load_probe.check_loads(ENVIRONMENT, tmp_path / "kernel.so", "cpu", [-1], known_good=True)
+    assert load_probe.runtime_crashes(ENVIRONMENT) is None
+    assert load_probe.recorded_verdicts() == {ENVIRONMENT: None}
 
 
 def test_a_second_cache_root_on_the_same_machine_is_not_probed_again(tmp_path, monkeypatch):

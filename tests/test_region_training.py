@@ -286,22 +286,27 @@ def test_autocast_is_part_of_the_key_and_compiled_into_the_kernels(shared_cache)
     assert delta_since(start, Block)["hits"] >= 8, row(Block)
 
 
-# Rank ARGV[3] of ARGV[4] (gloo, port ARGV[5]) trains a fused Model under DistributedDataParallel beside an
-# eager one, on the cache ARGV[1], its data its rank's, and prints their losses and the Block region's row.
+# Rank ARGV[3] of ARGV[4] (backend ARGV[6], port ARGV[5]; with nccl, on the GPU of its rank) trains a fused Model
+# under DistributedDataParallel beside an eager one, on the cache ARGV[1], its data its rank's, and prints their
+# losses and the Block region's row.
 _DDP_RANK = """
 import copy, json, os, sys
 import torch, torch.distributed as dist, aoti_eager
 sys.path.insert(0, sys.argv[2])
 from helpers import Block, Model, row
-rank, world = int(sys.argv[3]), int(sys.argv[4])
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[5]}", rank=rank, world_size=world)
+rank, world, backend = int(sys.argv[3]), int(sys.argv[4]), sys.argv[6]
+device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+if device.type == "cuda":
+    torch.cuda.set_device(device)
+dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{sys.argv[5]}", rank=rank, world_size=world)
 torch.manual_seed(0)
-model = Model().train()
+model = Model().train().to(device)
 reference = copy.deepcopy(model)
 aoti_eager.fuse(model, cache_dir=sys.argv[1])
-ddp, eager = torch.nn.parallel.DistributedDataParallel(model), torch.nn.parallel.DistributedDataParallel(reference)
+ids = [rank] if device.type == "cuda" else None
+ddp, eager = (torch.nn.parallel.DistributedDataParallel(m, device_ids=ids) for m in (model, reference))
 optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, eager)]
-x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank))
+x = torch.randn(4, 16, generator=torch.Generator().manual_seed(rank)).to(device)
 losses = {"fused": [], "eager": []}
 for _ in range(3):
     for name, m, optimizer in zip(("fused", "eager"), (ddp, eager), optimizers):
@@ -317,13 +322,16 @@ dist.destroy_process_group()
 """
 
 
-def test_distributed_data_parallel_trains_as_eager_with_the_kernels_one_rank_compiled(tmp_path):
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="needs two GPUs"), id="nccl-cuda")])
+def test_distributed_data_parallel_trains_as_eager_with_the_kernels_one_rank_compiled(tmp_path, backend):
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ranks = [subprocess.Popen([sys.executable, "-c", _DDP_RANK, str(tmp_path), str(ROOT / "tests"), str(rank), "2", str(port)],
+    ranks = [subprocess.Popen([sys.executable, "-c", _DDP_RANK, str(tmp_path), str(ROOT / "tests"), str(rank), "2", str(port),
+                               backend],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
     results = []
     for rank in ranks:

@@ -71,6 +71,8 @@ class LibraryDoesNotLoad(RuntimeError):
 
 # Environment name -> None where kernels load, else the reason they do not.
 _verdicts: dict[str, str | None] = {}
+# Environment -> the library a child started by probe_ahead loads, and the child.
+_ahead: dict[str, tuple[Path, subprocess.Popen]] = {}
 
 
 def check_loads(environment: str, library: Path, device: str, output_counts: list[int], known_good: bool) -> None:
@@ -180,15 +182,33 @@ def _recorded(path: Path) -> dict | None:
     return None
 
 
+def probe_ahead(environment: str, library: Path, device: str, output_counts: list[int]) -> None:
+    """Starts the child that :func:`check_loads` would run for ``library``,
+    a new library of ``environment`` (a training kernel's forward, while its
+    backward compiles), where no verdict is known yet; the next
+    :func:`check_loads` of the environment takes its end."""
+    if runtime_crashes(environment) is None and environment not in _verdicts and environment not in _ahead:
+        if truncated(library) is None:
+            _ahead[environment] = (library, _child(library, device, output_counts))
+
+
+def _child(library: Path, device: str, output_counts: list[int]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", _CHILD, str(library), device, json.dumps(output_counts)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
 def _probe(environment: str, library: Path, device: str, output_counts: list[int], known_good: bool) -> None:
-    child = subprocess.run(
-        [sys.executable, "-c", _CHILD, str(library), device, json.dumps(output_counts)], capture_output=True, text=True
-    )
-    last = (child.stderr.strip().splitlines() or [""])[-1][:200]
-    detail = f": {last}" if last else ""
+    probed, child = _ahead.pop(environment, None) or (library, _child(library, device, output_counts))
+    _, stderr = child.communicate()
     if child.returncode == 0:
-        _remember(environment, library, None)
+        # Whichever library of the environment it loaded, the runtime is sound here.
+        _remember(environment, probed, None)
         return
+    if probed != library:
+        # Another library's failure, started ahead, says nothing of this one: it is probed itself.
+        return _probe(environment, library, device, output_counts, known_good)
+    last = (stderr.strip().splitlines() or [""])[-1][:200]
+    detail = f": {last}" if last else ""
     if child.returncode > 0:
         raise LibraryDoesNotLoad(f"a test process could not load it (exit code {child.returncode}){detail}")
     which = "a known-good" if known_good else "a new"
