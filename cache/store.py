@@ -200,9 +200,10 @@ def check_recorded_place(directory: Path, entry: Entry, digests: dict[str, dict]
         raise DamagedEntry(f"{ENTRY_FILE} was published for {entry.op} {entry.signature_key}, not for where it is")
     if entry.library is not None:
         found = {name: digests[name]["sha256"] for name in SIDECAR_FILES if name in digests}
-        if found != (entry.sidecar_sha256 or {}):
-            raise DamagedEntry(f"the files beside the library ({', '.join(SIDECAR_FILES)}) do not match their "
-                               "recorded sha256")
+        recorded = entry.sidecar_sha256 or {}
+        differ = sorted(name for name in {*found, *recorded} if found.get(name) != recorded.get(name))
+        if differ:
+            raise DamagedEntry(f"the files beside the library ({', '.join(differ)}) do not match their recorded sha256")
 
 
 def _copied_name(copy_as: Path, name: str) -> Path:
