@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
+import torch.utils.checkpoint
 
 from aoti_eager import _extension, _mechanism
 from aoti_eager._options import Options
@@ -69,6 +70,10 @@ def _native() -> Any:
         _RegionState = _extension.load().RegionState
     return _RegionState
 
+
+# What a kernel's call raises that is no failure of the kernel: torch.utils.checkpoint's recompute stops so
+# (from the saved tensors hook of a training kernel's forward) once it has what the backward needs.
+_PASSED_THROUGH = tuple(filter(None, [getattr(torch.utils.checkpoint, "_StopRecomputationError", None)]))
 
 # The types pytree flattens (registered ones may be added later: the dict itself, not a copy).
 _NODES = pytree.SUPPORTED_NODES
@@ -195,6 +200,8 @@ def _call(instance: _Instance, stats: Stats, decided: Decision | None, args: tup
         return _eagerly(instance, stats, shared, *given)
     try:
         tensors = instance.prepared.native.run(kernel.compiled, leaves, named)
+    except _PASSED_THROUGH:
+        raise
     except Exception as e:  # noqa: BLE001 - one line, not the runtime's C++ error
         said = (str(e).strip().splitlines() or [""])[0][:200]
         eager = _decided_again(instance, decided, RunEagerly(f"compiled kernel failed to run: {type(e).__name__}: {said}"))

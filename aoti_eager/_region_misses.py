@@ -82,6 +82,12 @@ def _decide(
         raise NotARegion(state.hooked)
     call = RegionCall.of(instance.name, state.names, state.tensors, state.structure, args, kwargs)
     grads, autocast = region_training.requiring_grad(call.inputs()), region_joint.autocast_state()
+    if grads and getattr(instance.module, "gradient_checkpointing", False) is True:
+        # transformers' GradientCheckpointingLayer: its class's forward is the checkpoint, whose recompute replays it.
+        raise NotARegion("gradient checkpointing is on for it (its forward is a checkpoint's, replayed in the backward)")
+    if grads and (why := region_training.undecidable_here()) is not None:
+        # Not decided (nor its forward's reads recorded) here: the recompute of a checkpoint runs what its forward ran.
+        return RetryLater(why), call.leaves, _NO_KWARGS, _NOT_RUN
     if autocast and not grads:
         raise NotARegion("autocast is on without autograd (regions are compiled under autocast as a training step's only)")
     if grads:

@@ -62,6 +62,20 @@ def requiring_grad(tensors: list[torch.Tensor]) -> tuple[int, ...]:
     return tuple(i for i, t in enumerate(tensors) if t.requires_grad)
 
 
+def undecidable_here() -> str | None:
+    """Why a call under autograd is not decided where it is made, else None:
+    inside ``torch.utils.checkpoint`` (saved tensors hooks), whose recompute
+    must save what the forward saved, or inside a backward pass (a
+    reentrant checkpoint's recompute), where a check cannot take gradients.
+    Such a call runs the original forward unless a kernel was decided for it
+    outside."""
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        return "inside torch.utils.checkpoint or saved tensors hooks (a kernel is decided outside them)"
+    if torch._C._current_graph_task_id() != -1:
+        return "inside a backward pass (a reentrant checkpoint's recompute; a kernel is decided outside one)"
+    return None
+
+
 class TrainingKernel:
     """A region's forward and backward libraries as one autograd node:
     :meth:`run` takes the kernel's inputs (the state's tensors, the call's)
@@ -150,7 +164,10 @@ class TrainingTarget(RegionTarget):
         differentiable = [i for i, t in enumerate(result) if t.requires_grad]
         generator = torch.Generator(result[0].device if result else "cpu").manual_seed(_SEED)
         tangents = tuple(torch.empty_like(result[i]).normal_(generator=generator) for i in differentiable)
-        grads = self._grads([result[i] for i in differentiable], inputs, tangents)
+        try:
+            grads = self._grads([result[i] for i in differentiable], inputs, tangents)
+        except RuntimeError as e:  # autograd refuses here (inside a backward pass); the forward ran
+            raise Unfit(f"eager's gradients could not be taken to check a kernel: {str(e)[:200]}", lasting=False) from e
         return TrainingReference(base.expected, base.outputs, base.passed, tangents, grads)
 
     def export(self, compiler: Any, reference: TrainingReference, family: ShapeFamily | None, shared_dir: Path) -> Artifact:

@@ -344,3 +344,51 @@ def test_distributed_data_parallel_trains_as_eager_with_the_kernels_one_rank_com
     # One rank compiled (two keys: the first block's input requires no grad), under the cache's lock; the other loaded.
     loaded, compiled = sorted((r["row"] for r in results), key=lambda row: row["compiles"])
     assert loaded["compiles"] == 0 and loaded["cache_loads"] == compiled["compiles"] == 2, results
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_gradient_checkpointing_of_a_transformers_model_runs_its_blocks_eagerly_with_the_reason(shared_cache, reentrant):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=64,
+                                     resid_pdrop=0.0, attn_pdrop=0.0, embd_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(config).train()
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    ids = torch.randint(0, 100, (2, 12))
+    for _ in range(2):
+        for m in (model, reference):
+            m.zero_grad()
+            m(input_ids=ids, labels=ids).loss.backward()
+        _assert_same_gradients(model, reference)
+    name = "region::transformers.models.gpt2.modeling_gpt2.GPT2Block"
+    assert "gradient checkpointing is on" in aoti_eager.stats()[name]["fallback_reason"]
+
+
+class Checkpointed(Model):
+    """Each block called through torch.utils.checkpoint (not reentrant), or not."""
+
+    checkpointed = True
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
+        return self.head(x)
+
+
+def test_a_block_under_torch_utils_checkpoint_saves_what_its_recompute_saves(shared_cache):
+    torch.manual_seed(0)
+    model = Checkpointed().train()
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    x = torch.randn(4, 16, requires_grad=True)
+    for checkpointed in (True, False, True):
+        # Undecided inside a checkpoint: eager in its forward and its recompute; decided outside: the kernel in both.
+        model.checkpointed = reference.checkpointed = checkpointed
+        for m in (model, reference):
+            m.zero_grad()
+            m(x).sum().backward()
+        _assert_same_gradients(model, reference)
+    assert row(Block)["hits"] >= 3, row(Block)
