@@ -88,8 +88,9 @@ class _Returning(torch.nn.Module):
 def partitioned(module: torch.nn.Module, inputs: list[torch.Tensor], grads: tuple[int, ...]) -> Joint:
     """The forward and backward of ``module`` (a RegionModule: flat tensors
     in, a tuple of tensors out) at ``inputs``, of which those at ``grads``
-    require grad. Raises CompileError for a forward whose graph AOTAutograd gives
-    more than its result (a write into an input, a parameter or a buffer)."""
+    require grad. Raises CompileError for a forward whose graph AOTAutograd
+    gives more than its result (a write into an input, a parameter or a
+    buffer), or a backward that needs numbers the forward computes."""
     from torch._functorch.aot_autograd import aot_function
     from torch._functorch.compilers import nop
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -108,8 +109,8 @@ def partitioned(module: torch.nn.Module, inputs: list[torch.Tensor], grads: tupl
     result = list(traced(*inputs))
     forward, backward, outputs = cut["forward"], cut["backward"], cut["outputs"]
     if outputs != len(result):
-        raise CompileError("under autograd, its forward writes into its inputs, parameters or buffers (BatchNorm's running "
-                    "statistics in training): compiled only without grad")
+        raise CompileError("under autograd, its forward writes into its inputs, parameters or buffers (BatchNorm's "
+                           "running statistics in training): compiled only without grad")
     primals = {node: i for i, node in enumerate(n for n in forward.graph.nodes if n.op == "placeholder")}
     saved = forward.graph.output_node().args[0][outputs:]
     if not all(isinstance(node.meta.get("val"), torch.Tensor) for node in saved):
@@ -124,7 +125,7 @@ def partitioned(module: torch.nn.Module, inputs: list[torch.Tensor], grads: tupl
     tangents = [n for n in backward.graph.nodes if n.op == "placeholder" and n.name.startswith("tangents")]
     if len(tangents) != len(plan.tangents) or not set(plan.grads) <= set(grads):
         raise CompileError(f"AOTAutograd's backward takes {len(tangents)} gradients of its result, which has "
-                    f"{len(plan.tangents)} tensors that require grad")
+                           f"{len(plan.tangents)} tensors that require grad")
     with torch.no_grad(), without_autocast():
         # The graph holds the casts autocast made while tracing it.
         produced = forward(*inputs)
