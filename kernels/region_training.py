@@ -32,7 +32,7 @@ import functools
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 
@@ -286,9 +286,6 @@ class TrainingTarget(RegionTarget):
     def result_structure(self, reference: TrainingReference) -> dict[str, Any] | None:
         kept = reference.outputs.to_json()
         return None if kept is None or self.plan is None else {**kept, "training": self.plan.to_json()}
-
-    def further(self) -> Iterator[RegionTarget]:
-        return iter(())
 
     def _leaves(self) -> list[torch.Tensor]:
         """Fresh copies of the call's inputs as leaves, those of ``call.grads`` requiring grad."""
