@@ -292,7 +292,8 @@ def fuse(
             background, cuBLAS serving its calls until its kernel is in
             use); ``"background"``: a miss runs the original forward and
             queues the compile for a thread of this process, whose kernel
-            the calls use once it is published (see :func:`wait`);
+            the calls use once it is published (see :func:`wait`; a
+            region's call under autograd runs eagerly);
             ``"never"``: a miss runs the original forward (kernels already
             in the cache are used). Default: ``"now"``.
         cache_dir (str | PathLike | None): where kernels are kept. Default:

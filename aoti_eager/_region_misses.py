@@ -141,6 +141,8 @@ def _miss(instance: _Fused, cache: EntryStore, call: RegionCall, compile: Compil
             _record(instance.options.recorder, call)
         if found is not None or compile == Compile.NEVER:
             return found or RunEagerly("compile='never' and no kernel in the cache")
+        if compile == Compile.BACKGROUND and call.grads:
+            return RunEagerly(_NOT_APART)
         if (why := _mechanism.cannot_compile(cache) or _over_limit(cache, call)) is not None:
             return RunEagerly(why)
         if compile == Compile.BACKGROUND:
@@ -193,6 +195,13 @@ def _from_cache(instance: _Fused, cache: EntryStore, call: RegionCall, compiled:
         return UseKernel(RegionKernel(kernel, loaded=_Loaded(cache, call.name, key, entry.result_structure)))
 
     return _mechanism.held(cache, call.name, key, adopt)
+
+
+# A compile sets torch's compiling and exporting flags for the whole process
+# (torch.compiler.is_exporting()): a training loop running beside one in a thread sees them, and its
+# optimizer's methods, disabled for dynamo, then write into the trace's node metadata meanwhile.
+_NOT_APART = ("compile='background' compiles no call under autograd: a compile in a thread would be seen by the "
+              "training loop beside it (torch's compiling flags are process-wide); compile='now' compiles it at its call")
 
 
 def _compile_apart(instance: _Fused, cache: EntryStore, call: RegionCall) -> Decision:

@@ -11,8 +11,11 @@ eager's; the peak memory a step allocates (CUDA); the first step's seconds
 (compiles included); the losses of ``--steps`` steps against eager's
 (dropout 0: the largest relative difference of a step's loss; else the mean
 of the last ten steps' losses, relative). ``--autocast``: the steps run
-under ``torch.autocast`` in bf16. Then a new process's first step, eager's
-and fused on the warm cache (``--first SIDE --cache-dir DIR`` is that process).
+under ``torch.autocast`` in bf16. Then new processes' first steps (``--first
+SIDE --cache-dir DIR`` is such a process): eager's; fused on the warm cache
+and on an empty one; torch.compile's on empty caches of its own (Inductor's
+and Triton's). The machine's one-time set-up (the extension's build, the
+compiler's probe) is done by then, as ``aoti-eager doctor`` does it.
 
     python scripts/bench_fused_training.py [--device cuda] [--layers 6] [--width 768] [--batch 8] [--length 256]
         [--dropout 0.0] [--autocast] [--steps 50] [--rounds 5] [--calls 10]
@@ -24,6 +27,7 @@ import argparse
 import contextlib
 import copy
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -89,9 +93,18 @@ def first_step(args: argparse.Namespace) -> float:
     start = time.perf_counter()
     if args.first == "fused":
         aoti_eager.fuse(model, cache_dir=args.cache_dir)
-    trainer(model, ids, args.autocast)()
+    trainer(model, ids, args.autocast, torch.compile(model) if args.first == "torch.compile" else None)()
     synchronize()
     return time.perf_counter() - start
+
+
+def first_in_a_new_process(side: str, cache_dir: str | None) -> float:
+    """``first_step`` of ``side`` in a new process, on ``cache_dir`` (None: empty caches, torch.compile's too)."""
+    empty = tempfile.mkdtemp(prefix="aoti_eager-bench-")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{empty}/inductor", TRITON_CACHE_DIR=f"{empty}/triton")
+    argv = [sys.executable, __file__, *sys.argv[1:], "--first", side, "--cache-dir", cache_dir or f"{empty}/aoti_eager"]
+    child = subprocess.run(argv, capture_output=True, text=True, check=True, env=env if cache_dir is None else None)
+    return json.loads(child.stdout.strip().splitlines()[-1])["seconds"]
 
 
 def losses_against_eager(losses: list[float], eager: list[float], dropout: float) -> str:
@@ -113,7 +126,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50, help="steps whose losses are compared with eager's")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--calls", type=int, default=10, help="timed steps a round, after one untimed")
-    parser.add_argument("--first", choices=["eager", "fused"], help="time a first step in this process, and exit")
+    parser.add_argument("--first", choices=["eager", "fused", "torch.compile"], help="time a first step in this process, and exit")
     parser.add_argument("--cache-dir", default=None)
     args = parser.parse_args()
     if args.first:
@@ -139,17 +152,17 @@ def main() -> None:
     medians = alternating({name: lambda step=step: (step(), per_call_seconds(step, args.calls))[1]
                            for name, step in steps.items()}, args.rounds)
     regions = {k: v for k, v in aoti_eager.stats().items() if k.startswith("region::")}
-    new_process = {side: json.loads(subprocess.run(
-        [sys.executable, __file__, *sys.argv[1:], "--first", side, "--cache-dir", cache_dir],
-        capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1])["seconds"] for side in ("eager", "fused")}
+    new_process = {(side, where): first_in_a_new_process(side, where) for side, where in (
+        ("eager", cache_dir), ("fused", cache_dir), ("fused", None), ("torch.compile", None))}
     eager = medians["eager"]
     print("\n| side | ms a step | vs eager | peak MiB | first step s | losses vs eager |\n| --- | --- | --- | --- | --- | --- |")
     for name in steps:
         print(f"| {name} | {medians[name] * 1e3:.2f} | {medians[name] / eager:.3f}x | "
               f"{peak.get(name, float('nan')):.0f} | {first[name]:.1f} | "
               f"{losses_against_eager(losses[name], losses['eager'], args.dropout)} |")
-    print(f"\nA new process's first step: eager {new_process['eager']:.2f} s, fused on the warm cache "
-          f"{new_process['fused']:.2f} s")
+    print(f"\nA new process's first step: eager {new_process['eager', cache_dir]:.2f} s; fused on the warm cache "
+          f"{new_process['fused', cache_dir]:.2f} s, on an empty cache {new_process['fused', None]:.1f} s; "
+          f"torch.compile on empty caches {new_process['torch.compile', None]:.1f} s")
     for name, row in regions.items():
         print(f"{name}: {json.dumps({k: row[k] for k in ('calls', 'hits', 'fallbacks', 'compiles', 'fallback_reason')})}")
 

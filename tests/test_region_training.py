@@ -208,6 +208,26 @@ def test_dropout_in_training_keeps_eagers_statistics(shared_cache):
     assert row(Dropping)["hits"] >= 4 and row(Dropping)["fallbacks"] == 0, row(Dropping)
 
 
+def test_a_call_under_autograd_runs_eagerly_with_compile_background(shared_cache):
+    """A compile in a thread would set torch's compiling flags under the training loop: the call runs eagerly, with the reason."""
+    model, reference = _pair()
+    aoti_eager.fuse(model, cache_dir=shared_cache, compile="background")
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True) for m in (model, reference)]
+    x = torch.randn(5, 16)  # a batch no other test compiles
+    before = row(Block)
+    for _ in range(3):
+        losses = []
+        for m, optimizer in zip((model, reference), optimizers):
+            optimizer.zero_grad()
+            losses.append(_step(m, x))
+            optimizer.step()
+        torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+    assert aoti_eager.wait(timeout=0)  # nothing was queued
+    assert "compile='background' compiles no call under autograd" in row(Block)["fallback_reason"], row(Block)
+    grew = delta_since(before, Block)
+    assert grew["calls"] == 9 and grew["hits"] == grew["compiles"] == 0, grew
+
+
 def test_a_block_refused_for_training_runs_eagerly_with_its_reason(shared_cache):
     block, reason = Counting, "writes into its inputs, parameters or buffers"
     torch.manual_seed(0)
@@ -280,7 +300,7 @@ def test_autocast_is_part_of_the_key_and_compiled_into_the_kernels(shared_cache)
                 out = m(given)
             assert out.dtype == dtype
             out.float().sum().backward()
-        assert delta_since(before, Block)["fallbacks"] <= 1  # the first call of a key records what it reads
+        assert delta_since(before, Block)["fallbacks"] <= 1, row(Block)  # the first call of a key records what it reads
     _assert_same_gradients(model, reference, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(x.grad, x_eager.grad, rtol=2e-2, atol=2e-2)
     assert delta_since(start, Block)["hits"] >= 8, row(Block)
