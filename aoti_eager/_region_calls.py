@@ -48,16 +48,16 @@ class _Prepared:
     native: Any  # _C.RegionState: the check, and the kernel run on these tensors then a call's
     structure: str
     hooked: str | None  # why hooks keep its calls from a kernel (region_values.hooked)
-    # The calls decided with this state: their key (_keyed) -> their decision (shared through regions.decided);
-    # those that run eagerly apart, found while the state's tensors are as they were (RegionState.find).
+    # The calls decided with this state: their key (_keyed) -> their decision (shared through regions.decided),
+    # found while nothing the state depends on changed; those no kernel may serve (NotARegion, _refused) apart,
+    # found while the state's tensors are as they were (RegionState.find): a decision of the cache or a compile
+    # holds for the state's values (a training flag), a refusal of the call for any.
     memo: dict[Any, Decision] = field(default_factory=dict)
     refused: dict[Any, Decision] = field(default_factory=dict)
     layer: int | None = None  # the KV cache layer the block updates, once a call passed a cache (_layer)
     # A cache call's key less its layer's length (_shapeless) -> the dynamic kernel its family decided (_stepped).
     steps: dict[Any, Decision] = field(default_factory=dict)
 
-    def keep(self, key: Any, decided: Decision) -> None:
-        (self.memo if decided.kernel is not None else self.refused)[key] = decided
 
 
 _RegionState: Any = None
@@ -288,7 +288,7 @@ def _refused(instance: _Instance, key: Any, reason: str) -> Decision:
     decided = RunEagerly(reason)
     p = instance.valid() if key is not None else None
     if p is not None:
-        p.keep(key, decided)
+        p.refused[key] = decided
     return decided
 
 
@@ -301,8 +301,7 @@ def _decided_again(instance: _Instance, old: Decision, new: Decision) -> Decisio
     p = instance.valid()
     if p is not None:
         for key in [key for key, decided in p.memo.items() if decided is old]:
-            del p.memo[key]
-            p.keep(key, new)
+            p.memo[key] = new
         for key in [key for key, decided in p.steps.items() if decided is old]:
             del p.steps[key]
             if new.kernel is not None:

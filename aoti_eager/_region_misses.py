@@ -96,7 +96,7 @@ def _decide(
     call, ran = _valued(instance, call, lambda: instance.original(*given_args, **given_kwargs))
     decided = _decision(instance, call)
     if decided.remember and key is not None:
-        state.keep(key, decided)
+        state.memo[key] = decided
     return decided, call.leaves, _NO_KWARGS, ran
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import aoti_eager
+from aoti_eager import cli
 from helpers import ROOT, Block, Model, cpu_cache, delta_since, row
 
 
@@ -151,6 +152,22 @@ def test_a_training_kernel_is_loaded_by_a_new_process(shared_cache):
     assert stats["compiles"] == 0 and stats["cache_loads"] >= 1 and stats["hits"] >= 3, stats
 
 
+def test_training_kernels_travel_in_a_signed_bundle_to_a_path_of_any_characters(shared_cache, key, tmp_path, capsys):
+    """The backward's library is in the bundle beside the forward's: a new process on the imported cache compiles nothing."""
+    model, _ = _pair()
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    _step(model, torch.randn(4, 16, requires_grad=True))
+    bundle, target = tmp_path / "training.tar.gz", tmp_path / "caché à côté"
+    assert cli.main(["--cache-dir", str(shared_cache), "cache", "export", str(bundle), "--sign-key", str(key)]) == 0
+    assert cli.main(["--cache-dir", str(target), "cache", "import", str(bundle), "--trust-key", f"{key}.pub"]) == 0
+    capsys.readouterr()
+    assert any(target.rglob("backward.so"))
+    child = subprocess.run([sys.executable, "-c", _CHILD, str(target), str(ROOT / "tests")], capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-3000:]
+    stats = json.loads(child.stdout.strip().splitlines()[-1])
+    assert stats["compiles"] == 0 and stats["cache_loads"] >= 1 and stats["hits"] >= 3, stats
+
+
 # A new process trains a fused Model for two steps on the cache ARGV[1], checks
 # its gradients against eager's, and prints the Block region's stats row.
 _CHILD = """
@@ -241,6 +258,25 @@ def test_a_block_refused_for_training_runs_eagerly_with_its_reason(shared_cache)
     torch.testing.assert_close(loss, _step(reference, x))
     _assert_same_gradients(model, reference)
     assert reason in row(block)["fallback_reason"] and row(block)["hits"] == 0, row(block)
+
+
+def test_a_block_refused_in_training_mode_runs_its_kernels_in_eval_mode(shared_cache):
+    """The refusal holds for the training flag it was decided with: fine-tuning
+    with the block in eval mode (its statistics frozen) runs kernels."""
+    torch.manual_seed(0)
+    model = Model(Counting).train()
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    x = torch.randn(4, 16)
+    torch.testing.assert_close(_step(model, x), _step(reference, x))
+    for m in (model, reference):
+        m.eval()
+    before = row(Counting)
+    for _ in range(2):
+        torch.testing.assert_close(_step(model, x), _step(reference, x))
+    _assert_same_gradients(model, reference)
+    grew = delta_since(before, Counting)
+    assert grew["calls"] == 6 and grew["hits"] >= 3, grew
 
 
 @pytest.mark.parametrize("use_cache", [False, None])
