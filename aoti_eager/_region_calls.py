@@ -118,8 +118,11 @@ class _Instance:
         return type(module).forward(module, *args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        # Traced (by the region's own compile, torch.export, torch.compile or torch.jit.trace): the code, not a kernel.
-        if bypassed() or torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch._C._is_tracing():
+        # Traced (by the region's own compile, torch.export, torch.compile or torch.jit.trace), under a torch.func
+        # transform (grad, vmap: its tensors are wrappers, with no storage a kernel could read) or a dispatch mode
+        # (FakeTensorMode, a FLOP counter: it is to see each op): the code.
+        if (bypassed() or torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch._C._is_tracing()
+                or torch._C._functorch.peek_interpreter_stack() is not None or torch._C._len_torch_dispatch_stack()):
             return self.original(*args, **kwargs)
         stats, p = self.stats, self.prepared
         stats.calls += 1

@@ -111,6 +111,9 @@ def _digest(value: Any) -> str:
 
 
 def _tensor(t: torch.Tensor, device: torch.device) -> TensorArg:
+    if type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        # Eager's result would be of its class (__torch_function__ carries it), a kernel's plain tensors.
+        raise NotARegion(f"unsupported input: a {type(t).__name__}, a subclass of torch.Tensor")
     try:
         return TensorArg.of(t, device)
     except Unsupported as e:

@@ -176,6 +176,55 @@ def test_changed_weights_need_no_compile(shared_cache):
     assert delta_since(before, Block) == {"calls": 3, "hits": 3, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
 
 
+class _Counted(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops it sees, as a FLOP counter would."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+class _Tagged(torch.Tensor):
+    pass
+
+
+def test_torch_func_transforms_dispatch_modes_and_subclasses_see_the_original_forward(shared_cache):
+    """Under grad or vmap a call's tensors are wrappers with no storage, under a
+    dispatch mode the mode is to see each op, and a subclass is to come back:
+    what eager gives, the kernel (compiled by the first call) not run."""
+    model, x = _model(), torch.randn(4, 16)
+    reference = copy.deepcopy(model)
+    aoti_eager.fuse(model, cache_dir=shared_cache)
+    with torch.no_grad():
+        model(x)
+    params = {m: dict(m.named_parameters()) for m in (model, reference)}
+    for transform in (
+        lambda m: torch.func.grad(lambda p: torch.func.functional_call(m, p, (x,)).sum())(params[m]),
+        lambda m: torch.func.vmap(m)(x.unsqueeze(1)),
+        lambda m: torch.func.jacrev(lambda y: m(y).sum(0))(x),
+    ):
+        torch.testing.assert_close(transform(model), transform(reference))
+    counted = []
+    for m in (model, reference):
+        with torch.no_grad(), _Counted() as mode:
+            counted.append((m(x), mode.ops))
+    torch.testing.assert_close(counted[0][0], counted[1][0])
+    assert counted[0][1] == counted[1][1] > 0
+    with torch.no_grad():
+        tagged = [m(x.as_subclass(_Tagged)) for m in (model, reference)]
+    assert type(tagged[0]) is type(tagged[1]) is _Tagged
+    torch.testing.assert_close(tagged[0], tagged[1])
+    assert "a _Tagged, a subclass of torch.Tensor" in row(Block)["fallback_reason"]
+    before = row(Block)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), reference(x))
+    assert delta_since(before, Block) == {"calls": 3, "hits": 3, "fallbacks": 0, "compiles": 0, "cache_loads": 0}
+
+
 def test_a_kept_structure_is_used_only_where_it_fits_the_kernel():
     from aoti_eager.kernels.region import NotARegion, Outputs
 
