@@ -239,24 +239,25 @@ def held(cache: EntryStore, name: str, key: str, adopt: Callable[[Entry], Any]) 
         return None
 
 
-def copy_library(cache: EntryStore, name: str, key: str, library: Path, file: str = LIBRARY_FILE) -> bool:
+def copy_library(cache: EntryStore, name: str, key: str, library: Path, file: str = LIBRARY_FILE) -> dict | None:
     """Copies the library ``file`` of ``name``'s entry ``key`` (its own, or
     one beside it: ``backward.so``), and the ops it leaves to the dispatcher,
-    if any, to ``library``, the entry held meanwhile; False where the entry
+    if any, to ``library``, the entry held meanwhile: the entry's timing
+    (``Timing.to_json``; empty where it was not timed), None where the entry
     is gone, damaged or holds no library."""
     try:
         with cache.hold(name, key) as entry:
             if entry is None or entry.library is None:
-                return False
+                return None
             source = beside(entry.library, file)
             if not source.exists():
-                return False
+                return None
             shutil.copyfile(source, library)
             if (left := beside(entry.library, str(Path(file).with_suffix(".json")))).exists():
                 shutil.copyfile(left, library.with_suffix(".json"))
-            return True
+            return entry.timing or {}
     except (DamagedEntry, OSError):
-        return False
+        return None
 
 
 def from_family(

@@ -312,11 +312,12 @@ def _compile(instance: _Fused, cache: EntryStore, call: RegionCall, dims: ShapeF
 
 def _twin(cache: EntryStore) -> Any:
     """Copies the library of an exported program of digest ``graph`` that
-    this process published into ``cache``, where there is one, to ``library``."""
-    def twin(graph: str, library: Path) -> bool:
+    this process published into ``cache``, where there is one, to
+    ``library``: its entry's timing (:func:`_mechanism.copy_library`)."""
+    def twin(graph: str, library: Path) -> dict | None:
         where = regions.twins.get((str(cache.directory), graph))
         if where is None:
-            return False
+            return None
         name, key, file = where
         return _mechanism.copy_library(cache, name, key, library, file)
 

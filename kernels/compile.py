@@ -118,6 +118,8 @@ class Artifact:
     generated_kernels: int | None = None
     # Of a module asked about its twins: the digest of its exported program (graph_digest).
     graph: str | None = None
+    # Of a twin: the timing of the entry whose library it copied (Timing.to_json; empty where none was taken).
+    timing: dict[str, float] | None = None
 
 
 def mutated_arguments(op: torch._ops.OpOverload) -> list[int]:
@@ -436,7 +438,7 @@ def compile_module(
     vec_isas: dict[str, list[str]] | None = None,
     dynamic_shapes: tuple[Any, ...] | None = None,
     writable: frozenset[int] = frozenset(),
-    twin: Callable[[str, Path], bool] | None = None,
+    twin: Callable[[str, Path], dict | None] | None = None,
 ) -> Artifact:
     """Compiles ``module``, whose forward takes the tensors ``example`` and
     returns a tuple of tensors, as :func:`compile_call` compiles an op's call.
@@ -445,8 +447,9 @@ def compile_module(
     ``writable`` (indices of ``example``), which the library writes as the
     module does. ``dynamic_shapes`` as :func:`compile_call` takes it.
     ``twin(digest, library)``: copies a library built from an exported
-    program of that :func:`graph_digest` to ``library`` (True), which then
-    stands for AOTInductor's. Raises CompileError with the stage and cause on failure."""
+    program of that :func:`graph_digest` to ``library``, which then stands
+    for AOTInductor's, and returns the timing of the entry it copied (None:
+    nothing copied). Raises CompileError with the stage and cause on failure."""
     dynamic = _dynamic_options(device_type, dynamic_shapes)
     artifact, exported = _export_and_compile(
         module, example, device_type, {**options, **dynamic}, None, shared_dir, vec_isas, dynamic_shapes, whole_graph=True,
@@ -500,7 +503,7 @@ def _export_and_compile(
     dynamic_shapes: tuple[Any, ...] | None,
     whole_graph: bool,
     check_exported: Any = None,
-    twin: Callable[[str, Path], bool] | None = None,
+    twin: Callable[[str, Path], dict | None] | None = None,
 ) -> tuple[Artifact, Any]:
     """``torch.export`` of ``module`` at ``example``, then AOTInductor: the
     artifact (its output counts left to the caller) and the exported program.
@@ -528,9 +531,9 @@ def _export_and_compile(
             if check_exported is not None:
                 check_exported(exported)
             graph = None if twin is None else graph_digest(exported, example, inductor_options)
-            if graph is not None and twin(graph, library):
+            if graph is not None and (timing := twin(graph, library)) is not None:
                 seconds["twin"] = time.perf_counter() - start - seconds["export"]
-                return Artifact(library, [], seconds, workdir, graph=graph), exported
+                return Artifact(library, [], seconds, workdir, graph=graph, timing=timing), exported
             stage = "AOTInductor"
             start = time.perf_counter()
             generated_before = _generated_kernels()

@@ -271,8 +271,11 @@ def _check_at(compiler: Compiler, kernel: Any, target: Target | None) -> bool:
 
 def _timing(compiler: Compiler, kernel: Any, target: Target, artifact: Artifact, dynamic: bool) -> Timing | None:
     """The kernel's time against eager's; taken again where it only calls
-    eager's kernels and beats them, as eager wins over a kernel (speed.measured)."""
+    eager's kernels and beats them, as eager wins over a kernel (speed.measured).
+    A twin's is the entry's whose library it copied: the same program, timed there."""
     def measure() -> Timing | None:
+        if artifact.timing:
+            return timed(target.name, target.short(), lambda: Timing.of_json(artifact.timing))
         return timed(target.name, target.short(), lambda: target.measure(compiler, kernel, dynamic))
 
     timing = measure()

@@ -49,7 +49,7 @@ class RegionTarget:
 
     keyed_whole = False
 
-    def __init__(self, instance: torch.nn.Module, call: RegionCall, twin: Callable[[str, Path], bool] | None = None):
+    def __init__(self, instance: torch.nn.Module, call: RegionCall, twin: Callable[[str, Path], dict | None] | None = None):
         self.instance, self.call, self.twin = instance, call, twin
         self.outputs: Outputs | None = None
         # After export, where asked about twins: the digest of each library's program, by its file in the entry.

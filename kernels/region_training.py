@@ -139,7 +139,7 @@ class TrainingTarget(RegionTarget):
     """A region's call with the inputs ``call.grads`` requiring grad: one
     shape per kernel (no dynamic family), compiled as a forward and a backward."""
 
-    def __init__(self, instance: torch.nn.Module, call: Any, twin: Callable[[str, Path], bool] | None = None,
+    def __init__(self, instance: torch.nn.Module, call: Any, twin: Callable[[str, Path], dict | None] | None = None,
                  ahead: Callable[[Path, list[int]], None] | None = None):
         super().__init__(instance, call, twin)
         self.ahead = ahead  # given the forward's library while the backward compiles (its load's probe)
@@ -198,6 +198,8 @@ class TrainingTarget(RegionTarget):
             backward.workdir.cleanup()
         for stage, seconds in backward.seconds.items():
             forward.seconds[f"backward {stage}"] = seconds
+        if backward.timing is None:  # a pair's timing is its twin's only where both libraries are copies
+            forward.timing = None
         if forward.generated_kernels is not None and backward.generated_kernels is not None:
             forward.generated_kernels += backward.generated_kernels
         self.plan = joint.plan

@@ -67,6 +67,10 @@ class Timing:
         """Kernel time over eager's: above 1, eager is faster."""
         return self.kernel_seconds / self.eager_seconds if self.eager_seconds > 0 else float("inf")
 
+    @classmethod
+    def of_json(cls, data: dict[str, float]) -> "Timing":
+        return cls(data["kernel_us"] / 1e6, data["eager_us"] / 1e6)
+
     def to_json(self) -> dict[str, float]:
         return {
             "kernel_us": round(self.kernel_seconds * 1e6, 3),
