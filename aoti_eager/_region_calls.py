@@ -59,7 +59,6 @@ class _Prepared:
     steps: dict[Any, Decision] = field(default_factory=dict)
 
 
-
 _RegionState: Any = None
 
 
