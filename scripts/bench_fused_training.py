@@ -100,10 +100,13 @@ def first_step(args: argparse.Namespace) -> float:
 
 def first_in_a_new_process(side: str, cache_dir: str | None) -> float:
     """``first_step`` of ``side`` in a new process, on ``cache_dir`` (None: empty caches, torch.compile's too)."""
-    empty = tempfile.mkdtemp(prefix="aoti_eager-bench-")
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{empty}/inductor", TRITON_CACHE_DIR=f"{empty}/triton")
-    argv = [sys.executable, __file__, *sys.argv[1:], "--first", side, "--cache-dir", cache_dir or f"{empty}/aoti_eager"]
-    child = subprocess.run(argv, capture_output=True, text=True, check=True, env=env if cache_dir is None else None)
+    env = None
+    if cache_dir is None:
+        empty = tempfile.mkdtemp(prefix="aoti_eager-bench-")
+        cache_dir = f"{empty}/aoti_eager"
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=f"{empty}/inductor", TRITON_CACHE_DIR=f"{empty}/triton")
+    argv = [sys.executable, __file__, *sys.argv[1:], "--first", side, "--cache-dir", cache_dir]
+    child = subprocess.run(argv, capture_output=True, text=True, check=True, env=env)
     return json.loads(child.stdout.strip().splitlines()[-1])["seconds"]
 
 
